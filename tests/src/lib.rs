@@ -1,0 +1,8 @@
+//! The one end-to-end harness shared by every test across the parts: network namespaces,
+//! a real Envoy, the real project binaries, and a fake Kubernetes API server that speaks the
+//! real list/watch wire protocol.
+
+pub mod bins;
+pub mod envoy;
+pub mod netns;
+pub mod wait;

@@ -1,0 +1,1 @@
+//! Network namespaces for data-path tests (filled by the init work).
