@@ -6,3 +6,4 @@ pub mod bins;
 pub mod envoy;
 pub mod netns;
 pub mod wait;
+pub mod fake_apiserver;
