@@ -1,1 +1,193 @@
-fn main() {}
+//! `lattice-agent`: the node agent binary. Reads its configuration, binds every socket first
+//! (so a bad address fails start-up, not a request later), starts the source, the pipeline
+//! and the servers, and shuts them down in order on SIGTERM or Ctrl-C.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+use lattice_agent::admin::AdminServer;
+use lattice_agent::config::{AgentConfig, LogFormat};
+use lattice_agent::metrics::Metrics;
+use lattice_agent::pipeline::Pipeline;
+use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
+use lattice_agent::xds::{ProxyRegistry, XdsServer};
+use lattice_dns::{DnsConfig, DnsServer};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let config = AgentConfig::parse();
+    init_logging(config.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!("{error:#}");
+            eprintln!("lattice-agent: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+enum Source {
+    File(FileSource),
+    Kubernetes(kube::Client),
+}
+
+async fn run(config: AgentConfig) -> anyhow::Result<()> {
+    let upstreams = if config.upstream_dns.is_empty() {
+        lattice_dns::upstreams_from_resolv_conf(Path::new("/etc/resolv.conf"))?
+    } else {
+        config.upstream_dns.clone()
+    };
+    tracing::info!(
+        config = %serde_json::to_string(&config).unwrap_or_default(),
+        upstream_dns = ?upstreams,
+        "lattice-agent starting"
+    );
+
+    let source = match &config.mesh_file {
+        Some(path) => Source::File(FileSource::load(path, config.trap_cidr)?),
+        None => {
+            let client = kube::Client::try_default().await.context(
+                "cannot configure the Kubernetes client (no in-cluster config and no usable \
+                 KUBECONFIG); pass --mesh-file to run without a cluster",
+            )?;
+            Source::Kubernetes(client)
+        }
+    };
+    if config.check_config {
+        println!("configuration is valid");
+        return Ok(());
+    }
+
+    let shutdown = CancellationToken::new();
+    let metrics = Metrics::new();
+    let proxies = ProxyRegistry::default();
+    let (mesh_tx, mesh_rx) = source::channel();
+    let (pipeline, outputs) = Pipeline::new(mesh_rx.clone(), config.debounce(), metrics.xds.clone());
+
+    // Bind everything before serving anything.
+    let xds_listener = tokio::net::TcpListener::bind(config.xds_addr)
+        .await
+        .with_context(|| format!("cannot bind the xDS server on {} (--xds-addr)", config.xds_addr))?;
+    let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
+    dns_config.ttl = config.dns_ttl;
+    let dns = DnsServer::bind(dns_config, outputs.names, metrics.dns.clone()).await?;
+    let admin = AdminServer::bind(config.admin_addr, mesh_rx, metrics.clone(), proxies.clone())
+        .await
+        .with_context(|| format!("cannot bind the admin server on {} (--admin-addr)", config.admin_addr))?;
+    tracing::info!(
+        xds = %xds_listener.local_addr()?,
+        dns = %dns.local_addr(),
+        admin = %admin.local_addr()?,
+        "listening"
+    );
+
+    let mut tasks: JoinSet<anyhow::Result<&'static str>> = JoinSet::new();
+    let token = shutdown.clone();
+    match source {
+        Source::File(file) => {
+            tasks.spawn(async move {
+                file.run(mesh_tx, token).await?;
+                Ok("mesh-file source")
+            });
+        }
+        Source::Kubernetes(client) => {
+            let kube_config = KubeSourceConfig {
+                namespaces: config.namespaces.clone(),
+                trap: config.trap_cidr,
+            };
+            tasks.spawn(async move {
+                source::kube::run(client, kube_config, mesh_tx, token).await?;
+                Ok("kubernetes source")
+            });
+        }
+    }
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        pipeline.run(token).await;
+        Ok("pipeline")
+    });
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        dns.run(token).await?;
+        Ok("dns server")
+    });
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        admin.run(token).await?;
+        Ok("admin server")
+    });
+    let xds = XdsServer::new(outputs.xds, metrics.xds.clone(), proxies, shutdown.clone());
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(AggregatedDiscoveryServiceServer::new(xds))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(xds_listener),
+                token.cancelled_owned(),
+            )
+            .await?;
+        Ok("xds server")
+    });
+
+    let mut failure = None;
+    tokio::select! {
+        signal = shutdown_signal() => tracing::info!(signal, "shutting down"),
+        Some(done) = tasks.join_next() => {
+            failure = Some(match done {
+                Ok(Ok(name)) => anyhow::anyhow!("{name} stopped unexpectedly"),
+                Ok(Err(error)) => error,
+                Err(join) => anyhow::anyhow!("a task panicked: {join}"),
+            });
+        }
+    }
+    shutdown.cancel();
+    while let Some(done) = tasks.join_next().await {
+        if let Ok(Err(error)) = done {
+            tracing::warn!("{error:#}");
+        }
+    }
+    match failure {
+        Some(error) => Err(error),
+        None => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+    }
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        // Without signal handlers the agent can still be killed; it just cannot drain.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}

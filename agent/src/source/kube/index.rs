@@ -1,0 +1,300 @@
+//! The Kubernetes index: compact Service and EndpointSlice entries, which Service holds each
+//! mesh path, and the [`MeshState`] they feed. Each change recomputes only the Services it
+//! touches; a re-list replaces one watch's scope at once, removing what vanished.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[cfg(test)]
+use k8s_openapi::api::core::v1::Service;
+#[cfg(test)]
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+use tracing::{debug, info, warn};
+
+use super::KubeSourceError;
+use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
+use crate::mesh::{EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec, TrapCidr};
+
+/// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
+type Claim = (Option<Timestamp>, ObjectKey);
+
+#[derive(Debug)]
+pub struct MeshIndex {
+    services: HashMap<ObjectKey, ServiceEntry>,
+    slices: HashMap<ObjectKey, SliceEntry>,
+    /// Service → names of its slices (same namespace).
+    slices_of: HashMap<ObjectKey, BTreeSet<String>>,
+    claims: HashMap<MeshPath, BTreeSet<Claim>>,
+    /// Slices skipped as not IPv4, so each is logged once.
+    skipped: HashSet<ObjectKey>,
+    mesh: MeshState,
+    changed: bool,
+}
+
+impl MeshIndex {
+    pub fn new(trap: TrapCidr) -> Self {
+        MeshIndex {
+            services: HashMap::new(),
+            slices: HashMap::new(),
+            slices_of: HashMap::new(),
+            claims: HashMap::new(),
+            skipped: HashSet::new(),
+            mesh: MeshState::new(trap),
+            changed: true,
+        }
+    }
+
+    #[cfg(test)]
+    pub fn apply_service(&mut self, service: &Service) {
+        let (key, mapped) = super::mapping::service_entry(service);
+        self.apply_mapped_service(key, mapped);
+    }
+
+    pub fn apply_mapped_service(&mut self, key: ObjectKey, mapped: MappedService) {
+        let entry = match mapped {
+            Ok(entry) => {
+                if entry.is_none() {
+                    debug!(service = %key, "skipping ExternalName service");
+                }
+                entry
+            }
+            Err(err) => {
+                warn!("skipping service: {err}");
+                None
+            }
+        };
+        self.set_service(key, entry);
+    }
+
+    pub fn delete_service(&mut self, key: ObjectKey) {
+        self.set_service(key, None);
+    }
+
+    #[cfg(test)]
+    pub fn apply_slice(&mut self, slice: &EndpointSlice) {
+        let (key, mapped) = super::mapping::slice_entry(slice);
+        self.apply_mapped_slice(key, mapped);
+    }
+
+    pub fn apply_mapped_slice(&mut self, key: ObjectKey, mapped: MappedSlice) {
+        match mapped {
+            Ok(entry) => {
+                self.skipped.remove(&key);
+                self.set_slice(key, Some(entry));
+            }
+            Err(skip) => {
+                if self.skipped.insert(key.clone()) {
+                    match skip {
+                        SliceSkip::AddressType(family) => info!(
+                            slice = %key,
+                            "ignoring {family} EndpointSlice: the trapped mesh is IPv4 only"
+                        ),
+                        SliceSkip::NoService => debug!(
+                            slice = %key,
+                            "ignoring EndpointSlice without a service-name label"
+                        ),
+                    }
+                }
+                self.set_slice(key, None);
+            }
+        }
+    }
+
+    pub fn delete_slice(&mut self, key: ObjectKey) {
+        self.skipped.remove(&key);
+        self.set_slice(key, None);
+    }
+
+    /// Makes the Services in `scope` (a namespace, or all) exactly `listed`: a re-list.
+    pub fn replace_services(&mut self, scope: Option<&str>, listed: Vec<(ObjectKey, MappedService)>) {
+        let keep: HashSet<ObjectKey> = listed.iter().map(|(k, _)| k.clone()).collect();
+        let gone: Vec<ObjectKey> = self
+            .services
+            .keys()
+            .filter(|k| in_scope(scope, k) && !keep.contains(*k))
+            .cloned()
+            .collect();
+        // Removals first, so a path a vanished Service held is free for a listed one.
+        for key in gone {
+            self.delete_service(key);
+        }
+        for (key, mapped) in listed {
+            self.apply_mapped_service(key, mapped);
+        }
+    }
+
+    /// Makes the EndpointSlices in `scope` (a namespace, or all) exactly `listed`: a re-list.
+    pub fn replace_slices(&mut self, scope: Option<&str>, listed: Vec<(ObjectKey, MappedSlice)>) {
+        let keep: HashSet<ObjectKey> = listed.iter().map(|(k, _)| k.clone()).collect();
+        let gone: Vec<ObjectKey> = self
+            .slices
+            .keys()
+            .chain(&self.skipped)
+            .filter(|k| in_scope(scope, k) && !keep.contains(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.delete_slice(key);
+        }
+        for (key, mapped) in listed {
+            self.apply_mapped_slice(key, mapped);
+        }
+    }
+
+    /// A snapshot to publish, if anything changed since the last one taken.
+    pub fn take_snapshot(&mut self) -> Option<Arc<MeshSnapshot>> {
+        if !self.changed {
+            return None;
+        }
+        self.changed = false;
+        Some(self.mesh.snapshot())
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn endpoint_count(&self) -> usize {
+        self.slices.values().map(|s| s.endpoints.len()).sum()
+    }
+
+    fn set_service(&mut self, key: ObjectKey, entry: Option<ServiceEntry>) {
+        let old = match &entry {
+            Some(entry) => self.services.insert(key.clone(), entry.clone()),
+            None => self.services.remove(&key),
+        };
+        if old == entry {
+            return;
+        }
+        if let Some(old) = &old {
+            if let Some(claims) = self.claims.get_mut(&old.path) {
+                claims.remove(&(old.created, key.clone()));
+                if claims.is_empty() {
+                    self.claims.remove(&old.path);
+                }
+            }
+            if entry.as_ref().is_none_or(|e| e.path != old.path) {
+                self.refresh(&old.path);
+            }
+        }
+        if let Some(entry) = &entry {
+            let claims = self.claims.entry(entry.path.clone()).or_default();
+            claims.insert((entry.created, key.clone()));
+            if claims.len() > 1 {
+                let mut claimants = claims.iter().map(|(_, k)| k);
+                if let Some(owner) = claimants.next() {
+                    for loser in claimants {
+                        warn!(
+                            "{}",
+                            KubeSourceError::PathTaken {
+                                path: entry.path.to_string(),
+                                service: loser.to_string(),
+                                owner: owner.to_string(),
+                            }
+                        );
+                    }
+                }
+            }
+            self.refresh(&entry.path);
+        }
+    }
+
+    fn set_slice(&mut self, key: ObjectKey, entry: Option<SliceEntry>) {
+        let old = match &entry {
+            Some(entry) => self.slices.insert(key.clone(), entry.clone()),
+            None => self.slices.remove(&key),
+        };
+        if old == entry {
+            return;
+        }
+        let old_service = old.map(|o| ObjectKey::new(key.namespace.as_str(), o.service));
+        let new_service = entry.map(|e| ObjectKey::new(key.namespace.as_str(), e.service));
+        if let Some(service) = &old_service
+            && old_service != new_service
+            && let Some(names) = self.slices_of.get_mut(service)
+        {
+            names.remove(&key.name);
+            if names.is_empty() {
+                self.slices_of.remove(service);
+            }
+        }
+        if let Some(service) = &new_service {
+            self.slices_of
+                .entry(service.clone())
+                .or_default()
+                .insert(key.name.clone());
+        }
+        for service in old_service.iter().chain(new_service.iter().filter(|s| Some(*s) != old_service.as_ref())) {
+            if let Some(path) = self.services.get(service).map(|s| s.path.clone()) {
+                self.refresh(&path);
+            }
+        }
+    }
+
+    /// Recomputes the one Service that holds `path` (or removes the path) in the mesh.
+    fn refresh(&mut self, path: &MeshPath) {
+        let owner = self
+            .claims
+            .get(path)
+            .and_then(|claims| claims.first())
+            .map(|(_, key)| key.clone());
+        let changed = match owner.and_then(|key| self.spec(&key)) {
+            Some(spec) => match self.mesh.upsert(spec) {
+                Ok(changed) => changed,
+                Err(source) => {
+                    warn!(
+                        "{}",
+                        KubeSourceError::Address {
+                            path: path.to_string(),
+                            source
+                        }
+                    );
+                    self.mesh.remove(path)
+                }
+            },
+            None => self.mesh.remove(path),
+        };
+        self.changed |= changed;
+    }
+
+    /// The mesh spec of one Service: each port's endpoints from every slice of the Service,
+    /// at the target port that slice gives for the port's name.
+    fn spec(&self, key: &ObjectKey) -> Option<ServiceSpec> {
+        let entry = self.services.get(key)?;
+        let slices: Vec<&SliceEntry> = self
+            .slices_of
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.slices.get(&ObjectKey::new(key.namespace.as_str(), name.as_str())))
+            .collect();
+        let ports = entry
+            .ports
+            .iter()
+            .map(|port| {
+                let endpoints = slices
+                    .iter()
+                    .filter_map(|slice| Some((slice, slice.port_for(port.name.as_deref())?)))
+                    .flat_map(|(slice, target)| {
+                        slice
+                            .endpoints
+                            .iter()
+                            .map(move |ip| SocketAddr::new((*ip).into(), target))
+                    })
+                    .collect();
+                ServicePort {
+                    port: port.port,
+                    protocol: port.protocol,
+                    endpoints: EndpointSet::new(endpoints),
+                }
+            })
+            .collect();
+        Some(ServiceSpec::new(entry.path.clone(), ports))
+    }
+}
+
+fn in_scope(scope: Option<&str>, key: &ObjectKey) -> bool {
+    scope.is_none_or(|ns| ns == key.namespace)
+}

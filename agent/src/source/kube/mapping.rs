@@ -1,0 +1,223 @@
+//! Pure mapping from Kubernetes objects to the compact entries the index keeps: only the few
+//! fields the mesh needs, so memory per endpoint stays at one IPv4 address.
+
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+
+use super::KubeSourceError;
+use crate::mesh::{MeshPath, Protocol};
+
+/// The annotation that places a Service at a mesh path of its choosing.
+pub const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// A namespaced object's identity.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ObjectKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// The API server always sets both on the objects it serves.
+    fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
+        ObjectKey::new(
+            meta.namespace.clone().unwrap_or_default(),
+            meta.name.clone().unwrap_or_default(),
+        )
+    }
+}
+
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One TCP port of a Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortEntry {
+    /// The port name, which EndpointSlices use to say which target port serves it.
+    pub name: Option<Box<str>>,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// What the index keeps of a Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceEntry {
+    pub path: MeshPath,
+    /// Decides which of two Services claiming one path gets it: the oldest, as Gateway API
+    /// resolves conflicts, so every node's agent picks the same one whatever order it saw them.
+    pub created: Option<Timestamp>,
+    pub ports: Box<[PortEntry]>,
+}
+
+/// What the index keeps of an IPv4 EndpointSlice: its Service, its ports by name, and the
+/// addresses of its endpoints that serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceEntry {
+    pub service: String,
+    pub ports: Box<[(Option<Box<str>>, u16)]>,
+    pub endpoints: Box<[Ipv4Addr]>,
+}
+
+impl SliceEntry {
+    /// The endpoints' port number for the Service port named `name`.
+    pub fn port_for(&self, name: Option<&str>) -> Option<u16> {
+        self.ports
+            .iter()
+            .find(|(n, _)| n.as_deref() == name)
+            .map(|(_, port)| *port)
+    }
+}
+
+/// Why an EndpointSlice contributes nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceSkip {
+    /// Not IPv4: the trapped mesh is IPv4, and mixing families would hand Envoy addresses
+    /// of a family the service's clients never asked for.
+    AddressType(String),
+    /// No `kubernetes.io/service-name` label: not managed for a Service.
+    NoService,
+}
+
+/// A Service's mesh port protocol: `appProtocol`, else the name's prefix before the first `-`
+/// (`http`, `http2`, `grpc`, `tcp`), else TCP. An `appProtocol` the mesh does not know (say
+/// `kubernetes.io/wss` or `mysql`) is opaque bytes to it: TCP.
+pub fn port_protocol(app_protocol: Option<&str>, name: Option<&str>) -> Protocol {
+    if let Some(app) = app_protocol.filter(|a| !a.is_empty()) {
+        return app.parse().unwrap_or(Protocol::Tcp);
+    }
+    match name.and_then(|n| n.split('-').next()) {
+        Some("http") => Protocol::Http,
+        Some("http2") => Protocol::Http2,
+        Some("grpc") => Protocol::Grpc,
+        _ => Protocol::Tcp,
+    }
+}
+
+fn non_empty(name: &Option<String>) -> Option<Box<str>> {
+    name.as_deref().filter(|n| !n.is_empty()).map(Box::from)
+}
+
+fn is_tcp(protocol: &Option<String>) -> bool {
+    protocol.as_deref().is_none_or(|p| p == "TCP")
+}
+
+/// A mapped Service: `Ok(None)` for one the mesh skips on purpose, `Err` for one it cannot map.
+pub type MappedService = Result<Option<ServiceEntry>, KubeSourceError>;
+/// A mapped EndpointSlice, or why it contributes nothing.
+pub type MappedSlice = Result<SliceEntry, SliceSkip>;
+
+/// Maps a Service; ExternalName Services are skipped (they have no endpoints to route to,
+/// only a DNS alias).
+pub fn service_entry(service: &Service) -> (ObjectKey, MappedService) {
+    let key = ObjectKey::of(&service.metadata);
+    let mapped = map_service(&key, service);
+    (key, mapped)
+}
+
+fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
+    let spec = service.spec.as_ref();
+    if spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
+        return Ok(None);
+    }
+    let annotation = service
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(PATH_ANNOTATION));
+    let path = match annotation {
+        Some(value) => value.parse().map_err(|source| KubeSourceError::InvalidPath {
+            service: key.to_string(),
+            value: value.clone(),
+            source,
+        })?,
+        // Namespaces and Service names are DNS labels, so this is a valid path; if the API
+        // server ever let through something else, the error names the Service.
+        None => format!("/{}/{}", key.namespace, key.name)
+            .parse()
+            .map_err(|source| KubeSourceError::InvalidPath {
+                service: key.to_string(),
+                value: format!("/{}/{}", key.namespace, key.name),
+                source,
+            })?,
+    };
+    // UDP and SCTP ports are outside the mesh: Envoy's capture listener is TCP.
+    let ports = spec
+        .and_then(|s| s.ports.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|p| is_tcp(&p.protocol))
+        .filter_map(|p| {
+            Some(PortEntry {
+                name: non_empty(&p.name),
+                port: u16::try_from(p.port).ok().filter(|port| *port != 0)?,
+                protocol: port_protocol(p.app_protocol.as_deref(), p.name.as_deref()),
+            })
+        })
+        .collect();
+    let entry = ServiceEntry {
+        path,
+        created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        ports,
+    };
+    Ok(Some(entry))
+}
+
+/// Maps an EndpointSlice: the endpoints that are ready (unset counts as ready, as the API
+/// documents) and not terminating.
+pub fn slice_entry(slice: &EndpointSlice) -> (ObjectKey, MappedSlice) {
+    (ObjectKey::of(&slice.metadata), map_slice(slice))
+}
+
+fn map_slice(slice: &EndpointSlice) -> MappedSlice {
+    if slice.address_type != "IPv4" {
+        return Err(SliceSkip::AddressType(slice.address_type.clone()));
+    }
+    let Some(service) = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+    else {
+        return Err(SliceSkip::NoService);
+    };
+    let ports = slice
+        .ports
+        .iter()
+        .flatten()
+        .filter(|p| is_tcp(&p.protocol))
+        .filter_map(|p| Some((non_empty(&p.name), u16::try_from(p.port?).ok().filter(|port| *port != 0)?)))
+        .collect();
+    let mut endpoints: Vec<Ipv4Addr> = slice
+        .endpoints
+        .iter()
+        .filter(|e| {
+            let conditions = e.conditions.as_ref();
+            conditions.and_then(|c| c.ready) != Some(false)
+                && conditions.and_then(|c| c.terminating) != Some(true)
+        })
+        .flat_map(|e| &e.addresses)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    endpoints.sort_unstable();
+    endpoints.dedup();
+    Ok(SliceEntry {
+        service: service.clone(),
+        ports,
+        endpoints: endpoints.into(),
+    })
+}

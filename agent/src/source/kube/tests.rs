@@ -1,0 +1,317 @@
+//! The source without I/O: fake objects applied to the index and the driver, assertions on
+//! the snapshots they publish.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::mesh::{MeshSnapshot, Protocol};
+
+fn trap() -> TrapCidr {
+    "240.240.0.0/16".parse().unwrap()
+}
+
+fn service(namespace: &str, name: &str, ports: Value) -> Service {
+    serde_json::from_value(json!({
+        "metadata": {"namespace": namespace, "name": name,
+                     "creationTimestamp": "2024-01-01T00:00:00Z"},
+        "spec": {"ports": ports},
+    }))
+    .unwrap()
+}
+
+fn annotated(mut svc: Service, path: &str) -> Service {
+    svc.metadata.annotations = Some([(PATH_ANNOTATION.to_string(), path.to_string())].into());
+    svc
+}
+
+fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints: Value) -> EndpointSlice {
+    serde_json::from_value(json!({
+        "metadata": {"namespace": namespace, "name": name,
+                     "labels": {SERVICE_NAME_LABEL: service}},
+        "addressType": "IPv4",
+        "ports": ports,
+        "endpoints": endpoints,
+    }))
+    .unwrap()
+}
+
+fn ready(ips: &[&str]) -> Value {
+    ips.iter()
+        .map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}}))
+        .collect()
+}
+
+/// path → [(port, protocol, endpoints)], the part of a snapshot a source decides.
+fn view(snapshot: &MeshSnapshot) -> Vec<(String, Vec<(u16, Protocol, Vec<String>)>)> {
+    snapshot
+        .services
+        .values()
+        .map(|s| {
+            let ports = s
+                .ports
+                .iter()
+                .map(|p| (p.port, p.protocol, p.endpoints.iter().map(SocketAddr::to_string).collect()))
+                .collect();
+            (s.path.to_string(), ports)
+        })
+        .collect()
+}
+
+fn eps(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn snapshot(index: &mut MeshIndex) -> Arc<MeshSnapshot> {
+    index.take_snapshot().expect("a change to publish")
+}
+
+#[test]
+fn protocol_comes_from_app_protocol_then_name_prefix_then_tcp() {
+    assert_eq!(port_protocol(Some("kubernetes.io/h2c"), Some("tcp")), Protocol::Http2);
+    assert_eq!(port_protocol(Some("grpc"), None), Protocol::Grpc);
+    assert_eq!(port_protocol(Some("mysql"), Some("http")), Protocol::Tcp);
+    assert_eq!(port_protocol(None, Some("http-web")), Protocol::Http);
+    assert_eq!(port_protocol(None, Some("http2")), Protocol::Http2);
+    assert_eq!(port_protocol(None, Some("grpc-api")), Protocol::Grpc);
+    assert_eq!(port_protocol(None, Some("httpx")), Protocol::Tcp);
+    assert_eq!(port_protocol(None, Some("metrics")), Protocol::Tcp);
+    assert_eq!(port_protocol(None, None), Protocol::Tcp);
+}
+
+#[test]
+fn service_and_slices_map_to_ports_with_target_ports_by_name() {
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service(
+        "shop",
+        "web",
+        json!([
+            {"name": "http", "port": 80, "targetPort": "web"},
+            {"name": "grpc-api", "port": 9090, "targetPort": 9090},
+            {"name": "db", "port": 5432, "appProtocol": "postgresql"},
+            {"name": "dns", "port": 53, "protocol": "UDP"},
+        ]),
+    ));
+    // The named target port resolves to different numbers in different slices.
+    index.apply_slice(&slice(
+        "shop",
+        "web-a",
+        "web",
+        json!([{"name": "http", "port": 8080}, {"name": "grpc-api", "port": 9090}, {"name": "db", "port": 5432}]),
+        ready(&["10.0.0.1", "10.0.0.2"]),
+    ));
+    index.apply_slice(&slice(
+        "shop",
+        "web-b",
+        "web",
+        json!([{"name": "http", "port": 8081}]),
+        ready(&["10.0.1.1"]),
+    ));
+    let snap = snapshot(&mut index);
+    assert_eq!(
+        view(&snap),
+        vec![(
+            "/shop/web".to_string(),
+            vec![
+                (80, Protocol::Http, eps(&["10.0.0.1:8080", "10.0.0.2:8080", "10.0.1.1:8081"])),
+                (5432, Protocol::Tcp, eps(&["10.0.0.1:5432", "10.0.0.2:5432"])),
+                (9090, Protocol::Grpc, eps(&["10.0.0.1:9090", "10.0.0.2:9090"])),
+            ]
+        )]
+    );
+    let web = &snap.services[&"/shop/web".parse().unwrap()];
+    assert_eq!(web.dns_name, "web.shop.system.internal");
+}
+
+#[test]
+fn unnamed_single_port_matches_the_unnamed_slice_port() {
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service("a", "one", json!([{"port": 80, "targetPort": 8080}])));
+    index.apply_slice(&slice("a", "one-x", "one", json!([{"name": "", "port": 8080}]), ready(&["10.0.0.9"])));
+    assert_eq!(
+        view(&snapshot(&mut index)),
+        vec![("/a/one".to_string(), vec![(80, Protocol::Tcp, eps(&["10.0.0.9:8080"]))])]
+    );
+}
+
+#[test]
+fn only_ready_and_not_terminating_endpoints_serve() {
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service("a", "web", json!([{"name": "http", "port": 80}])));
+    index.apply_slice(&slice(
+        "a",
+        "web-1",
+        "web",
+        json!([{"name": "http", "port": 80}]),
+        json!([
+            {"addresses": ["10.0.0.1"]},
+            {"addresses": ["10.0.0.2"], "conditions": {"ready": true}},
+            {"addresses": ["10.0.0.3"], "conditions": {"ready": false}},
+            {"addresses": ["10.0.0.4"], "conditions": {"ready": true, "terminating": true}},
+            {"addresses": ["10.0.0.5"], "conditions": {"serving": true, "terminating": true}},
+        ]),
+    ));
+    assert_eq!(
+        view(&snapshot(&mut index)),
+        vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80", "10.0.0.2:80"]))])]
+    );
+}
+
+#[test]
+fn ipv6_slices_are_ignored_not_mixed() {
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service("a", "web", json!([{"name": "http", "port": 80}])));
+    index.apply_slice(&slice("a", "web-4", "web", json!([{"name": "http", "port": 80}]), ready(&["10.0.0.1"])));
+    let mut v6 = slice("a", "web-6", "web", json!([{"name": "http", "port": 80}]), ready(&["fd00::1"]));
+    v6.address_type = "IPv6".into();
+    index.apply_slice(&v6);
+    assert_eq!(
+        view(&snapshot(&mut index)),
+        vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))])]
+    );
+}
+
+#[test]
+fn headless_included_external_name_skipped() {
+    let mut index = MeshIndex::new(trap());
+    let mut headless = service("a", "db", json!([{"name": "tcp", "port": 5432}]));
+    headless.spec.as_mut().unwrap().cluster_ip = Some("None".into());
+    index.apply_service(&headless);
+    let mut external = service("a", "ext", json!([{"name": "http", "port": 80}]));
+    external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
+    index.apply_service(&external);
+    assert_eq!(view(&snapshot(&mut index)), vec![("/a/db".to_string(), vec![(5432, Protocol::Tcp, vec![])])]);
+}
+
+#[test]
+fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
+    let mut index = MeshIndex::new(trap());
+    let svc = service("a", "web", json!([{"name": "http", "port": 80}]));
+    index.apply_service(&annotated(svc.clone(), "/foo/bar/buzz"));
+    assert_eq!(view(&snapshot(&mut index))[0].0, "/foo/bar/buzz");
+    // Turning the annotation invalid withdraws the service instead of keeping a stale one.
+    index.apply_service(&annotated(svc.clone(), "/Foo_Bar"));
+    assert!(view(&snapshot(&mut index)).is_empty());
+    let (_, mapped) = mapping::service_entry(&annotated(svc, "nope"));
+    let err = mapped.unwrap_err().to_string();
+    assert!(err.contains("a/web") && err.contains("\"nope\""), "{err}");
+}
+
+#[test]
+fn colliding_paths_go_to_the_oldest_service_and_pass_on_when_it_leaves() {
+    let mut index = MeshIndex::new(trap());
+    let mut young = annotated(service("b", "young", json!([{"name": "http", "port": 81}])), "/shared/name");
+    young.metadata.creation_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2025-01-01T00:00:00Z".parse().unwrap()));
+    index.apply_service(&young);
+    index.apply_service(&annotated(service("a", "old", json!([{"name": "http", "port": 80}])), "/shared/name"));
+    let snap = snapshot(&mut index);
+    assert_eq!(view(&snap), vec![("/shared/name".to_string(), vec![(80, Protocol::Http, vec![])])]);
+    index.delete_service(ObjectKey::new("a", "old"));
+    let snap = snapshot(&mut index);
+    assert_eq!(view(&snap), vec![("/shared/name".to_string(), vec![(81, Protocol::Http, vec![])])]);
+}
+
+#[test]
+fn slices_follow_their_service_label_and_deletes() {
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service("a", "one", json!([{"name": "http", "port": 80}])));
+    index.apply_service(&service("a", "two", json!([{"name": "http", "port": 80}])));
+    let ports = json!([{"name": "http", "port": 80}]);
+    index.apply_slice(&slice("a", "s", "one", ports.clone(), ready(&["10.0.0.1"])));
+    let one = view(&snapshot(&mut index));
+    assert_eq!(one[0].1[0].2, eps(&["10.0.0.1:80"]));
+    index.apply_slice(&slice("a", "s", "two", ports, ready(&["10.0.0.1"])));
+    let moved = view(&snapshot(&mut index));
+    assert_eq!((moved[0].1[0].2.len(), moved[1].1[0].2.len()), (0, 1));
+    index.delete_slice(ObjectKey::new("a", "s"));
+    let gone = view(&snapshot(&mut index));
+    assert!(gone.iter().all(|(_, ports)| ports[0].2.is_empty()));
+    // An identical re-apply publishes nothing.
+    index.apply_service(&service("a", "one", json!([{"name": "http", "port": 80}])));
+    assert!(index.take_snapshot().is_none());
+}
+
+fn scopes(namespaces: &[Option<&str>]) -> Vec<WatchScope> {
+    namespaces
+        .iter()
+        .flat_map(|ns| {
+            [Resource::Services, Resource::EndpointSlices].map(|resource| WatchScope {
+                resource,
+                namespace: ns.map(String::from),
+            })
+        })
+        .collect()
+}
+
+fn svc_change(event: watcher::Event<Service>) -> Result<Change, watcher::Error> {
+    Ok(Change::of(event, Object::service))
+}
+
+fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher::Error> {
+    Ok(Change::of(event, Object::slice))
+}
+
+#[test]
+fn nothing_is_published_until_both_initial_lists_complete() {
+    let mut driver = Driver::new(trap(), scopes(&[None]));
+    driver.handle(0, svc_change(watcher::Event::Init));
+    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "web", json!([{"name": "http", "port": 80}])))));
+    driver.handle(0, svc_change(watcher::Event::InitDone));
+    assert!(driver.publishable().is_none(), "services without their slices must not be published");
+    driver.handle(1, slice_change(watcher::Event::Init));
+    driver.handle(
+        1,
+        slice_change(watcher::Event::InitApply(slice("a", "web-1", "web", json!([{"name": "http", "port": 80}]), ready(&["10.0.0.1"])))),
+    );
+    assert!(driver.publishable().is_none());
+    driver.handle(1, slice_change(watcher::Event::InitDone));
+    let first = driver.publishable().expect("ready after both lists");
+    assert_eq!(view(&first), vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))])]);
+    // An empty cluster is ready too.
+    let mut empty = Driver::new(trap(), scopes(&[None]));
+    for watch in [0, 1] {
+        empty.handle(watch, if watch == 0 { svc_change(watcher::Event::Init) } else { slice_change(watcher::Event::Init) });
+        empty.handle(watch, if watch == 0 { svc_change(watcher::Event::InitDone) } else { slice_change(watcher::Event::InitDone) });
+    }
+    assert!(empty.publishable().is_some_and(|s| s.services.is_empty()));
+}
+
+#[test]
+fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
+    let mut driver = Driver::new(trap(), scopes(&[Some("a"), Some("b")]));
+    let http = json!([{"name": "http", "port": 80}]);
+    for (watch, ns) in [(0, "a"), (2, "b")] {
+        driver.handle(watch, svc_change(watcher::Event::Init));
+        driver.handle(watch, svc_change(watcher::Event::InitApply(service(ns, "keep", http.clone()))));
+        driver.handle(watch, svc_change(watcher::Event::InitApply(service(ns, "vanish", http.clone()))));
+        driver.handle(watch, svc_change(watcher::Event::InitDone));
+        driver.handle(watch + 1, slice_change(watcher::Event::Init));
+        driver.handle(watch + 1, slice_change(watcher::Event::InitDone));
+    }
+    let before = driver.publishable().unwrap();
+    assert_eq!(before.services.len(), 4);
+    // Namespace a re-lists (say after a 410): in the middle, the old state still stands.
+    driver.handle(0, svc_change(watcher::Event::Init));
+    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "keep", http.clone()))));
+    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "new", http.clone()))));
+    assert!(driver.publishable().is_none());
+    driver.handle(0, svc_change(watcher::Event::InitDone));
+    let after = driver.publishable().unwrap();
+    let paths: Vec<String> = after.services.keys().map(|p| p.to_string()).collect();
+    assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/vanish"]);
+    // Unchanged services are shared with the previous snapshot, not rebuilt.
+    let keep = "/b/keep".parse().unwrap();
+    assert!(Arc::ptr_eq(&before.services[&keep], &after.services[&keep]));
+    // Deletes and applies after the list.
+    driver.handle(2, svc_change(watcher::Event::Delete(service("b", "vanish", http.clone()))));
+    driver.handle(2, svc_change(watcher::Event::Apply(service("b", "late", http))));
+    let last = driver.publishable().unwrap();
+    let paths: Vec<String> = last.services.keys().map(|p| p.to_string()).collect();
+    assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/late"]);
+    assert!(last.version > after.version);
+}

@@ -1,0 +1,325 @@
+//! The ADS gRPC service: one task per stream, driving a [`SotwStream`] or [`DeltaStream`] from
+//! the proxy's requests and the published [`XdsSnapshot`]s.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use futures::Stream;
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::stream::{DeltaStream, Event, SotwStream};
+use crate::metrics::{TypeLabel, XdsMetrics};
+use crate::translate::envoy::{ResourceType, XdsSnapshot};
+
+/// The published Envoy resources; `None` until the first mesh snapshot, so no proxy is ever
+/// answered from an empty or partial mesh.
+pub type XdsRx = watch::Receiver<Option<Arc<XdsSnapshot>>>;
+
+/// One connected proxy, as `/debug/xds` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProxyStatus {
+    pub node_id: String,
+    pub mode: &'static str,
+    pub connected_for_seconds: u64,
+    /// Last ACKed version per type (`cds`, `eds`, `lds`, `rds`).
+    pub acked: BTreeMap<&'static str, String>,
+    pub nacks: u64,
+    #[serde(skip)]
+    connected_at: Option<Instant>,
+}
+
+/// The proxies connected right now, by stream id.
+#[derive(Clone, Debug, Default)]
+pub struct ProxyRegistry(Arc<Mutex<BTreeMap<u64, ProxyStatus>>>);
+
+impl ProxyRegistry {
+    pub fn list(&self) -> Vec<ProxyStatus> {
+        let proxies = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+        proxies
+            .values()
+            .map(|p| ProxyStatus {
+                connected_for_seconds: p.connected_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
+                ..p.clone()
+            })
+            .collect()
+    }
+
+    fn update(&self, id: u64, f: impl FnOnce(&mut ProxyStatus)) {
+        let mut proxies = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+        if let Some(status) = proxies.get_mut(&id) {
+            f(status);
+        }
+    }
+
+    fn insert(&self, id: u64, status: ProxyStatus) {
+        let mut proxies = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+        proxies.insert(id, status);
+    }
+
+    fn remove(&self, id: u64) {
+        let mut proxies = self.0.lock().unwrap_or_else(|poison| poison.into_inner());
+        proxies.remove(&id);
+    }
+}
+
+/// The two ADS flavours, seen the same way by the stream loop.
+trait Ads: Default + Send + 'static {
+    type Request: Send + 'static;
+    type Response: Send + 'static;
+    const MODE: &'static str;
+    fn node(request: &Self::Request) -> Option<&Node>;
+    fn type_url(response: &Self::Response) -> &str;
+    fn on_request(
+        &mut self,
+        request: &Self::Request,
+        snapshot: &XdsSnapshot,
+    ) -> (Vec<Self::Response>, Vec<Event>);
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Self::Response>;
+}
+
+impl Ads for SotwStream {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+    const MODE: &'static str = "sotw";
+    fn node(request: &DiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
+    }
+    fn type_url(response: &DiscoveryResponse) -> &str {
+        &response.type_url
+    }
+    fn on_request(
+        &mut self,
+        request: &DiscoveryRequest,
+        snapshot: &XdsSnapshot,
+    ) -> (Vec<DiscoveryResponse>, Vec<Event>) {
+        SotwStream::on_request(self, request, snapshot)
+    }
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<DiscoveryResponse> {
+        SotwStream::on_snapshot(self, snapshot)
+    }
+}
+
+impl Ads for DeltaStream {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const MODE: &'static str = "delta";
+    fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
+    }
+    fn type_url(response: &DeltaDiscoveryResponse) -> &str {
+        &response.type_url
+    }
+    fn on_request(
+        &mut self,
+        request: &DeltaDiscoveryRequest,
+        snapshot: &XdsSnapshot,
+    ) -> (Vec<DeltaDiscoveryResponse>, Vec<Event>) {
+        DeltaStream::on_request(self, request, snapshot)
+    }
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<DeltaDiscoveryResponse> {
+        DeltaStream::on_snapshot(self, snapshot)
+    }
+}
+
+/// The ADS service (both `StreamAggregatedResources` and `DeltaAggregatedResources`).
+#[derive(Clone)]
+pub struct XdsServer {
+    snapshots: XdsRx,
+    metrics: XdsMetrics,
+    proxies: ProxyRegistry,
+    shutdown: CancellationToken,
+    next_id: Arc<AtomicU64>,
+}
+
+impl XdsServer {
+    pub fn new(
+        snapshots: XdsRx,
+        metrics: XdsMetrics,
+        proxies: ProxyRegistry,
+        shutdown: CancellationToken,
+    ) -> Self {
+        XdsServer {
+            snapshots,
+            metrics,
+            proxies,
+            shutdown,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    fn open<A: Ads>(&self, inbound: Streaming<A::Request>) -> ReceiverStream<Result<A::Response, Status>>
+    where
+        A::Request: prost::Message + Default,
+    {
+        let (tx, rx) = mpsc::channel(16);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let stream = StreamTask::<A> {
+            id,
+            state: A::default(),
+            inbound,
+            tx,
+            snapshots: self.snapshots.clone(),
+            metrics: self.metrics.clone(),
+            proxies: self.proxies.clone(),
+            shutdown: self.shutdown.clone(),
+            node_id: String::new(),
+        };
+        tokio::spawn(stream.run());
+        ReceiverStream::new(rx)
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for XdsServer {
+    type StreamAggregatedResourcesStream = BoxStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = BoxStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let stream = self.open::<SotwStream>(request.into_inner());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let stream = self.open::<DeltaStream>(request.into_inner());
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+struct StreamTask<A: Ads> {
+    id: u64,
+    state: A,
+    inbound: Streaming<A::Request>,
+    tx: mpsc::Sender<Result<A::Response, Status>>,
+    snapshots: XdsRx,
+    metrics: XdsMetrics,
+    proxies: ProxyRegistry,
+    shutdown: CancellationToken,
+    node_id: String,
+}
+
+impl<A: Ads> StreamTask<A>
+where
+    A::Request: prost::Message + Default,
+{
+    async fn run(mut self) {
+        self.metrics.connected_proxies.inc();
+        self.proxies.insert(
+            self.id,
+            ProxyStatus {
+                node_id: String::new(),
+                mode: A::MODE,
+                connected_for_seconds: 0,
+                acked: BTreeMap::new(),
+                nacks: 0,
+                connected_at: Some(Instant::now()),
+            },
+        );
+        let reason = self.serve().await;
+        tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
+        self.proxies.remove(self.id);
+        self.metrics.connected_proxies.dec();
+    }
+
+    async fn serve(&mut self) -> String {
+        // Hold requests until the mesh is known: answering from nothing would let Envoy start
+        // on an empty config.
+        let mut snapshot = loop {
+            if let Some(snapshot) = self.snapshots.borrow_and_update().clone() {
+                break snapshot;
+            }
+            tokio::select! {
+                changed = self.snapshots.changed() => if changed.is_err() { return "agent shutting down".into() },
+                () = self.shutdown.cancelled() => return "agent shutting down".into(),
+            }
+        };
+        loop {
+            let responses = tokio::select! {
+                message = self.inbound.message() => match message {
+                    Ok(Some(request)) => self.on_request(&request, &snapshot),
+                    Ok(None) => return "proxy closed the stream".into(),
+                    Err(status) => return format!("stream error: {status}"),
+                },
+                changed = self.snapshots.changed() => {
+                    if changed.is_err() {
+                        return "agent shutting down".into();
+                    }
+                    if let Some(latest) = self.snapshots.borrow_and_update().clone() {
+                        snapshot = latest;
+                    }
+                    self.state.on_snapshot(&snapshot)
+                },
+                () = self.shutdown.cancelled() => return "agent shutting down".into(),
+            };
+            for response in responses {
+                let kind = ResourceType::from_type_url(A::type_url(&response));
+                if self.tx.send(Ok(response)).await.is_err() {
+                    return "proxy went away".into();
+                }
+                if let Some(kind) = kind {
+                    self.metrics.pushes.get_or_create(&TypeLabel { r#type: kind.short() }).inc();
+                    tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), version = snapshot.version, "pushed");
+                }
+                if let Some(seen) = snapshot.seen_at {
+                    self.metrics.push_latency.observe(seen.elapsed().as_secs_f64());
+                }
+            }
+        }
+    }
+
+    fn on_request(&mut self, request: &A::Request, snapshot: &XdsSnapshot) -> Vec<A::Response> {
+        if self.node_id.is_empty()
+            && let Some(node) = A::node(request)
+        {
+            self.node_id = node.id.clone();
+            let node_id = node.id.clone();
+            self.proxies.update(self.id, |p| p.node_id = node_id);
+            tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, "proxy connected");
+        }
+        let (responses, events) = self.state.on_request(request, snapshot);
+        for event in events {
+            match event {
+                Event::Ack { kind, version } => {
+                    self.proxies.update(self.id, |p| {
+                        p.acked.insert(kind.short(), version);
+                    });
+                }
+                Event::Nack {
+                    kind,
+                    version,
+                    error,
+                } => {
+                    self.metrics.nacks.get_or_create(&TypeLabel { r#type: kind.short() }).inc();
+                    self.proxies.update(self.id, |p| p.nacks += 1);
+                    tracing::warn!(stream = self.id, node = %self.node_id, kind = kind.short(), %version, %error, "proxy rejected config (NACK); keeping its last good version");
+                }
+                Event::StaleNonce { kind, nonce } => {
+                    tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), %nonce, "ignoring stale nonce");
+                }
+                Event::UnknownType { type_url } => {
+                    tracing::warn!(stream = self.id, node = %self.node_id, %type_url, "request for a type this server does not serve");
+                }
+            }
+        }
+        responses
+    }
+}

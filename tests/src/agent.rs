@@ -1,0 +1,182 @@
+//! The real `lattice-agent` binary as a child process: free ports, log capture, readiness,
+//! admin queries, restart, and a kill on drop.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::{bins, wait};
+
+/// A port that was free a moment ago (the OS hands out ephemeral ports round-robin, so a
+/// just-released one is not handed to someone else right away).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port on loopback")
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
+    log: tempfile::NamedTempFile,
+    pub xds: SocketAddr,
+    pub dns: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl Agent {
+    /// Starts the agent on loopback with fresh ports and the given extra arguments.
+    pub fn start(args: &[&str]) -> Agent {
+        Agent::start_with_env(args, &[])
+    }
+
+    pub fn start_with_env(args: &[&str], envs: &[(&str, &str)]) -> Agent {
+        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        let mut agent = Agent {
+            child: None,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            log: tempfile::NamedTempFile::new().expect("temp file for the agent log"),
+            xds: loopback(free_port()),
+            dns: loopback(free_port()),
+            admin: loopback(free_port()),
+        };
+        agent.spawn();
+        agent
+    }
+
+    fn spawn(&mut self) {
+        let log = self.log.reopen().expect("agent log");
+        let mut command = Command::new(bins::path("lattice-agent"));
+        command
+            .arg(format!("--xds-addr={}", self.xds))
+            .arg(format!("--dns-addr={}", self.dns))
+            .arg(format!("--admin-addr={}", self.admin))
+            .args(&self.args)
+            .env("RUST_LOG", "info,lattice_agent=debug")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if !self.args.iter().any(|a| a.starts_with("--upstream-dns")) {
+            // Never the machine's resolver: an address nothing listens on.
+            command.arg("--upstream-dns=127.0.0.1:9");
+        }
+        for (k, v) in &self.envs {
+            command.env(k, v);
+        }
+        self.child = Some(command.spawn().expect("start lattice-agent"));
+    }
+
+    /// Polls `/readyz` until it answers 200.
+    pub fn wait_ready(&self) -> anyhow::Result<()> {
+        wait::until("agent /readyz", Duration::from_secs(20), || {
+            match self.get("/readyz") {
+                Ok((200, _)) => Ok(()),
+                Ok((status, body)) => Err(format!("{status} {body}")),
+                Err(e) => Err(format!("{e}; log:\n{}", self.log())),
+            }
+        })
+    }
+
+    /// A GET on the admin server: (status, body).
+    pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        http_get(self.admin, path)
+    }
+
+    /// `/debug/mesh` as JSON.
+    pub fn mesh(&self) -> anyhow::Result<serde_json::Value> {
+        let (status, body) = self.get("/debug/mesh")?;
+        anyhow::ensure!(status == 200, "/debug/mesh answered {status}: {body}");
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.log.path().to_path_buf()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// Kills the agent hard (no graceful shutdown), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("agent not running"))?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+        let status = wait::until("agent exit after SIGTERM", Duration::from_secs(10), || {
+            child
+                .try_wait()
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "still running".to_string())
+        })?;
+        Ok(status)
+    }
+
+    /// Kills and starts again on the same ports with the same arguments.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- lattice-agent log ---\n{}", self.log());
+        }
+    }
+}
+
+/// Minimal blocking HTTP/1.0 GET: (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("not an HTTP response: {response:.200}"))?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Runs the agent to completion (for start-up failures): (exit code, stderr).
+pub fn run_to_exit(args: &[&str]) -> (Option<i32>, String) {
+    let output = Command::new(bins::path("lattice-agent"))
+        .args(args)
+        .output()
+        .expect("run lattice-agent");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
