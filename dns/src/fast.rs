@@ -1,0 +1,141 @@
+//! The fast path: A queries for mesh names answered by copying precomputed records, without
+//! parsing into `hickory_proto` types or allocating. Anything it does not fully understand returns
+//! `None` and goes to the general path, which is the reference this path must agree with.
+
+use crate::query::Transport;
+use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, MAX_NAME_WIRE, NameTable};
+
+/// The UDP payload size this server advertises and the most it sends over UDP (DNS flag day 2020).
+pub(crate) const UDP_PAYLOAD: u16 = 1232;
+
+const HEADER_LEN: usize = 12;
+const OPT_LEN: usize = 11;
+const TYPE_A: u16 = 1;
+const TYPE_OPT: u16 = 41;
+const CLASS_IN: u16 = 1;
+
+/// Writes the answer to `query` into `out` and returns its length, if `query` is a plain
+/// `QUERY` for the A record of a mesh name that has IPv4 addresses and the answer fits in `out`
+/// and, over UDP, in the client's limit.
+pub(crate) fn answer(
+    table: &NameTable,
+    ttl: u32,
+    query: &[u8],
+    transport: Transport,
+    out: &mut [u8],
+) -> Option<usize> {
+    let header = query.get(..HEADER_LEN)?;
+    // QR=0, opcode QUERY, AA=0, TC=0; Z=0 and RCODE=0.
+    if header[2] & 0xfe != 0 || header[3] & 0x4f != 0 {
+        return None;
+    }
+    let counts = [
+        u16::from_be_bytes([header[4], header[5]]),
+        u16::from_be_bytes([header[6], header[7]]),
+        u16::from_be_bytes([header[8], header[9]]),
+        u16::from_be_bytes([header[10], header[11]]),
+    ];
+    if counts[0] != 1 || counts[1] != 0 || counts[2] != 0 || counts[3] > 1 {
+        return None;
+    }
+    let mut key = [0u8; MAX_NAME_WIRE];
+    let mut pos = HEADER_LEN;
+    loop {
+        let len = usize::from(*query.get(pos)?);
+        // Compression pointers and extended labels are left to the general path.
+        if len > 63 || pos - HEADER_LEN + len + 1 > MAX_NAME_WIRE {
+            return None;
+        }
+        let label = query.get(pos..=pos + len)?;
+        for (k, b) in key[pos - HEADER_LEN..].iter_mut().zip(label) {
+            *k = b.to_ascii_lowercase();
+        }
+        pos += len + 1;
+        if len == 0 {
+            break;
+        }
+    }
+    let name_end = pos;
+    let qtype = u16::from_be_bytes([*query.get(pos)?, *query.get(pos + 1)?]);
+    let qclass = u16::from_be_bytes([*query.get(pos + 2)?, *query.get(pos + 3)?]);
+    pos += 4;
+    if qtype != TYPE_A || qclass != CLASS_IN {
+        return None;
+    }
+    let question_end = pos;
+    // The only additional record understood here is a version-0 OPT with no extended rcode.
+    let mut dnssec_ok = false;
+    let mut client_limit = 512usize;
+    if counts[3] == 1 {
+        let opt = query.get(pos..pos + OPT_LEN)?;
+        if opt[0] != 0
+            || u16::from_be_bytes([opt[1], opt[2]]) != TYPE_OPT
+            || opt[5] != 0
+            || opt[6] != 0
+        {
+            return None;
+        }
+        client_limit =
+            usize::from(u16::from_be_bytes([opt[3], opt[4]])).clamp(512, usize::from(UDP_PAYLOAD));
+        dnssec_ok = opt[7] & 0x80 != 0;
+        let rdlen = usize::from(u16::from_be_bytes([opt[9], opt[10]]));
+        pos += OPT_LEN;
+        let mut options = query.get(pos..pos + rdlen)?;
+        // Options are not interpreted (none changes an A answer) but must be well-formed.
+        while !options.is_empty() {
+            let option_len = usize::from(u16::from_be_bytes([*options.get(2)?, *options.get(3)?]));
+            options = options.get(4 + option_len..)?;
+        }
+        pos += rdlen;
+    }
+    if pos != query.len() {
+        return None;
+    }
+    let Lookup::Service(entry) = table.lookup(&key[..name_end - HEADER_LEN]) else {
+        return None;
+    };
+    if entry.v4.is_empty() {
+        return None;
+    }
+    let edns = counts[3] == 1;
+    let len = question_end + entry.a_records.len() + if edns { OPT_LEN } else { 0 };
+    if (transport == Transport::Udp && len > client_limit) || len > out.len() {
+        return None;
+    }
+    let ancount = u16::try_from(entry.v4.len()).ok()?;
+    let out = &mut out[..len];
+    out[..2].copy_from_slice(&header[..2]);
+    // QR, AA, RD copied; RA; CD copied.
+    out[2] = 0x84 | (header[2] & 0x01);
+    out[3] = 0x80 | (header[3] & 0x10);
+    out[4..6].copy_from_slice(&1u16.to_be_bytes());
+    out[6..8].copy_from_slice(&ancount.to_be_bytes());
+    out[8..10].copy_from_slice(&[0, 0]);
+    out[10..12].copy_from_slice(&u16::from(edns).to_be_bytes());
+    // The question is copied as sent, so the client sees its own letter case (0x20 encoding).
+    out[HEADER_LEN..question_end].copy_from_slice(&query[HEADER_LEN..question_end]);
+    let answers = &mut out[question_end..question_end + entry.a_records.len()];
+    answers.copy_from_slice(&entry.a_records);
+    let ttl = ttl.to_be_bytes();
+    for record in answers.chunks_exact_mut(A_RR_LEN) {
+        record[A_RR_TTL_OFFSET..A_RR_TTL_OFFSET + 4].copy_from_slice(&ttl);
+    }
+    if edns {
+        let opt = &mut out[len - OPT_LEN..];
+        let payload = UDP_PAYLOAD.to_be_bytes();
+        opt.copy_from_slice(&[
+            0,
+            0,
+            41,
+            payload[0],
+            payload[1],
+            0,
+            0,
+            if dnssec_ok { 0x80 } else { 0 },
+            0,
+            0,
+            0,
+        ]);
+    }
+    Some(len)
+}

@@ -1,0 +1,314 @@
+//! The general query path: parses with `hickory_proto`, answers the zone and search-suffixed mesh
+//! names, decides what is forwarded, and shapes every reply for the client's transport (EDNS echo,
+//! truncation). The fast path in `fast.rs` must agree with it; `check_query` tests that.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA};
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+
+use crate::ZONE;
+use crate::fast::UDP_PAYLOAD;
+use crate::table::{Lookup, NameEntry, NameTable, in_zone, wire_name};
+
+/// Settings of the local zone that do not come from the mesh.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ZoneSettings {
+    pub(crate) ttl: u32,
+    /// SOA minimum: how long resolvers cache NXDOMAIN and NODATA (RFC 2308).
+    pub(crate) negative_ttl: u32,
+}
+
+/// How the reply reaches the client, which decides how large it may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transport {
+    Udp,
+    Tcp,
+}
+
+/// Where an answer came from, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Served {
+    Local,
+    Forwarded,
+    Cached,
+}
+
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Reply {
+        bytes: Vec<u8>,
+        rcode: ResponseCode,
+    },
+    /// Not ours: ask upstream, then `relay` the answer.
+    Forward(Box<Message>),
+    /// Not worth an answer (a response, or too short to carry an id).
+    Drop,
+}
+
+const HEADER_LEN: usize = 12;
+
+/// Answers `query` from the zone, or says it must be forwarded or dropped.
+pub(crate) fn handle(
+    table: &NameTable,
+    zone: ZoneSettings,
+    query: &[u8],
+    transport: Transport,
+) -> Outcome {
+    let Some(header) = query.get(..HEADER_LEN) else {
+        return Outcome::Drop;
+    };
+    if header[2] & 0x80 != 0 {
+        return Outcome::Drop;
+    }
+    let op_code = (header[2] >> 3) & 0x0f;
+    if op_code != u8::from(OpCode::Query) {
+        return error_reply(header, ResponseCode::NotImp);
+    }
+    let Ok(request) = Message::from_vec(query) else {
+        return error_reply(header, ResponseCode::FormErr);
+    };
+    if request.queries.len() != 1 {
+        return error_reply(header, ResponseCode::FormErr);
+    }
+    let limit = response_limit(&request, transport);
+    if request.edns.as_ref().is_some_and(|e| e.version() > 0) {
+        let mut reply = response_to(&request);
+        reply.metadata.response_code = ResponseCode::BADVERS;
+        return reply_outcome(&reply, limit);
+    }
+    let question = &request.queries[0];
+    if matches!(
+        question.query_type(),
+        RecordType::AXFR | RecordType::IXFR | RecordType::OPT
+    ) {
+        let mut reply = response_to(&request);
+        reply.metadata.response_code = if question.query_type() == RecordType::OPT {
+            ResponseCode::FormErr
+        } else {
+            ResponseCode::Refused
+        };
+        return reply_outcome(&reply, limit);
+    }
+    match local_answer(table, zone, &request) {
+        Some(reply) => reply_outcome(&reply, limit),
+        None => Outcome::Forward(Box::new(request)),
+    }
+}
+
+/// The reply to `request` built from an upstream answer: the upstream's rcode, flags, sections
+/// and TTLs unchanged; the client's id, question (letter case) and EDNS.
+pub(crate) fn relay(request: &Message, mut upstream: Message, transport: Transport) -> Vec<u8> {
+    upstream.metadata.id = request.metadata.id;
+    upstream.queries.clone_from(&request.queries);
+    upstream.edns = echo_edns(request);
+    upstream.signature = None;
+    encode(&upstream, response_limit(request, transport))
+}
+
+/// SERVFAIL for `request`: no upstream answered.
+pub(crate) fn server_failure(request: &Message, transport: Transport) -> Vec<u8> {
+    let mut reply = response_to(request);
+    reply.metadata.response_code = ResponseCode::ServFail;
+    encode(&reply, response_limit(request, transport))
+}
+
+/// The most a reply may carry: 64 KiB over TCP; over UDP the client's EDNS payload size, at least
+/// 512 and at most what this server advertises.
+pub(crate) fn response_limit(request: &Message, transport: Transport) -> usize {
+    match transport {
+        Transport::Tcp => usize::from(u16::MAX),
+        Transport::Udp => usize::from(
+            request
+                .edns
+                .as_ref()
+                .map_or(512, |e| e.max_payload().clamp(512, UDP_PAYLOAD)),
+        ),
+    }
+}
+
+fn reply_outcome(reply: &Message, limit: usize) -> Outcome {
+    Outcome::Reply {
+        bytes: encode(reply, limit),
+        rcode: reply.metadata.response_code,
+    }
+}
+
+/// Encodes `reply`; if it is larger than `limit`, sends the header and question with TC set so the
+/// client retries over TCP.
+fn encode(reply: &Message, limit: usize) -> Vec<u8> {
+    match reply.to_vec() {
+        Ok(bytes) if bytes.len() <= limit => bytes,
+        Ok(_) => reply.truncate().to_vec().unwrap_or_default(),
+        Err(error) => {
+            tracing::warn!(%error, "cannot encode a DNS reply; sending SERVFAIL");
+            let mut failure = reply.truncate();
+            failure.metadata.truncation = false;
+            failure.metadata.response_code = ResponseCode::ServFail;
+            failure.to_vec().unwrap_or_default()
+        }
+    }
+}
+
+/// A header-only reply for a query that cannot be parsed or is not a QUERY.
+fn error_reply(header: &[u8], rcode: ResponseCode) -> Outcome {
+    let mut bytes = vec![0; HEADER_LEN];
+    bytes[..2].copy_from_slice(&header[..2]);
+    // QR, the opcode and RD copied.
+    bytes[2] = 0x80 | (header[2] & 0x79);
+    bytes[3] = 0x80 | rcode.low();
+    Outcome::Reply { bytes, rcode }
+}
+
+fn echo_edns(request: &Message) -> Option<Edns> {
+    request.edns.as_ref().map(|theirs| {
+        let mut ours = Edns::new();
+        ours.set_max_payload(UDP_PAYLOAD);
+        ours.set_version(0);
+        ours.set_dnssec_ok(theirs.flags().dnssec_ok);
+        ours
+    })
+}
+
+fn response_to(request: &Message) -> Message {
+    let mut reply = Message::response(request.metadata.id, OpCode::Query);
+    reply.metadata.recursion_desired = request.metadata.recursion_desired;
+    reply.metadata.recursion_available = true;
+    reply.metadata.checking_disabled = request.metadata.checking_disabled;
+    reply.queries.clone_from(&request.queries);
+    reply.edns = echo_edns(request);
+    reply
+}
+
+/// The zone's answer, or `None` when the name is neither in the zone nor a search-suffixed
+/// mesh name.
+fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Option<Message> {
+    let question = &request.queries[0];
+    let key = wire_name(question.name());
+    let mut reply = response_to(request);
+    if in_zone(&key) {
+        reply.metadata.authoritative = true;
+        if !matches!(question.query_class(), DNSClass::IN | DNSClass::ANY) {
+            reply.metadata.response_code = ResponseCode::Refused;
+            return Some(reply);
+        }
+        answer_in_zone(table, zone, question, &key, &mut reply);
+        return Some(reply);
+    }
+    let (target, target_key) = search_suffixed_mesh_name(table, question.name())?;
+    reply.add_answer(Record::from_rdata(
+        question.name().clone(),
+        zone.ttl,
+        RData::CNAME(CNAME(target.clone())),
+    ));
+    if question.query_type() != RecordType::CNAME {
+        let target_question = Query::query(target, question.query_type());
+        answer_in_zone(table, zone, &target_question, &target_key, &mut reply);
+    }
+    Some(reply)
+}
+
+/// `buzz.bar.foo.system.internal.ns.svc.cluster.local` → `buzz.bar.foo.system.internal` if that
+/// is a mesh name: the first `system.internal` followed by more labels.
+fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Vec<u8>)> {
+    let labels: Vec<&[u8]> = name.iter().collect();
+    let at = labels.windows(2).position(|w| {
+        w[0].eq_ignore_ascii_case(b"system") && w[1].eq_ignore_ascii_case(b"internal")
+    })?;
+    let mesh_labels = at + 2;
+    if at == 0 || mesh_labels >= labels.len() {
+        return None;
+    }
+    let mut target = Name::from_labels(labels[..mesh_labels].iter().copied()).ok()?;
+    target.set_fqdn(true);
+    let key = wire_name(&target);
+    table.service(&key)?;
+    Some((target, key))
+}
+
+/// Adds the zone's records for `question` (whose lower-cased wire name is `key`) to `reply`.
+fn answer_in_zone(
+    table: &NameTable,
+    zone: ZoneSettings,
+    question: &Query,
+    key: &[u8],
+    reply: &mut Message,
+) {
+    let name = question.name();
+    let qtype = question.query_type();
+    let apex = apex();
+    let soa = soa_record(&apex, table.serial(), zone);
+    let records: Vec<Record> = if key == wire_name(&apex) {
+        let ns = Record::from_rdata(
+            name.clone(),
+            zone.ttl,
+            RData::NS(NS(nameserver_name(&apex))),
+        );
+        let soa = Record::from_rdata(name.clone(), zone.ttl, soa.data.clone());
+        match qtype {
+            RecordType::SOA => vec![soa],
+            RecordType::NS => vec![ns],
+            RecordType::ANY => vec![soa, ns],
+            _ => Vec::new(),
+        }
+    } else {
+        match table.lookup(key) {
+            Lookup::Service(entry) => service_records(name, entry, qtype, zone.ttl),
+            Lookup::EmptyNonTerminal => Vec::new(),
+            Lookup::Missing => {
+                reply.metadata.response_code = ResponseCode::NXDomain;
+                Vec::new()
+            }
+        }
+    };
+    if records.is_empty() {
+        let mut negative = soa;
+        negative.ttl = zone.ttl.min(zone.negative_ttl);
+        reply.add_authority(negative);
+    } else {
+        reply.add_answers(records);
+    }
+}
+
+fn service_records(name: &Name, entry: &NameEntry, qtype: RecordType, ttl: u32) -> Vec<Record> {
+    let a = |addr: &Ipv4Addr| Record::from_rdata(name.clone(), ttl, RData::A(A(*addr)));
+    let aaaa = |addr: &Ipv6Addr| Record::from_rdata(name.clone(), ttl, RData::AAAA(AAAA(*addr)));
+    match qtype {
+        RecordType::A => entry.v4.iter().map(a).collect(),
+        RecordType::AAAA => entry.v6.iter().map(aaaa).collect(),
+        RecordType::ANY => entry
+            .v4
+            .iter()
+            .map(a)
+            .chain(entry.v6.iter().map(aaaa))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn apex() -> Name {
+    let mut apex = Name::from_ascii(ZONE).unwrap_or_else(|_| Name::root());
+    apex.set_fqdn(true);
+    apex
+}
+
+fn nameserver_name(apex: &Name) -> Name {
+    apex.prepend_label("ns").unwrap_or_else(|_| apex.clone())
+}
+
+fn soa_record(apex: &Name, serial: u32, zone: ZoneSettings) -> Record {
+    let hostmaster = apex
+        .prepend_label("hostmaster")
+        .unwrap_or_else(|_| apex.clone());
+    let soa = SOA::new(
+        nameserver_name(apex),
+        hostmaster,
+        serial,
+        3600,
+        600,
+        86400,
+        zone.negative_ttl,
+    );
+    Record::from_rdata(apex.clone(), zone.ttl, RData::SOA(soa))
+}

@@ -1,0 +1,419 @@
+//! The DNS server: SO_REUSEPORT UDP sockets, each drained by its own task through the fast path,
+//! and a TCP listener; both fall back to the general path and the forwarder. The name table is
+//! read from a `watch` channel, so a new mesh snapshot takes effect on the next query.
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hickory_proto::op::{Message, ResponseCode};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, setsockopt, sockopt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::DnsError;
+use crate::fast::{self, UDP_PAYLOAD};
+use crate::forward::Forwarder;
+use crate::metrics::DnsMetrics;
+use crate::query::{self, Outcome, Served, Transport, ZoneSettings};
+use crate::table::NameTable;
+
+/// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
+const UDP_BATCH: usize = 64;
+
+/// Configuration of the DNS server.
+#[derive(Clone, Debug)]
+pub struct DnsConfig {
+    /// UDP and TCP address; port 0 picks a free port (see `DnsServer::local_addr`).
+    pub listen: SocketAddr,
+    /// Servers that answer every name outside the mesh zone, tried in order.
+    pub upstreams: Vec<SocketAddr>,
+    /// TTL of mesh records.
+    pub ttl: u32,
+    /// SOA minimum: how long clients cache NXDOMAIN and NODATA for mesh names.
+    pub negative_ttl: u32,
+    /// How long to wait for one upstream before trying the next.
+    pub upstream_timeout: Duration,
+    /// Cache forwarded answers for their TTL.
+    pub cache: bool,
+    /// Most forwarded answers kept in the cache.
+    pub cache_entries: usize,
+    /// UDP sockets sharing the port (SO_REUSEPORT), each served by its own task.
+    pub udp_sockets: usize,
+    /// Most forwarded UDP queries and TCP connections in flight; beyond it queries get SERVFAIL
+    /// and connections are closed.
+    pub max_in_flight: usize,
+    /// A TCP connection with no query for this long is closed.
+    pub tcp_idle_timeout: Duration,
+}
+
+impl DnsConfig {
+    pub fn new(listen: SocketAddr, upstreams: Vec<SocketAddr>) -> Self {
+        Self {
+            listen,
+            upstreams,
+            ttl: 30,
+            negative_ttl: 30,
+            upstream_timeout: Duration::from_secs(2),
+            cache: true,
+            cache_entries: 10_000,
+            udp_sockets: std::thread::available_parallelism().map_or(1, usize::from),
+            max_in_flight: 1024,
+            tcp_idle_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Default for DnsConfig {
+    /// Local runs: 127.0.0.1:15053, no upstreams (everything outside the zone gets SERVFAIL).
+    fn default() -> Self {
+        Self::new(SocketAddr::from(([127, 0, 0, 1], 15053)), Vec::new())
+    }
+}
+
+/// State shared by every socket task.
+struct Context {
+    zone: ZoneSettings,
+    forwarder: Forwarder,
+    metrics: DnsMetrics,
+    in_flight: Arc<Semaphore>,
+    tcp_idle_timeout: Duration,
+}
+
+/// A bound DNS server; `run` serves until cancelled.
+pub struct DnsServer {
+    udp: Vec<UdpSocket>,
+    tcp: TcpListener,
+    local_addr: SocketAddr,
+    names: watch::Receiver<Arc<NameTable>>,
+    context: Arc<Context>,
+}
+
+impl DnsServer {
+    /// Binds the UDP sockets and the TCP listener on `config.listen`.
+    pub async fn bind(
+        config: DnsConfig,
+        names: watch::Receiver<Arc<NameTable>>,
+        metrics: DnsMetrics,
+    ) -> Result<DnsServer, DnsError> {
+        // With port 0 the kernel picks the UDP port; TCP may find it taken, so try a few.
+        let attempts = if config.listen.port() == 0 { 8 } else { 1 };
+        let mut last_error = None;
+        for _ in 0..attempts {
+            match bind_sockets(config.listen, config.udp_sockets.max(1)) {
+                Ok((udp, tcp, local_addr)) => {
+                    if config.upstreams.is_empty() {
+                        tracing::warn!(%local_addr, "DNS server has no upstreams: names outside the mesh get SERVFAIL");
+                    }
+                    let context = Context {
+                        zone: ZoneSettings {
+                            ttl: config.ttl,
+                            negative_ttl: config.negative_ttl,
+                        },
+                        forwarder: Forwarder::new(
+                            config.upstreams.clone(),
+                            config.upstream_timeout,
+                            config.cache.then_some(config.cache_entries),
+                            metrics.clone(),
+                        ),
+                        metrics,
+                        in_flight: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+                        tcp_idle_timeout: config.tcp_idle_timeout,
+                    };
+                    tracing::info!(%local_addr, upstreams = ?config.upstreams, ttl = config.ttl, cache = config.cache, udp_sockets = udp.len(), "DNS server bound");
+                    return Ok(DnsServer {
+                        udp,
+                        tcp,
+                        local_addr,
+                        names,
+                        context: Arc::new(context),
+                    });
+                }
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or(DnsError::Bind {
+            protocol: "UDP",
+            addr: config.listen,
+            source: std::io::ErrorKind::AddrInUse.into(),
+        }))
+    }
+
+    /// The bound address (UDP and TCP share the port).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves until `shutdown` is cancelled, or returns the error that stopped a socket.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), DnsError> {
+        let mut tasks = JoinSet::new();
+        for socket in self.udp {
+            tasks.spawn(serve_udp(
+                Arc::new(socket),
+                self.context.clone(),
+                self.names.clone(),
+                shutdown.clone(),
+            ));
+        }
+        tasks.spawn(serve_tcp(
+            self.tcp,
+            self.context.clone(),
+            self.names.clone(),
+            shutdown.clone(),
+        ));
+        let result = tokio::select! {
+            () = shutdown.cancelled() => Ok(()),
+            Some(ended) = tasks.join_next() => match ended {
+                Ok(result) => result,
+                Err(error) => Err(DnsError::Task(error.to_string())),
+            },
+        };
+        tasks.shutdown().await;
+        result
+    }
+}
+
+fn bind_sockets(
+    listen: SocketAddr,
+    udp_sockets: usize,
+) -> Result<(Vec<UdpSocket>, TcpListener, SocketAddr), DnsError> {
+    let first = reuseport_udp(listen)?;
+    let local_addr = first.local_addr().map_err(|source| DnsError::Bind {
+        protocol: "UDP",
+        addr: listen,
+        source,
+    })?;
+    let mut udp = vec![first];
+    for _ in 1..udp_sockets {
+        udp.push(reuseport_udp(local_addr)?);
+    }
+    let bind_error = |source| DnsError::Bind {
+        protocol: "TCP",
+        addr: local_addr,
+        source,
+    };
+    let tcp = std::net::TcpListener::bind(local_addr).map_err(bind_error)?;
+    tcp.set_nonblocking(true).map_err(bind_error)?;
+    let tcp = TcpListener::from_std(tcp).map_err(bind_error)?;
+    Ok((udp, tcp, local_addr))
+}
+
+/// A non-blocking UDP socket with SO_REUSEPORT, so several sockets share `addr` and the kernel
+/// spreads datagrams across them.
+fn reuseport_udp(addr: SocketAddr) -> Result<UdpSocket, DnsError> {
+    let error = |source: std::io::Error| DnsError::Bind {
+        protocol: "UDP",
+        addr,
+        source,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = nix::sys::socket::socket(
+        family,
+        SockType::Datagram,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| error(e.into()))?;
+    setsockopt(&fd, sockopt::ReusePort, &true).map_err(|e| error(e.into()))?;
+    // Bursts from many clients queue here instead of being dropped; a failure only costs capacity.
+    if let Err(e) = setsockopt(&fd, sockopt::RcvBuf, &(4 << 20)) {
+        tracing::debug!(%addr, error = %e, "cannot enlarge the DNS socket's receive buffer");
+    }
+    nix::sys::socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .map_err(|e| error(e.into()))?;
+    UdpSocket::from_std(std::net::UdpSocket::from(fd)).map_err(error)
+}
+
+async fn serve_udp(
+    socket: Arc<UdpSocket>,
+    context: Arc<Context>,
+    mut names: watch::Receiver<Arc<NameTable>>,
+    shutdown: CancellationToken,
+) -> Result<(), DnsError> {
+    let mut table = names.borrow_and_update().clone();
+    let mut buf = vec![0u8; usize::from(u16::MAX)];
+    let mut out = [0u8; UDP_PAYLOAD as usize];
+    let mut forwards = JoinSet::new();
+    let ttl = context.zone.ttl;
+    loop {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return Ok(()),
+            ready = socket.readable() => ready.map_err(|source| DnsError::Socket { protocol: "UDP", addr: socket_addr(&socket), source })?,
+        }
+        let mut fast_replies = 0;
+        for _ in 0..UDP_BATCH {
+            let (len, peer) = match socket.try_recv_from(&mut buf) {
+                Ok(received) => received,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    // ICMP errors from earlier sends surface here; they concern that client only.
+                    tracing::debug!(error = %e, "DNS UDP receive error");
+                    break;
+                }
+            };
+            if names.has_changed().unwrap_or(false) {
+                table = names.borrow_and_update().clone();
+            }
+            let query = &buf[..len];
+            if let Some(n) = fast::answer(&table, ttl, query, Transport::Udp, &mut out) {
+                fast_replies += 1;
+                send_udp(&socket, &out[..n], peer);
+                continue;
+            }
+            match query::handle(&table, context.zone, query, Transport::Udp) {
+                Outcome::Reply { bytes, rcode } => {
+                    context.metrics.reply(rcode, Served::Local);
+                    send_udp(&socket, &bytes, peer);
+                }
+                Outcome::Drop => context.metrics.dropped(),
+                Outcome::Forward(request) => {
+                    let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
+                        context
+                            .metrics
+                            .reply(ResponseCode::ServFail, Served::Forwarded);
+                        send_udp(
+                            &socket,
+                            &query::server_failure(&request, Transport::Udp),
+                            peer,
+                        );
+                        continue;
+                    };
+                    let (socket, context) = (socket.clone(), context.clone());
+                    forwards.spawn(async move {
+                        let bytes = forward(&context, &request, Transport::Udp).await;
+                        drop(permit);
+                        if let Err(e) = socket.send_to(&bytes, peer).await {
+                            tracing::debug!(%peer, error = %e, "cannot send a forwarded DNS answer");
+                        }
+                    });
+                }
+            }
+        }
+        context.metrics.fast_replies(fast_replies);
+        while forwards.try_join_next().is_some() {}
+    }
+}
+
+/// UDP replies are best effort: a full socket buffer drops the reply and the client retries.
+fn send_udp(socket: &UdpSocket, bytes: &[u8], peer: SocketAddr) {
+    if let Err(e) = socket.try_send_to(bytes, peer) {
+        tracing::debug!(%peer, error = %e, "cannot send a DNS reply");
+    }
+}
+
+fn socket_addr(socket: &UdpSocket) -> SocketAddr {
+    socket
+        .local_addr()
+        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
+}
+
+/// The client's answer to a query that is not the zone's: from the cache or an upstream, or
+/// SERVFAIL.
+async fn forward(context: &Context, request: &Message, transport: Transport) -> Vec<u8> {
+    match context.forwarder.resolve(request).await {
+        Some((answer, served)) => {
+            context.metrics.reply(answer.metadata.response_code, served);
+            query::relay(request, answer, transport)
+        }
+        None => {
+            context
+                .metrics
+                .reply(ResponseCode::ServFail, Served::Forwarded);
+            query::server_failure(request, transport)
+        }
+    }
+}
+
+async fn serve_tcp(
+    listener: TcpListener,
+    context: Arc<Context>,
+    names: watch::Receiver<Arc<NameTable>>,
+    shutdown: CancellationToken,
+) -> Result<(), DnsError> {
+    let mut connections = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            accepted = listener.accept() => accepted,
+        };
+        while connections.try_join_next().is_some() {}
+        match accepted {
+            Ok((stream, peer)) => {
+                let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
+                    tracing::debug!(%peer, "too many DNS requests in flight; closing TCP connection");
+                    continue;
+                };
+                let (context, names) = (context.clone(), names.clone());
+                connections.spawn(async move {
+                    if let Err(e) = serve_tcp_connection(stream, &context, names).await {
+                        tracing::debug!(%peer, error = %e, "DNS TCP connection ended");
+                    }
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "DNS TCP accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve_tcp_connection(
+    mut stream: TcpStream,
+    context: &Context,
+    names: watch::Receiver<Arc<NameTable>>,
+) -> std::io::Result<()> {
+    let mut out = vec![0u8; usize::from(u16::MAX)];
+    loop {
+        let Ok(len) = tokio::time::timeout(context.tcp_idle_timeout, stream.read_u16()).await
+        else {
+            return Ok(());
+        };
+        let len = match len {
+            Ok(len) => usize::from(len),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let mut query = vec![0; len];
+        tokio::time::timeout(context.tcp_idle_timeout, stream.read_exact(&mut query))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        let table = names.borrow().clone();
+        let reply = if let Some(n) =
+            fast::answer(&table, context.zone.ttl, &query, Transport::Tcp, &mut out)
+        {
+            context.metrics.fast_replies(1);
+            out[..n].to_vec()
+        } else {
+            match query::handle(&table, context.zone, &query, Transport::Tcp) {
+                Outcome::Reply { bytes, rcode } => {
+                    context.metrics.reply(rcode, Served::Local);
+                    bytes
+                }
+                Outcome::Forward(request) => forward(context, &request, Transport::Tcp).await,
+                Outcome::Drop => {
+                    context.metrics.dropped();
+                    return Ok(());
+                }
+            }
+        };
+        let Ok(reply_len) = u16::try_from(reply.len()) else {
+            return Ok(());
+        };
+        let mut framed = Vec::with_capacity(reply.len() + 2);
+        framed.extend_from_slice(&reply_len.to_be_bytes());
+        framed.extend_from_slice(&reply);
+        stream.write_all(&framed).await?;
+    }
+}

@@ -1,0 +1,268 @@
+//! The mesh name table: an immutable index from lower-cased wire-format names to addresses, with the
+//! A answer records of every name encoded once so the fast path only copies bytes.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::ZONE;
+
+/// Longest wire-format name (RFC 1035 §3.1), including the root label.
+pub(crate) const MAX_NAME_WIRE: usize = 255;
+
+/// Size of one A record in an answer whose owner is the question name (compression pointer to
+/// offset 12): pointer 2, type 2, class 2, TTL 4, rdlength 2, address 4.
+pub(crate) const A_RR_LEN: usize = 16;
+/// Offset of the TTL inside such a record; the table stores 0 there and the server patches it.
+pub(crate) const A_RR_TTL_OFFSET: usize = 6;
+
+/// The addresses of one mesh service name.
+#[derive(Debug, Default)]
+pub(crate) struct NameEntry {
+    pub(crate) v4: Vec<Ipv4Addr>,
+    pub(crate) v6: Vec<Ipv6Addr>,
+    /// The A records of `v4`, wire-encoded with a pointer to the question name and TTL 0.
+    pub(crate) a_records: Box<[u8]>,
+}
+
+/// What the table knows about a name inside the zone.
+#[derive(Debug)]
+pub(crate) enum Lookup<'a> {
+    Service(&'a NameEntry),
+    /// A name with no records of its own that has service names below it (RFC 8020: NODATA,
+    /// not NXDOMAIN).
+    EmptyNonTerminal,
+    Missing,
+}
+
+/// The `*.system.internal` names of the mesh. Built once per mesh snapshot and shared as
+/// `Arc<NameTable>`; the DNS server swaps whole tables, never edits one.
+#[derive(Debug)]
+pub struct NameTable {
+    names: HashMap<Box<[u8]>, NameEntry>,
+    nonterminals: HashSet<Box<[u8]>>,
+    serial: u32,
+}
+
+impl Default for NameTable {
+    fn default() -> Self {
+        Self::new(std::iter::empty())
+    }
+}
+
+impl NameTable {
+    /// `entries`: fully qualified names without the trailing dot (`buzz.bar.foo.system.internal`)
+    /// and their addresses. A name may appear several times (several addresses, IPv4 and IPv6).
+    /// Names outside `system.internal`, the apex itself and names that are not valid DNS names
+    /// are skipped with a warning: the table is built from a mesh that was already validated.
+    pub fn new(entries: impl IntoIterator<Item = (String, IpAddr)>) -> Self {
+        let zone = wire_name_from_dotted(ZONE).unwrap_or_default();
+        let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
+        for (name, addr) in entries {
+            let Some(key) = wire_name_from_dotted(&name) else {
+                tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
+                continue;
+            };
+            if key == zone || !in_zone(&key) {
+                tracing::warn!(%name, zone = ZONE, "skipping mesh name: not below the zone");
+                continue;
+            }
+            let entry = names.entry(key.into_boxed_slice()).or_default();
+            match addr {
+                IpAddr::V4(v4) if !entry.v4.contains(&v4) => entry.v4.push(v4),
+                IpAddr::V6(v6) if !entry.v6.contains(&v6) => entry.v6.push(v6),
+                _ => {}
+            }
+        }
+        let mut nonterminals = HashSet::new();
+        for (key, entry) in &mut names {
+            entry.a_records = encode_a_records(&entry.v4);
+            let mut rest: &[u8] = key;
+            // Walk up from the name to the apex; every ancestor strictly between is a non-terminal.
+            while let Some((&len, tail)) = rest.split_first() {
+                rest = tail.get(usize::from(len)..).unwrap_or_default();
+                if rest.len() <= zone.len() {
+                    break;
+                }
+                nonterminals.insert(Box::<[u8]>::from(rest));
+            }
+        }
+        nonterminals.retain(|k| !names.contains_key(k));
+        let serial = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| (d.as_secs() & u64::from(u32::MAX)) as u32)
+            .unwrap_or(1);
+        Self {
+            names,
+            nonterminals,
+            serial,
+        }
+    }
+
+    /// Number of distinct names.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// SOA serial of this table: the second it was built, so a newer table has a larger serial.
+    pub(crate) fn serial(&self) -> u32 {
+        self.serial
+    }
+
+    /// `key` is a lower-cased wire-format name below the zone.
+    pub(crate) fn lookup(&self, key: &[u8]) -> Lookup<'_> {
+        if let Some(entry) = self.names.get(key) {
+            Lookup::Service(entry)
+        } else if self.nonterminals.contains(key) {
+            Lookup::EmptyNonTerminal
+        } else {
+            Lookup::Missing
+        }
+    }
+
+    /// The entry of a service name; `key` is a lower-cased wire-format name.
+    pub(crate) fn service(&self, key: &[u8]) -> Option<&NameEntry> {
+        self.names.get(key)
+    }
+}
+
+fn encode_a_records(addrs: &[Ipv4Addr]) -> Box<[u8]> {
+    let mut out = Vec::with_capacity(addrs.len() * A_RR_LEN);
+    for addr in addrs {
+        out.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 0, 0, 4]);
+        out.extend_from_slice(&addr.octets());
+    }
+    out.into_boxed_slice()
+}
+
+/// Lower-cased wire format of a dotted name (a trailing dot is allowed), or `None` if a label is
+/// empty or longer than 63 bytes or the name is longer than 255 bytes.
+pub(crate) fn wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    let mut out = Vec::with_capacity(name.len() + 2);
+    if !name.is_empty() {
+        for label in name.split('.') {
+            let len = u8::try_from(label.len())
+                .ok()
+                .filter(|l| (1..=63).contains(l))?;
+            out.push(len);
+            out.extend(label.bytes().map(|b| b.to_ascii_lowercase()));
+        }
+    }
+    out.push(0);
+    (out.len() <= MAX_NAME_WIRE).then_some(out)
+}
+
+/// Lower-cased wire format of a parsed name.
+pub(crate) fn wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
+    let mut out = Vec::with_capacity(name.len() + 2);
+    for label in name.iter() {
+        out.push(label.len() as u8);
+        out.extend(label.iter().map(u8::to_ascii_lowercase));
+    }
+    out.push(0);
+    out
+}
+
+/// True if the lower-cased wire name `key` is the zone apex or below it.
+pub(crate) fn in_zone(key: &[u8]) -> bool {
+    const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
+    if key == ZONE_WIRE {
+        return true;
+    }
+    // Below the apex only if the suffix starts on a label boundary.
+    let mut rest = key;
+    while let Some((&len, tail)) = rest.split_first() {
+        if rest == ZONE_WIRE {
+            return true;
+        }
+        if len == 0 {
+            return false;
+        }
+        rest = tail.get(usize::from(len)..).unwrap_or_default();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> NameTable {
+        NameTable::new([
+            (
+                "buzz.bar.foo.system.internal".to_string(),
+                "240.240.0.1".parse().unwrap(),
+            ),
+            (
+                "Buzz.Bar.Foo.system.internal.".to_string(),
+                "240.240.0.2".parse().unwrap(),
+            ),
+            (
+                "buzz.bar.foo.system.internal".to_string(),
+                "fd00::1".parse().unwrap(),
+            ),
+            (
+                "db.foo.system.internal".to_string(),
+                "240.240.0.3".parse().unwrap(),
+            ),
+            ("example.com".to_string(), "192.0.2.1".parse().unwrap()),
+            ("system.internal".to_string(), "192.0.2.1".parse().unwrap()),
+            ("xsystem.internal".to_string(), "192.0.2.1".parse().unwrap()),
+            (
+                "bad..system.internal".to_string(),
+                "192.0.2.1".parse().unwrap(),
+            ),
+        ])
+    }
+
+    #[test]
+    fn indexes_names_case_insensitively_and_skips_foreign_ones() {
+        let t = table();
+        assert_eq!(t.len(), 2);
+        let key = wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
+        let Lookup::Service(e) = t.lookup(&key) else {
+            panic!("buzz missing")
+        };
+        assert_eq!(e.v4.len(), 2);
+        assert_eq!(e.v6.len(), 1);
+        assert_eq!(e.a_records.len(), 2 * A_RR_LEN);
+        assert_eq!(&e.a_records[12..16], &[240, 240, 0, 1]);
+    }
+
+    #[test]
+    fn ancestors_are_empty_non_terminals() {
+        let t = table();
+        for name in ["bar.foo.system.internal", "foo.system.internal"] {
+            let key = wire_name_from_dotted(name).unwrap();
+            assert!(matches!(t.lookup(&key), Lookup::EmptyNonTerminal), "{name}");
+        }
+        let key = wire_name_from_dotted("nope.system.internal").unwrap();
+        assert!(matches!(t.lookup(&key), Lookup::Missing));
+    }
+
+    #[test]
+    fn zone_membership_respects_label_boundaries() {
+        let yes = [
+            "system.internal",
+            "a.system.internal",
+            "A.B.system.internal",
+        ];
+        for n in yes {
+            assert!(in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+        }
+        let no = [
+            "xsystem.internal",
+            "internal",
+            "system.internal.example",
+            ".",
+        ];
+        for n in no {
+            assert!(!in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+        }
+    }
+}

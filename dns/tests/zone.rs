@@ -1,0 +1,235 @@
+//! The `system.internal` zone answered from the live name table, checked with dig and kdig.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Server, dig, eventually, kdig, table};
+
+const MESH: &[(&str, &str)] = &[
+    ("buzz.bar.foo.system.internal", "240.240.0.1"),
+    ("db.foo.system.internal", "240.240.0.7"),
+    ("dual.system.internal", "240.240.0.8"),
+    ("dual.system.internal", "fd00::8"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_a_mesh_name_with_default_ttl_over_udp_and_tcp() {
+    let server = Server::start(MESH, |_| {}).await;
+    for transport in ["+notcp", "+tcp"] {
+        let d = dig(
+            server.addr,
+            &[transport, "buzz.bar.foo.system.internal", "A"],
+        )
+        .await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+        assert!(d.flags().contains(&"aa"), "{}", d.text);
+        assert_eq!(
+            d.answers(),
+            vec![vec![
+                "buzz.bar.foo.system.internal.",
+                "30",
+                "IN",
+                "A",
+                "240.240.0.1"
+            ]],
+            "{}",
+            d.text
+        );
+    }
+    let d = kdig(server.addr, &["db.foo.system.internal", "A"]).await;
+    assert!(
+        d.text.contains("NOERROR") && d.text.contains("240.240.0.7"),
+        "{}",
+        d.text
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_is_configurable() {
+    let server = Server::start(MESH, |c| c.ttl = 5).await;
+    let d = dig(server.addr, &["buzz.bar.foo.system.internal"]).await;
+    assert_eq!(d.answers()[0][1], "5", "{}", d.text);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aaaa_of_an_ipv4_name_is_nodata_with_soa_and_negative_ttl() {
+    let server = Server::start(MESH, |c| c.negative_ttl = 7).await;
+    let d = dig(server.addr, &["buzz.bar.foo.system.internal", "AAAA"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert!(d.answers().is_empty(), "{}", d.text);
+    let soa = &d.authority()[0];
+    assert_eq!(
+        &soa[..4],
+        &["system.internal.", "7", "IN", "SOA"],
+        "{}",
+        d.text
+    );
+    assert_eq!(
+        soa.last(),
+        Some(&"7"),
+        "SOA minimum is the negative TTL: {}",
+        d.text
+    );
+    // With an IPv6 address configured, AAAA answers it.
+    let d = dig(server.addr, &["dual.system.internal", "AAAA"]).await;
+    assert_eq!(
+        d.answers(),
+        vec![vec!["dual.system.internal.", "30", "IN", "AAAA", "fd00::8"]],
+        "{}",
+        d.text
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_names_are_nxdomain_with_soa_and_ancestors_are_nodata() {
+    let server = Server::start(MESH, |_| {}).await;
+    let d = dig(server.addr, &["nope.system.internal"]).await;
+    assert_eq!(d.status(), "NXDOMAIN", "{}", d.text);
+    assert!(d.flags().contains(&"aa"), "{}", d.text);
+    assert_eq!(d.authority()[0][3], "SOA", "{}", d.text);
+    // An empty non-terminal exists (it has names below it): NODATA, not NXDOMAIN (RFC 8020).
+    let d = dig(server.addr, &["bar.foo.system.internal"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert!(d.answers().is_empty(), "{}", d.text);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soa_and_ns_at_the_apex() {
+    let server = Server::start(MESH, |_| {}).await;
+    let d = dig(server.addr, &["system.internal", "SOA"]).await;
+    let soa = &d.answers()[0];
+    assert_eq!(
+        &soa[..5],
+        &["system.internal.", "30", "IN", "SOA", "ns.system.internal."],
+        "{}",
+        d.text
+    );
+    let d = kdig(server.addr, &["system.internal", "NS"]).await;
+    assert!(
+        d.text.contains("system.internal.") && d.text.contains("NS\tns.system.internal."),
+        "{}",
+        d.text
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_are_case_insensitive_and_the_question_case_is_echoed() {
+    let server = Server::start(MESH, |_| {}).await;
+    for transport in ["+notcp", "+tcp"] {
+        let d = dig(server.addr, &[transport, "BuZz.BAR.foo.System.Internal"]).await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+        assert_eq!(
+            d.answers()[0][0],
+            "BuZz.BAR.foo.System.Internal.",
+            "{}",
+            d.text
+        );
+        assert_eq!(d.answers()[0][4], "240.240.0.1", "{}", d.text);
+        assert!(
+            d.text.contains(";BuZz.BAR.foo.System.Internal.\tIN\tA"),
+            "{}",
+            d.text
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_suffixed_names_get_a_cname_to_the_mesh_name_and_its_address() {
+    let server = Server::start(MESH, |_| {}).await;
+    let d = dig(
+        server.addr,
+        &["buzz.bar.foo.system.internal.shop.svc.cluster.local"],
+    )
+    .await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert_eq!(
+        d.answers(),
+        vec![
+            vec![
+                "buzz.bar.foo.system.internal.shop.svc.cluster.local.",
+                "30",
+                "IN",
+                "CNAME",
+                "buzz.bar.foo.system.internal."
+            ],
+            vec![
+                "buzz.bar.foo.system.internal.",
+                "30",
+                "IN",
+                "A",
+                "240.240.0.1"
+            ],
+        ],
+        "{}",
+        d.text
+    );
+    // No upstream is configured: the shortcut answered without forwarding.
+    assert_eq!(
+        server.metric("lattice_dns_replies_total{rcode=\"NOERROR\",source=\"forwarded\"}"),
+        0.0
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_swaps_take_effect_within_a_second() {
+    let server = Server::start(MESH, |_| {}).await;
+    let addr = server.addr;
+    let d = dig(addr, &["new.system.internal"]).await;
+    assert_eq!(d.status(), "NXDOMAIN");
+    let mut grown = MESH.to_vec();
+    grown.push(("new.system.internal", "240.240.0.9"));
+    server.names.send(table(&grown)).unwrap();
+    let took = eventually(Duration::from_secs(1), || async move {
+        let d = dig(addr, &["new.system.internal"]).await;
+        d.status() == "NOERROR" && d.answers().first().is_some_and(|a| a[4] == "240.240.0.9")
+    })
+    .await;
+    eprintln!("added name resolved after {took:?}");
+    server.names.send(table(MESH)).unwrap();
+    let took = eventually(Duration::from_secs(1), || async move {
+        dig(addr, &["+tcp", "new.system.internal"]).await.status() == "NXDOMAIN"
+    })
+    .await;
+    eprintln!("removed name was NXDOMAIN after {took:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_replies_by_rcode_and_source() {
+    let server = Server::start(MESH, |_| {}).await;
+    for _ in 0..3 {
+        dig(server.addr, &["buzz.bar.foo.system.internal"]).await;
+    }
+    dig(server.addr, &["nope.system.internal"]).await;
+    dig(server.addr, &["example.com"]).await;
+    let text = server.metrics();
+    assert_eq!(
+        server.metric("lattice_dns_replies_total{rcode=\"NOERROR\",source=\"local\"}"),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        server.metric("lattice_dns_replies_total{rcode=\"NXDOMAIN\",source=\"local\"}"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        server.metric("lattice_dns_replies_total{rcode=\"SERVFAIL\",source=\"forwarded\"}"),
+        1.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("lattice_dns_upstream_duration_seconds"),
+        "{text}"
+    );
+    server.stop().await;
+}
