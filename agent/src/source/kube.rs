@@ -147,10 +147,13 @@ pub async fn run(
             namespace: namespace.clone(),
         });
         streams.push(
-            watcher(api::<Service>(&client, namespace), watcher::Config::default())
-                .default_backoff()
-                .map(move |event| (id, event.map(|e| Change::of(e, Object::service))))
-                .boxed(),
+            watcher(
+                api::<Service>(&client, namespace),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .map(move |event| (id, event.map(|e| Change::of(e, Object::service))))
+            .boxed(),
         );
         let id = scopes.len();
         scopes.push(WatchScope {
@@ -158,10 +161,13 @@ pub async fn run(
             namespace: namespace.clone(),
         });
         streams.push(
-            watcher(api::<EndpointSlice>(&client, namespace), watcher::Config::default())
-                .default_backoff()
-                .map(move |event| (id, event.map(|e| Change::of(e, Object::slice))))
-                .boxed(),
+            watcher(
+                api::<EndpointSlice>(&client, namespace),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .map(move |event| (id, event.map(|e| Change::of(e, Object::slice))))
+            .boxed(),
         );
     }
     info!(
@@ -281,7 +287,9 @@ impl Driver {
             Ok(Change::Apply(Object::Service(key, mapped))) => {
                 self.index.apply_mapped_service(key, mapped)
             }
-            Ok(Change::Apply(Object::Slice(key, mapped))) => self.index.apply_mapped_slice(key, mapped),
+            Ok(Change::Apply(Object::Slice(key, mapped))) => {
+                self.index.apply_mapped_slice(key, mapped)
+            }
             Ok(Change::Delete(Object::Service(key, _))) => self.index.delete_service(key),
             Ok(Change::Delete(Object::Slice(key, _))) => self.index.delete_slice(key),
         }

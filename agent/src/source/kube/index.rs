@@ -15,7 +15,9 @@ use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
-use crate::mesh::{EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec, TrapCidr};
+use crate::mesh::{
+    EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec, TrapCidr,
+};
 
 /// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
 type Claim = (Option<Timestamp>, ObjectKey);
@@ -108,7 +110,11 @@ impl MeshIndex {
     }
 
     /// Makes the Services in `scope` (a namespace, or all) exactly `listed`: a re-list.
-    pub fn replace_services(&mut self, scope: Option<&str>, listed: Vec<(ObjectKey, MappedService)>) {
+    pub fn replace_services(
+        &mut self,
+        scope: Option<&str>,
+        listed: Vec<(ObjectKey, MappedService)>,
+    ) {
         let keep: HashSet<ObjectKey> = listed.iter().map(|(k, _)| k.clone()).collect();
         let gone: Vec<ObjectKey> = self
             .services
@@ -226,7 +232,11 @@ impl MeshIndex {
                 .or_default()
                 .insert(key.name.clone());
         }
-        for service in old_service.iter().chain(new_service.iter().filter(|s| Some(*s) != old_service.as_ref())) {
+        for service in old_service.iter().chain(
+            new_service
+                .iter()
+                .filter(|s| Some(*s) != old_service.as_ref()),
+        ) {
             if let Some(path) = self.services.get(service).map(|s| s.path.clone()) {
                 self.refresh(&path);
             }
@@ -268,7 +278,10 @@ impl MeshIndex {
             .get(key)
             .into_iter()
             .flatten()
-            .filter_map(|name| self.slices.get(&ObjectKey::new(key.namespace.as_str(), name.as_str())))
+            .filter_map(|name| {
+                self.slices
+                    .get(&ObjectKey::new(key.namespace.as_str(), name.as_str()))
+            })
             .collect();
         let ports = entry
             .ports

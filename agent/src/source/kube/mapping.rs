@@ -140,11 +140,13 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
         .as_ref()
         .and_then(|a| a.get(PATH_ANNOTATION));
     let path = match annotation {
-        Some(value) => value.parse().map_err(|source| KubeSourceError::InvalidPath {
-            service: key.to_string(),
-            value: value.clone(),
-            source,
-        })?,
+        Some(value) => value
+            .parse()
+            .map_err(|source| KubeSourceError::InvalidPath {
+                service: key.to_string(),
+                value: value.clone(),
+                source,
+            })?,
         // Namespaces and Service names are DNS labels, so this is a valid path; if the API
         // server ever let through something else, the error names the Service.
         None => format!("/{}/{}", key.namespace, key.name)
@@ -200,7 +202,12 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
         .iter()
         .flatten()
         .filter(|p| is_tcp(&p.protocol))
-        .filter_map(|p| Some((non_empty(&p.name), u16::try_from(p.port?).ok().filter(|port| *port != 0)?)))
+        .filter_map(|p| {
+            Some((
+                non_empty(&p.name),
+                u16::try_from(p.port?).ok().filter(|port| *port != 0)?,
+            ))
+        })
         .collect();
     let mut endpoints: Vec<Ipv4Addr> = slice
         .endpoints

@@ -29,7 +29,13 @@ fn annotated(mut svc: Service, path: &str) -> Service {
     svc
 }
 
-fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints: Value) -> EndpointSlice {
+fn slice(
+    namespace: &str,
+    name: &str,
+    service: &str,
+    ports: Value,
+    endpoints: Value,
+) -> EndpointSlice {
     serde_json::from_value(json!({
         "metadata": {"namespace": namespace, "name": name,
                      "labels": {SERVICE_NAME_LABEL: service}},
@@ -47,7 +53,9 @@ fn ready(ips: &[&str]) -> Value {
 }
 
 /// path → [(port, protocol, endpoints)], the part of a snapshot a source decides.
-fn view(snapshot: &MeshSnapshot) -> Vec<(String, Vec<(u16, Protocol, Vec<String>)>)> {
+type View = Vec<(String, Vec<(u16, Protocol, Vec<String>)>)>;
+
+fn view(snapshot: &MeshSnapshot) -> View {
     snapshot
         .services
         .values()
@@ -55,7 +63,13 @@ fn view(snapshot: &MeshSnapshot) -> Vec<(String, Vec<(u16, Protocol, Vec<String>
             let ports = s
                 .ports
                 .iter()
-                .map(|p| (p.port, p.protocol, p.endpoints.iter().map(SocketAddr::to_string).collect()))
+                .map(|p| {
+                    (
+                        p.port,
+                        p.protocol,
+                        p.endpoints.iter().map(SocketAddr::to_string).collect(),
+                    )
+                })
                 .collect();
             (s.path.to_string(), ports)
         })
@@ -72,7 +86,10 @@ fn snapshot(index: &mut MeshIndex) -> Arc<MeshSnapshot> {
 
 #[test]
 fn protocol_comes_from_app_protocol_then_name_prefix_then_tcp() {
-    assert_eq!(port_protocol(Some("kubernetes.io/h2c"), Some("tcp")), Protocol::Http2);
+    assert_eq!(
+        port_protocol(Some("kubernetes.io/h2c"), Some("tcp")),
+        Protocol::Http2
+    );
     assert_eq!(port_protocol(Some("grpc"), None), Protocol::Grpc);
     assert_eq!(port_protocol(Some("mysql"), Some("http")), Protocol::Tcp);
     assert_eq!(port_protocol(None, Some("http-web")), Protocol::Http);
@@ -117,9 +134,21 @@ fn service_and_slices_map_to_ports_with_target_ports_by_name() {
         vec![(
             "/shop/web".to_string(),
             vec![
-                (80, Protocol::Http, eps(&["10.0.0.1:8080", "10.0.0.2:8080", "10.0.1.1:8081"])),
-                (5432, Protocol::Tcp, eps(&["10.0.0.1:5432", "10.0.0.2:5432"])),
-                (9090, Protocol::Grpc, eps(&["10.0.0.1:9090", "10.0.0.2:9090"])),
+                (
+                    80,
+                    Protocol::Http,
+                    eps(&["10.0.0.1:8080", "10.0.0.2:8080", "10.0.1.1:8081"])
+                ),
+                (
+                    5432,
+                    Protocol::Tcp,
+                    eps(&["10.0.0.1:5432", "10.0.0.2:5432"])
+                ),
+                (
+                    9090,
+                    Protocol::Grpc,
+                    eps(&["10.0.0.1:9090", "10.0.0.2:9090"])
+                ),
             ]
         )]
     );
@@ -130,11 +159,24 @@ fn service_and_slices_map_to_ports_with_target_ports_by_name() {
 #[test]
 fn unnamed_single_port_matches_the_unnamed_slice_port() {
     let mut index = MeshIndex::new(trap());
-    index.apply_service(&service("a", "one", json!([{"port": 80, "targetPort": 8080}])));
-    index.apply_slice(&slice("a", "one-x", "one", json!([{"name": "", "port": 8080}]), ready(&["10.0.0.9"])));
+    index.apply_service(&service(
+        "a",
+        "one",
+        json!([{"port": 80, "targetPort": 8080}]),
+    ));
+    index.apply_slice(&slice(
+        "a",
+        "one-x",
+        "one",
+        json!([{"name": "", "port": 8080}]),
+        ready(&["10.0.0.9"]),
+    ));
     assert_eq!(
         view(&snapshot(&mut index)),
-        vec![("/a/one".to_string(), vec![(80, Protocol::Tcp, eps(&["10.0.0.9:8080"]))])]
+        vec![(
+            "/a/one".to_string(),
+            vec![(80, Protocol::Tcp, eps(&["10.0.0.9:8080"]))]
+        )]
     );
 }
 
@@ -157,7 +199,10 @@ fn only_ready_and_not_terminating_endpoints_serve() {
     ));
     assert_eq!(
         view(&snapshot(&mut index)),
-        vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80", "10.0.0.2:80"]))])]
+        vec![(
+            "/a/web".to_string(),
+            vec![(80, Protocol::Http, eps(&["10.0.0.1:80", "10.0.0.2:80"]))]
+        )]
     );
 }
 
@@ -165,13 +210,28 @@ fn only_ready_and_not_terminating_endpoints_serve() {
 fn ipv6_slices_are_ignored_not_mixed() {
     let mut index = MeshIndex::new(trap());
     index.apply_service(&service("a", "web", json!([{"name": "http", "port": 80}])));
-    index.apply_slice(&slice("a", "web-4", "web", json!([{"name": "http", "port": 80}]), ready(&["10.0.0.1"])));
-    let mut v6 = slice("a", "web-6", "web", json!([{"name": "http", "port": 80}]), ready(&["fd00::1"]));
+    index.apply_slice(&slice(
+        "a",
+        "web-4",
+        "web",
+        json!([{"name": "http", "port": 80}]),
+        ready(&["10.0.0.1"]),
+    ));
+    let mut v6 = slice(
+        "a",
+        "web-6",
+        "web",
+        json!([{"name": "http", "port": 80}]),
+        ready(&["fd00::1"]),
+    );
     v6.address_type = "IPv6".into();
     index.apply_slice(&v6);
     assert_eq!(
         view(&snapshot(&mut index)),
-        vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))])]
+        vec![(
+            "/a/web".to_string(),
+            vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))]
+        )]
     );
 }
 
@@ -184,7 +244,10 @@ fn headless_included_external_name_skipped() {
     let mut external = service("a", "ext", json!([{"name": "http", "port": 80}]));
     external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
     index.apply_service(&external);
-    assert_eq!(view(&snapshot(&mut index)), vec![("/a/db".to_string(), vec![(5432, Protocol::Tcp, vec![])])]);
+    assert_eq!(
+        view(&snapshot(&mut index)),
+        vec![("/a/db".to_string(), vec![(5432, Protocol::Tcp, vec![])])]
+    );
 }
 
 #[test]
@@ -204,16 +267,35 @@ fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
 #[test]
 fn colliding_paths_go_to_the_oldest_service_and_pass_on_when_it_leaves() {
     let mut index = MeshIndex::new(trap());
-    let mut young = annotated(service("b", "young", json!([{"name": "http", "port": 81}])), "/shared/name");
-    young.metadata.creation_timestamp =
-        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2025-01-01T00:00:00Z".parse().unwrap()));
+    let mut young = annotated(
+        service("b", "young", json!([{"name": "http", "port": 81}])),
+        "/shared/name",
+    );
+    young.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2025-01-01T00:00:00Z".parse().unwrap(),
+    ));
     index.apply_service(&young);
-    index.apply_service(&annotated(service("a", "old", json!([{"name": "http", "port": 80}])), "/shared/name"));
+    index.apply_service(&annotated(
+        service("a", "old", json!([{"name": "http", "port": 80}])),
+        "/shared/name",
+    ));
     let snap = snapshot(&mut index);
-    assert_eq!(view(&snap), vec![("/shared/name".to_string(), vec![(80, Protocol::Http, vec![])])]);
+    assert_eq!(
+        view(&snap),
+        vec![(
+            "/shared/name".to_string(),
+            vec![(80, Protocol::Http, vec![])]
+        )]
+    );
     index.delete_service(ObjectKey::new("a", "old"));
     let snap = snapshot(&mut index);
-    assert_eq!(view(&snap), vec![("/shared/name".to_string(), vec![(81, Protocol::Http, vec![])])]);
+    assert_eq!(
+        view(&snap),
+        vec![(
+            "/shared/name".to_string(),
+            vec![(81, Protocol::Http, vec![])]
+        )]
+    );
 }
 
 #[test]
@@ -260,23 +342,59 @@ fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher:
 fn nothing_is_published_until_both_initial_lists_complete() {
     let mut driver = Driver::new(trap(), scopes(&[None]));
     driver.handle(0, svc_change(watcher::Event::Init));
-    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "web", json!([{"name": "http", "port": 80}])))));
+    driver.handle(
+        0,
+        svc_change(watcher::Event::InitApply(service(
+            "a",
+            "web",
+            json!([{"name": "http", "port": 80}]),
+        ))),
+    );
     driver.handle(0, svc_change(watcher::Event::InitDone));
-    assert!(driver.publishable().is_none(), "services without their slices must not be published");
+    assert!(
+        driver.publishable().is_none(),
+        "services without their slices must not be published"
+    );
     driver.handle(1, slice_change(watcher::Event::Init));
     driver.handle(
         1,
-        slice_change(watcher::Event::InitApply(slice("a", "web-1", "web", json!([{"name": "http", "port": 80}]), ready(&["10.0.0.1"])))),
+        slice_change(watcher::Event::InitApply(slice(
+            "a",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": 80}]),
+            ready(&["10.0.0.1"]),
+        ))),
     );
     assert!(driver.publishable().is_none());
     driver.handle(1, slice_change(watcher::Event::InitDone));
     let first = driver.publishable().expect("ready after both lists");
-    assert_eq!(view(&first), vec![("/a/web".to_string(), vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))])]);
+    assert_eq!(
+        view(&first),
+        vec![(
+            "/a/web".to_string(),
+            vec![(80, Protocol::Http, eps(&["10.0.0.1:80"]))]
+        )]
+    );
     // An empty cluster is ready too.
     let mut empty = Driver::new(trap(), scopes(&[None]));
     for watch in [0, 1] {
-        empty.handle(watch, if watch == 0 { svc_change(watcher::Event::Init) } else { slice_change(watcher::Event::Init) });
-        empty.handle(watch, if watch == 0 { svc_change(watcher::Event::InitDone) } else { slice_change(watcher::Event::InitDone) });
+        empty.handle(
+            watch,
+            if watch == 0 {
+                svc_change(watcher::Event::Init)
+            } else {
+                slice_change(watcher::Event::Init)
+            },
+        );
+        empty.handle(
+            watch,
+            if watch == 0 {
+                svc_change(watcher::Event::InitDone)
+            } else {
+                slice_change(watcher::Event::InitDone)
+            },
+        );
     }
     assert!(empty.publishable().is_some_and(|s| s.services.is_empty()));
 }
@@ -287,8 +405,18 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
     let http = json!([{"name": "http", "port": 80}]);
     for (watch, ns) in [(0, "a"), (2, "b")] {
         driver.handle(watch, svc_change(watcher::Event::Init));
-        driver.handle(watch, svc_change(watcher::Event::InitApply(service(ns, "keep", http.clone()))));
-        driver.handle(watch, svc_change(watcher::Event::InitApply(service(ns, "vanish", http.clone()))));
+        driver.handle(
+            watch,
+            svc_change(watcher::Event::InitApply(service(ns, "keep", http.clone()))),
+        );
+        driver.handle(
+            watch,
+            svc_change(watcher::Event::InitApply(service(
+                ns,
+                "vanish",
+                http.clone(),
+            ))),
+        );
         driver.handle(watch, svc_change(watcher::Event::InitDone));
         driver.handle(watch + 1, slice_change(watcher::Event::Init));
         driver.handle(watch + 1, slice_change(watcher::Event::InitDone));
@@ -297,8 +425,18 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
     assert_eq!(before.services.len(), 4);
     // Namespace a re-lists (say after a 410): in the middle, the old state still stands.
     driver.handle(0, svc_change(watcher::Event::Init));
-    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "keep", http.clone()))));
-    driver.handle(0, svc_change(watcher::Event::InitApply(service("a", "new", http.clone()))));
+    driver.handle(
+        0,
+        svc_change(watcher::Event::InitApply(service(
+            "a",
+            "keep",
+            http.clone(),
+        ))),
+    );
+    driver.handle(
+        0,
+        svc_change(watcher::Event::InitApply(service("a", "new", http.clone()))),
+    );
     assert!(driver.publishable().is_none());
     driver.handle(0, svc_change(watcher::Event::InitDone));
     let after = driver.publishable().unwrap();
@@ -308,8 +446,14 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
     let keep = "/b/keep".parse().unwrap();
     assert!(Arc::ptr_eq(&before.services[&keep], &after.services[&keep]));
     // Deletes and applies after the list.
-    driver.handle(2, svc_change(watcher::Event::Delete(service("b", "vanish", http.clone()))));
-    driver.handle(2, svc_change(watcher::Event::Apply(service("b", "late", http))));
+    driver.handle(
+        2,
+        svc_change(watcher::Event::Delete(service("b", "vanish", http.clone()))),
+    );
+    driver.handle(
+        2,
+        svc_change(watcher::Event::Apply(service("b", "late", http))),
+    );
     let last = driver.publishable().unwrap();
     let paths: Vec<String> = last.services.keys().map(|p| p.to_string()).collect();
     assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/late"]);
