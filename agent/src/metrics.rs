@@ -33,7 +33,9 @@ impl XdsMetrics {
             nacks: Family::default(),
             snapshot_version: Gauge::default(),
             push_latency: Histogram::new(
-                [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0].into_iter(),
+                [
+                    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                ],
             ),
         };
         let xds = registry.sub_registry_with_prefix("lattice_xds");
@@ -42,8 +44,16 @@ impl XdsMetrics {
             "ADS streams currently open",
             metrics.connected_proxies.clone(),
         );
-        xds.register("pushes", "xDS responses sent, by type", metrics.pushes.clone());
-        xds.register("nacks", "xDS responses rejected by a proxy, by type", metrics.nacks.clone());
+        xds.register(
+            "pushes",
+            "xDS responses sent, by type",
+            metrics.pushes.clone(),
+        );
+        xds.register(
+            "nacks",
+            "xDS responses rejected by a proxy, by type",
+            metrics.nacks.clone(),
+        );
         xds.register(
             "snapshot_version",
             "Version of the mesh snapshot being served",

@@ -99,7 +99,11 @@ impl AddressBook {
     }
 
     /// The address for `path`: the shared one, or its own (kept if it already has one).
-    pub fn assign(&mut self, path: &MeshPath, needs_own: bool) -> Result<ServiceAddress, AddressError> {
+    pub fn assign(
+        &mut self,
+        path: &MeshPath,
+        needs_own: bool,
+    ) -> Result<ServiceAddress, AddressError> {
         if !needs_own {
             self.release(path);
             return Ok(ServiceAddress::Shared(self.trap.shared()));
@@ -144,11 +148,27 @@ mod tests {
     fn parses_and_bounds_the_block() {
         let trap: TrapCidr = "240.240.0.0/16".parse().unwrap();
         assert_eq!(trap.shared(), Ipv4Addr::new(240, 240, 0, 1));
-        assert_eq!("240.240.7.9/16".parse::<TrapCidr>().unwrap(), trap, "host bits are dropped");
-        assert!(matches!("240.0.0.0/4".parse::<TrapCidr>(), Err(AddressError::Prefix(_))));
-        assert!(matches!("240.240.0.0/31".parse::<TrapCidr>(), Err(AddressError::Prefix(_))));
-        assert!(matches!("nonsense".parse::<TrapCidr>(), Err(AddressError::Cidr(_))));
-        assert!(matches!("fd00::/64".parse::<TrapCidr>(), Err(AddressError::Cidr(_))));
+        assert_eq!(
+            "240.240.7.9/16".parse::<TrapCidr>().unwrap(),
+            trap,
+            "host bits are dropped"
+        );
+        assert!(matches!(
+            "240.0.0.0/4".parse::<TrapCidr>(),
+            Err(AddressError::Prefix(_))
+        ));
+        assert!(matches!(
+            "240.240.0.0/31".parse::<TrapCidr>(),
+            Err(AddressError::Prefix(_))
+        ));
+        assert!(matches!(
+            "nonsense".parse::<TrapCidr>(),
+            Err(AddressError::Cidr(_))
+        ));
+        assert!(matches!(
+            "fd00::/64".parse::<TrapCidr>(),
+            Err(AddressError::Cidr(_))
+        ));
     }
 
     #[test]
@@ -163,6 +183,9 @@ mod tests {
         assert_eq!(got.first(), Some(&Ipv4Addr::new(10, 1, 2, 2)));
         assert_eq!(got.last(), Some(&Ipv4Addr::new(10, 1, 2, 6)));
         let path: MeshPath = "/s/full".parse().unwrap();
-        assert!(matches!(book.assign(&path, true), Err(AddressError::Exhausted { .. })));
+        assert!(matches!(
+            book.assign(&path, true),
+            Err(AddressError::Exhausted { .. })
+        ));
     }
 }

@@ -113,7 +113,11 @@ impl XdsResource {
     fn new<M: Message + prost::Name>(name: String, message: M) -> Arc<XdsResource> {
         let body = pack_any(message);
         let version = format!("{:016x}", fnv1a(&body.value));
-        Arc::new(XdsResource { name, version, body })
+        Arc::new(XdsResource {
+            name,
+            version,
+            body,
+        })
     }
 }
 
@@ -170,7 +174,8 @@ struct Translated {
 impl EnvoyTranslator {
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let before = self.services.len();
-        self.services.retain(|path, _| mesh.services.contains_key(path));
+        self.services
+            .retain(|path, _| mesh.services.contains_key(path));
         // Any removed, added or reshaped service changes the listener and routes; endpoint
         // changes alone do not.
         let mut shape_changed = self.services.len() != before;
@@ -353,7 +358,9 @@ fn http_chain(name: String, ip: Ipv4Addr, port: u16) -> FilterChain {
         })),
         http_filters: vec![HttpFilter {
             name: "envoy.filters.http.router".to_string(),
-            config_type: Some(http_filter::ConfigType::TypedConfig(typed(Router::default()))),
+            config_type: Some(http_filter::ConfigType::TypedConfig(typed(
+                Router::default(),
+            ))),
             ..HttpFilter::default()
         }],
         ..HttpConnectionManager::default()
@@ -411,7 +418,11 @@ pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
     if chains.is_empty() {
         // Envoy rejects a listener without chains. This one matches only the block's network
         // address, which is never assigned, so it is never hit and nothing is passed through.
-        chains.push(http_chain("unassigned".to_string(), mesh.trap.net().network(), 1));
+        chains.push(http_chain(
+            "unassigned".to_string(),
+            mesh.trap.net().network(),
+            1,
+        ));
     }
     let listener = Listener {
         name: OUTBOUND_LISTENER.to_string(),
@@ -439,7 +450,10 @@ pub fn route_configs(mesh: &MeshSnapshot) -> Vec<Arc<XdsResource>> {
             continue;
         }
         for port in &service.ports {
-            by_port.entry(port.port).or_default().push(virtual_host(service, port.port));
+            by_port
+                .entry(port.port)
+                .or_default()
+                .push(virtual_host(service, port.port));
         }
     }
     by_port
@@ -460,7 +474,10 @@ fn virtual_host(service: &Service, port: u16) -> VirtualHost {
     let cluster = cluster_name(service, port);
     VirtualHost {
         name: cluster.clone(),
-        domains: vec![service.dns_name.clone(), format!("{}:{port}", service.dns_name)],
+        domains: vec![
+            service.dns_name.clone(),
+            format!("{}:{port}", service.dns_name),
+        ],
         routes: vec![Route {
             r#match: Some(RouteMatch {
                 path_specifier: Some(route_match::PathSpecifier::Prefix("/".to_string())),
@@ -480,5 +497,272 @@ fn virtual_host(service: &Service, port: u16) -> VirtualHost {
             ..Route::default()
         }],
         ..VirtualHost::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+    use crate::mesh::{EndpointSet, MeshState, Protocol, ServiceSpec};
+
+    fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
+        ServicePort {
+            port,
+            protocol,
+            endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),
+        }
+    }
+
+    fn mesh(state: &mut MeshState, services: Vec<(&str, Vec<ServicePort>)>) -> Arc<MeshSnapshot> {
+        let specs = services
+            .into_iter()
+            .map(|(path, ports)| ServiceSpec::new(path.parse().unwrap(), ports))
+            .collect();
+        state.replace_all(specs).unwrap();
+        state.snapshot()
+    }
+
+    fn decode<M: Message + Default>(resource: &XdsResource) -> M {
+        M::decode(resource.body.value.as_slice()).unwrap()
+    }
+
+    fn example(state: &mut MeshState) -> Arc<MeshSnapshot> {
+        mesh(
+            state,
+            vec![
+                (
+                    "/foo/bar/buzz",
+                    vec![port(
+                        8080,
+                        Protocol::Http,
+                        &["10.0.0.1:9090", "10.0.0.2:9090"],
+                    )],
+                ),
+                (
+                    "/foo/greeter",
+                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                ),
+                (
+                    "/foo/db",
+                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                ),
+            ],
+        )
+    }
+
+    #[test]
+    fn one_eds_cluster_and_assignment_per_service_port() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let names: Vec<&String> = xds.of(ResourceType::Cluster).keys().collect();
+        assert_eq!(
+            names,
+            [
+                "buzz.bar.foo.system.internal|8080",
+                "db.foo.system.internal|5432",
+                "greeter.foo.system.internal|8080"
+            ]
+        );
+        let buzz: Cluster =
+            decode(&xds.of(ResourceType::Cluster)["buzz.bar.foo.system.internal|8080"]);
+        assert_eq!(
+            buzz.cluster_discovery_type,
+            Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32))
+        );
+        assert!(matches!(
+            buzz.eds_cluster_config
+                .unwrap()
+                .eds_config
+                .unwrap()
+                .config_source_specifier,
+            Some(config_source::ConfigSourceSpecifier::Ads(_))
+        ));
+        assert!(
+            buzz.typed_extension_protocol_options.is_empty(),
+            "HTTP/1 upstream"
+        );
+        let greeter: Cluster =
+            decode(&xds.of(ResourceType::Cluster)["greeter.foo.system.internal|8080"]);
+        assert!(
+            greeter
+                .typed_extension_protocol_options
+                .contains_key("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+            "gRPC needs HTTP/2 upstream"
+        );
+
+        let cla: ClusterLoadAssignment =
+            decode(&xds.of(ResourceType::Endpoint)["buzz.bar.foo.system.internal|8080"]);
+        let addrs: Vec<String> = cla.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(lb_endpoint::HostIdentifier::Endpoint(ep)) => {
+                    match &ep.address.as_ref().unwrap().address {
+                        Some(address::Address::SocketAddress(sa)) => match sa.port_specifier {
+                            Some(socket_address::PortSpecifier::PortValue(p)) => {
+                                format!("{}:{p}", sa.address)
+                            }
+                            _ => panic!("no port"),
+                        },
+                        _ => panic!("not a socket address"),
+                    }
+                }
+                _ => panic!("no endpoint"),
+            })
+            .collect();
+        assert_eq!(
+            addrs,
+            ["10.0.0.1:9090", "10.0.0.2:9090"],
+            "target ports, not service ports"
+        );
+    }
+
+    #[test]
+    fn listener_picks_chains_by_destination_and_has_no_default() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        assert_eq!(
+            listener.listener_filters[0].name,
+            "envoy.filters.listener.original_dst"
+        );
+        assert!(
+            listener.default_filter_chain.is_none(),
+            "unmatched connections must be closed"
+        );
+        let chains: Vec<(String, u32, &str)> = listener
+            .filter_chains
+            .iter()
+            .map(|c| {
+                let m = c.filter_chain_match.as_ref().unwrap();
+                (
+                    m.prefix_ranges[0].address_prefix.clone(),
+                    m.destination_port.as_ref().unwrap().value,
+                    c.filters[0].name.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            chains,
+            [
+                (
+                    "240.240.0.1".to_string(),
+                    8080,
+                    "envoy.filters.network.http_connection_manager"
+                ),
+                (
+                    "240.240.0.2".to_string(),
+                    5432,
+                    "envoy.filters.network.tcp_proxy"
+                ),
+            ]
+        );
+        let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
+        let domains: Vec<Vec<String>> = routes
+            .virtual_hosts
+            .iter()
+            .map(|v| v.domains.clone())
+            .collect();
+        assert_eq!(
+            domains,
+            [
+                vec![
+                    "buzz.bar.foo.system.internal".to_string(),
+                    "buzz.bar.foo.system.internal:8080".to_string()
+                ],
+                vec![
+                    "greeter.foo.system.internal".to_string(),
+                    "greeter.foo.system.internal:8080".to_string()
+                ],
+            ]
+        );
+    }
+
+    #[test]
+    fn an_empty_mesh_still_yields_a_valid_listener() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let xds = EnvoyTranslator::default().translate(&mesh(&mut state, vec![]));
+        let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        assert_eq!(listener.filter_chains.len(), 1);
+        let m = listener.filter_chains[0]
+            .filter_chain_match
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            m.prefix_ranges[0].address_prefix, "240.240.0.0",
+            "never an assigned address"
+        );
+        assert!(xds.of(ResourceType::Cluster).is_empty());
+    }
+
+    #[test]
+    fn an_endpoint_change_reuses_everything_but_its_assignment() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut translator = EnvoyTranslator::default();
+        let first = translator.translate(&example(&mut state));
+        let second = translator.translate(&mesh(
+            &mut state,
+            vec![
+                (
+                    "/foo/bar/buzz",
+                    vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
+                ),
+                (
+                    "/foo/greeter",
+                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                ),
+                (
+                    "/foo/db",
+                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                ),
+            ],
+        ));
+        for kind in [
+            ResourceType::Cluster,
+            ResourceType::Listener,
+            ResourceType::Route,
+        ] {
+            for (name, resource) in first.of(kind) {
+                assert!(
+                    Arc::ptr_eq(resource, &second.of(kind)[name]),
+                    "{name} was rebuilt"
+                );
+            }
+        }
+        let changed: Vec<&String> = first
+            .of(ResourceType::Endpoint)
+            .iter()
+            .filter(|(name, r)| second.of(ResourceType::Endpoint)[*name].version != r.version)
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(changed, ["buzz.bar.foo.system.internal|8080"]);
+        // Versions are content hashes: a fresh translator gives the same ones.
+        let fresh = EnvoyTranslator::default().translate(&state.snapshot());
+        for kind in ResourceType::ALL {
+            for (name, resource) in second.of(kind) {
+                assert_eq!(resource.version, fresh.of(kind)[name].version);
+            }
+        }
+    }
+
+    #[test]
+    fn removing_a_service_removes_its_resources_and_routes() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut translator = EnvoyTranslator::default();
+        translator.translate(&example(&mut state));
+        let after = translator.translate(&mesh(
+            &mut state,
+            vec![(
+                "/foo/db",
+                vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+            )],
+        ));
+        assert_eq!(after.of(ResourceType::Cluster).len(), 1);
+        assert_eq!(after.of(ResourceType::Endpoint).len(), 1);
+        assert!(after.of(ResourceType::Route).is_empty());
+        let listener: Listener = decode(&after.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        assert_eq!(listener.filter_chains.len(), 1);
     }
 }

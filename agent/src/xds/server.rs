@@ -159,7 +159,10 @@ impl XdsServer {
         }
     }
 
-    fn open<A: Ads>(&self, inbound: Streaming<A::Request>) -> ReceiverStream<Result<A::Response, Status>>
+    fn open<A: Ads>(
+        &self,
+        inbound: Streaming<A::Request>,
+    ) -> ReceiverStream<Result<A::Response, Status>>
     where
         A::Request: prost::Message + Default,
     {
@@ -276,11 +279,18 @@ where
                     return "proxy went away".into();
                 }
                 if let Some(kind) = kind {
-                    self.metrics.pushes.get_or_create(&TypeLabel { r#type: kind.short() }).inc();
+                    self.metrics
+                        .pushes
+                        .get_or_create(&TypeLabel {
+                            r#type: kind.short(),
+                        })
+                        .inc();
                     tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), version = snapshot.version, "pushed");
                 }
                 if let Some(seen) = snapshot.seen_at {
-                    self.metrics.push_latency.observe(seen.elapsed().as_secs_f64());
+                    self.metrics
+                        .push_latency
+                        .observe(seen.elapsed().as_secs_f64());
                 }
             }
         }
@@ -308,7 +318,12 @@ where
                     version,
                     error,
                 } => {
-                    self.metrics.nacks.get_or_create(&TypeLabel { r#type: kind.short() }).inc();
+                    self.metrics
+                        .nacks
+                        .get_or_create(&TypeLabel {
+                            r#type: kind.short(),
+                        })
+                        .inc();
                     self.proxies.update(self.id, |p| p.nacks += 1);
                     tracing::warn!(stream = self.id, node = %self.node_id, kind = kind.short(), %version, %error, "proxy rejected config (NACK); keeping its last good version");
                 }

@@ -23,10 +23,22 @@ use crate::translate::envoy::{ResourceType, XdsResource, XdsSnapshot};
 /// What a stream reports for logs, metrics and `/debug/xds`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    Ack { kind: ResourceType, version: String },
-    Nack { kind: ResourceType, version: String, error: String },
-    StaleNonce { kind: ResourceType, nonce: String },
-    UnknownType { type_url: String },
+    Ack {
+        kind: ResourceType,
+        version: String,
+    },
+    Nack {
+        kind: ResourceType,
+        version: String,
+        error: String,
+    },
+    StaleNonce {
+        kind: ResourceType,
+        nonce: String,
+    },
+    UnknownType {
+        type_url: String,
+    },
 }
 
 fn nonce(counter: &mut u64) -> String {
@@ -191,8 +203,8 @@ impl SotwStream {
 }
 
 fn sotw_interest(kind: ResourceType, names: &[String]) -> Interest {
-    let wildcard = names.iter().any(|n| n == "*")
-        || (names.is_empty() && kind.is_wildcard_by_default());
+    let wildcard =
+        names.iter().any(|n| n == "*") || (names.is_empty() && kind.is_wildcard_by_default());
     Interest {
         wildcard,
         names: names.iter().filter(|n| *n != "*").cloned().collect(),
@@ -204,7 +216,13 @@ fn sotw_interest(kind: ResourceType, names: &[String]) -> Interest {
 fn content_version(resources: &[&Arc<XdsResource>]) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for r in resources {
-        for b in r.name.bytes().chain([0]).chain(r.version.bytes()).chain([0]) {
+        for b in r
+            .name
+            .bytes()
+            .chain([0])
+            .chain(r.version.bytes())
+            .chain([0])
+        {
             hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
@@ -305,8 +323,12 @@ impl DeltaStream {
                     }),
                 }
                 // Either way the client has seen these versions: after an ACK it holds them,
-                // after a NACK re-sending the same bytes would only be rejected again.
-                state.known.extend(sent);
+                // after a NACK re-sending the same bytes would only be rejected again. Names it
+                // unsubscribed from meanwhile are gone from its view.
+                let interest = &state.interest;
+                state
+                    .known
+                    .extend(sent.into_iter().filter(|(name, _)| interest.wants(name)));
             } else {
                 events.push(Event::StaleNonce {
                     kind,
@@ -400,5 +422,396 @@ impl DeltaStream {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use envoy_types::pb::google::rpc::Status as RpcStatus;
+
+    use super::*;
+    use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
+    use crate::translate::envoy::EnvoyTranslator;
+
+    const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+    const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+    const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+    const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+
+    /// A little mesh that can be edited, and its translations.
+    struct World {
+        state: MeshState,
+        translator: EnvoyTranslator,
+    }
+
+    impl World {
+        fn new() -> Self {
+            World {
+                state: MeshState::new("240.240.0.0/16".parse().unwrap()),
+                translator: EnvoyTranslator::default(),
+            }
+        }
+
+        fn set(&mut self, path: &str, protocol: Protocol, endpoints: &[&str]) -> XdsSnapshot {
+            let spec = ServiceSpec::new(
+                path.parse().unwrap(),
+                vec![ServicePort {
+                    port: 8080,
+                    protocol,
+                    endpoints: EndpointSet::new(
+                        endpoints.iter().map(|e| e.parse().unwrap()).collect(),
+                    ),
+                }],
+            );
+            self.state.upsert(spec).unwrap();
+            self.snapshot()
+        }
+
+        fn remove(&mut self, path: &str) -> XdsSnapshot {
+            self.state.remove(&path.parse().unwrap());
+            self.snapshot()
+        }
+
+        fn snapshot(&mut self) -> XdsSnapshot {
+            let mesh = self.state.snapshot();
+            self.translator.translate(&mesh)
+        }
+    }
+
+    fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: type_url.to_string(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            version_info: version.to_string(),
+            response_nonce: nonce.to_string(),
+            ..DiscoveryRequest::default()
+        }
+    }
+
+    fn nack(mut request: DiscoveryRequest) -> DiscoveryRequest {
+        request.error_detail = Some(RpcStatus {
+            code: 3,
+            message: "bad cluster".to_string(),
+            details: Vec::new(),
+        });
+        request
+    }
+
+    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        sotw(
+            &response.type_url,
+            names,
+            &response.version_info,
+            &response.nonce,
+        )
+    }
+
+    const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
+
+    #[test]
+    fn sotw_first_request_is_answered_even_when_empty() {
+        let mut world = World::new();
+        let snap = world.snapshot();
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        assert_eq!(out.len(), 1);
+        assert!(out[0].resources.is_empty());
+    }
+
+    #[test]
+    fn sotw_ack_advances_and_one_response_in_flight_per_type() {
+        let mut world = World::new();
+        let snap1 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap1);
+        let cds1 = out.into_iter().next().unwrap();
+        assert_eq!(cds1.resources.len(), 1);
+
+        // A change while CDS is un-ACKed waits for the ACK.
+        let snap2 = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        assert!(
+            stream.on_snapshot(&snap2).is_empty(),
+            "second CDS before the first was ACKed"
+        );
+
+        let (out, events) = stream.on_request(&ack(&cds1, &[]), &snap2);
+        assert!(
+            matches!(&events[..], [Event::Ack { kind: ResourceType::Cluster, version }] if *version == cds1.version_info)
+        );
+        assert_eq!(
+            stream.acked(ResourceType::Cluster),
+            Some(cds1.version_info.as_str())
+        );
+        assert_eq!(out.len(), 1, "the pending change goes out after the ACK");
+        assert_eq!(out[0].resources.len(), 2);
+        assert_ne!(out[0].version_info, cds1.version_info);
+    }
+
+    #[test]
+    fn sotw_nack_keeps_last_good_and_is_not_answered_with_the_same_content() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        let cds1 = &out[0];
+        stream.on_request(&ack(cds1, &[]), &snap);
+
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Grpc, &["10.0.0.1:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let cds2 = &out[0];
+        let (out, events) = stream.on_request(
+            &nack(sotw(CDS, &[], &cds1.version_info, &cds2.nonce)),
+            &snap2,
+        );
+        assert!(
+            out.is_empty(),
+            "NACKed content must not be sent again: {out:?}"
+        );
+        assert!(matches!(&events[..], [Event::Nack { error, .. }] if error == "bad cluster"));
+        assert_eq!(
+            stream.acked(ResourceType::Cluster),
+            Some(cds1.version_info.as_str())
+        );
+        assert!(stream.on_snapshot(&snap2).is_empty());
+
+        // New content does go out.
+        let snap3 = world.set("/foo/bar/buzz", Protocol::Tcp, &["10.0.0.1:8080"]);
+        assert_eq!(stream.on_snapshot(&snap3).len(), 1);
+    }
+
+    #[test]
+    fn sotw_stale_nonce_is_ignored() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        let first = out[0].clone();
+        stream.on_request(&ack(&first, &[]), &snap);
+        let snap2 = world.set("/foo/x", Protocol::Http, &["10.0.0.3:8080"]);
+        let second = stream.on_snapshot(&snap2).remove(0);
+        // An old nonce: neither an ACK of the second response nor a reason to answer.
+        let (out, events) = stream.on_request(&ack(&first, &[]), &snap2);
+        assert!(out.is_empty());
+        assert!(matches!(&events[..], [Event::StaleNonce { .. }]));
+        assert_eq!(
+            stream.acked(ResourceType::Cluster),
+            Some(first.version_info.as_str())
+        );
+        let (_, events) = stream.on_request(&ack(&second, &[]), &snap2);
+        assert!(matches!(&events[..], [Event::Ack { .. }]));
+    }
+
+    #[test]
+    fn sotw_eds_sends_only_requested_names_and_follows_subscription_changes() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(EDS, &[BUZZ], "", ""), &snap);
+        assert_eq!(out[0].resources.len(), 1);
+        let (out, _) = stream.on_request(
+            &ack(&out[0], &[BUZZ, "other.foo.system.internal|8080"]),
+            &snap,
+        );
+        assert_eq!(out.len(), 1, "a new subscription is answered");
+        assert_eq!(out[0].resources.len(), 2);
+        let (out, _) = stream.on_request(&ack(&out[0], &[BUZZ]), &snap);
+        assert_eq!(
+            out[0].resources.len(),
+            1,
+            "unsubscribed names leave the response"
+        );
+    }
+
+    #[test]
+    fn sotw_pushes_in_cds_eds_lds_rds_order_and_resends_endpoints_after_a_cluster_change() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = SotwStream::new();
+        let mut last: HashMap<&str, DiscoveryResponse> = HashMap::new();
+        for (url, names) in [
+            (CDS, vec![]),
+            (EDS, vec![BUZZ]),
+            (LDS, vec![]),
+            (RDS, vec!["http.8080"]),
+        ] {
+            let (out, _) = stream.on_request(&sotw(url, &names, "", ""), &snap);
+            let response = out.into_iter().next().unwrap();
+            stream.on_request(&ack(&response, &names), &snap);
+            last.insert(url, response);
+        }
+        // The cluster changes shape (HTTP → HTTP/2) but its endpoints do not.
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http2, &["10.0.0.1:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(
+            urls,
+            [CDS, EDS],
+            "CDS first, then the unchanged endpoints again"
+        );
+        assert_eq!(out[1].version_info, last[EDS].version_info);
+
+        // The service turns TCP and moves to an address of its own: CDS, EDS, LDS and RDS all
+        // change, and go out in order.
+        for r in &out {
+            let names: &[&str] = if r.type_url == EDS { &[BUZZ] } else { &[] };
+            stream.on_request(&ack(r, names), &snap2);
+        }
+        let snap3 = world.set("/foo/bar/buzz", Protocol::Tcp, &["10.0.0.9:8080"]);
+        let urls: Vec<String> = stream
+            .on_snapshot(&snap3)
+            .into_iter()
+            .map(|r| r.type_url)
+            .collect();
+        assert_eq!(urls, [CDS, EDS, LDS, RDS]);
+    }
+
+    fn delta(
+        type_url: &str,
+        subscribe: &[&str],
+        unsubscribe: &[&str],
+        nonce: &str,
+    ) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            type_url: type_url.to_string(),
+            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            resource_names_unsubscribe: unsubscribe.iter().map(|s| s.to_string()).collect(),
+            response_nonce: nonce.to_string(),
+            ..DeltaDiscoveryRequest::default()
+        }
+    }
+
+    fn names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
+        response.resources.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    #[test]
+    fn delta_sends_only_changes_and_removals() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        assert_eq!(out[0].resources.len(), 2, "legacy wildcard gets everything");
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap);
+
+        // An endpoint change touches no cluster: nothing for CDS.
+        let snap2 = world.set(
+            "/foo/bar/buzz",
+            Protocol::Http,
+            &["10.0.0.1:8080", "10.0.0.5:8080"],
+        );
+        assert!(stream.on_snapshot(&snap2).is_empty());
+
+        // A new service is sent alone; a removed one is named in removed_resources.
+        let snap3 = world.set("/foo/third", Protocol::Http, &["10.0.0.3:8080"]);
+        let out = stream.on_snapshot(&snap3);
+        assert_eq!(names(&out[0]), ["third.foo.system.internal|8080"]);
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap3);
+        let snap4 = world.remove("/foo/other");
+        let out = stream.on_snapshot(&snap4);
+        assert!(out[0].resources.is_empty());
+        assert_eq!(out[0].removed_resources, ["other.foo.system.internal|8080"]);
+    }
+
+    #[test]
+    fn delta_honours_subscriptions_and_reports_absent_names() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ, "missing|1"], &[], ""), &snap);
+        assert_eq!(names(&out[0]), [BUZZ]);
+        assert_eq!(out[0].removed_resources, ["missing|1"]);
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap);
+
+        // Unsubscribed names are no longer pushed when they change.
+        stream.on_request(&delta(EDS, &[], &[BUZZ], ""), &snap);
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.7:8080"]);
+        assert!(stream.on_snapshot(&snap2).is_empty());
+
+        // Explicit wildcard subscription brings in everything not yet known.
+        let (out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap2);
+        let mut got = names(&out[0]);
+        got.sort();
+        assert_eq!(got, [BUZZ, "other.foo.system.internal|8080"]);
+    }
+
+    #[test]
+    fn delta_reconnect_uses_initial_resource_versions() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let clusters = snap.of(ResourceType::Cluster);
+        let mut request = delta(CDS, &[], &[], "");
+        request.initial_resource_versions = HashMap::from([
+            (BUZZ.to_string(), clusters[BUZZ].version.clone()),
+            (
+                "other.foo.system.internal|8080".to_string(),
+                "stale".to_string(),
+            ),
+            ("gone|1".to_string(), "v".to_string()),
+        ]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert_eq!(
+            names(&out[0]),
+            ["other.foo.system.internal|8080"],
+            "only what differs"
+        );
+        assert_eq!(out[0].removed_resources, ["gone|1"]);
+    }
+
+    #[test]
+    fn delta_nack_is_not_looped_and_stale_nonce_still_updates_subscriptions() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        let mut rejected = delta(CDS, &[], &[], &out[0].nonce);
+        rejected.error_detail = Some(RpcStatus {
+            code: 3,
+            message: "no".to_string(),
+            details: Vec::new(),
+        });
+        let (again, events) = stream.on_request(&rejected, &snap);
+        assert!(
+            again.is_empty(),
+            "the same resources must not be re-sent after a NACK"
+        );
+        assert!(matches!(&events[..], [Event::Nack { .. }]));
+        assert!(stream.on_snapshot(&snap).is_empty());
+
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        let pending = out[0].nonce.clone();
+        // A request with an old nonce still changes subscriptions (delta requests are
+        // incremental), but does not ACK the pending response.
+        let (out, events) = stream.on_request(&delta(EDS, &[], &[BUZZ], "stale"), &snap);
+        assert!(out.is_empty());
+        assert!(matches!(&events[..], [Event::StaleNonce { .. }]));
+        stream.on_request(&delta(EDS, &[], &[], &pending), &snap);
+        assert!(
+            !stream.known(ResourceType::Endpoint).contains_key(BUZZ),
+            "the unsubscribe in the stale-nonce request must stick"
+        );
+    }
+
+    #[test]
+    fn delta_resends_endpoints_of_a_changed_cluster() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap);
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap);
+
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Grpc, &["10.0.0.1:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(urls, [CDS, EDS]);
+        assert_eq!(names(&out[1]), [BUZZ]);
     }
 }
