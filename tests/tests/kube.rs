@@ -1,0 +1,725 @@
+//! End-to-end tests of the Kubernetes source: the real `lattice-agent` binary, pointed through
+//! a kubeconfig at the fake API server, which speaks the real list/watch wire protocol.
+//!
+//! The expected mesh is computed here, independently of the agent's code, from the objects the
+//! fake server holds, and compared with the agent's `/debug/mesh`.
+//!
+//! Build the binary first: `cargo build -p lattice-agent --bins`. The scale test is ignored by
+//! default: `cargo test -p lattice-e2e --test kube -- --ignored --nocapture scale`.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use lattice_e2e::agent::Agent;
+use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::wait;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+/// How long a change may take to show up in normal operation (the bar).
+const FOLLOW: Duration = Duration::from_secs(1);
+/// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.
+const RECOVER: Duration = Duration::from_secs(30);
+
+const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
+
+/// The mesh as a source decides it: path → ports (port, protocol, sorted endpoints).
+type Mesh = BTreeMap<String, Value>;
+
+fn service(namespace: &str, name: &str, ports: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"ports": ports},
+    })
+}
+
+fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints: Value) -> Value {
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"namespace": namespace, "name": name,
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": ports,
+        "endpoints": endpoints,
+    })
+}
+
+fn ready(ips: &[String]) -> Value {
+    ips.iter()
+        .map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}}))
+        .collect()
+}
+
+fn ip(n: u32) -> String {
+    Ipv4Addr::from(0x0a00_0000 + n).to_string()
+}
+
+/// The expected mesh, from the objects the fake server holds, by the rules of
+/// docs/kubernetes.md. Written without the agent's code, so a shared bug cannot hide.
+fn truth(server: &FakeApiServer) -> Mesh {
+    let services: Vec<Service> = server.objects().unwrap();
+    let slices: Vec<EndpointSlice> = server.objects().unwrap();
+    let mut mesh = Mesh::new();
+    for svc in services {
+        let spec = svc.spec.clone().unwrap_or_default();
+        if spec.type_.as_deref() == Some("ExternalName") {
+            continue;
+        }
+        let namespace = svc.metadata.namespace.clone().unwrap();
+        let name = svc.metadata.name.clone().unwrap();
+        let path = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(PATH_ANNOTATION).cloned())
+            .unwrap_or_else(|| format!("/{namespace}/{name}"));
+        let mut ports = Vec::new();
+        for port in spec.ports.unwrap_or_default() {
+            if port.protocol.as_deref().is_some_and(|p| p != "TCP") {
+                continue;
+            }
+            let port_name = port.name.clone().unwrap_or_default();
+            let protocol = match (port.app_protocol.as_deref(), port_name.split('-').next()) {
+                (Some("http"), _) => "http",
+                (Some("kubernetes.io/h2c" | "http2"), _) => "http2",
+                (Some("grpc"), _) => "grpc",
+                (Some(_), _) => "tcp",
+                (None, Some("http")) => "http",
+                (None, Some("http2")) => "http2",
+                (None, Some("grpc")) => "grpc",
+                _ => "tcp",
+            };
+            let mut endpoints: Vec<SocketAddr> = Vec::new();
+            for s in &slices {
+                let labels = s.metadata.labels.clone().unwrap_or_default();
+                if s.metadata.namespace.as_deref() != Some(namespace.as_str())
+                    || labels.get("kubernetes.io/service-name") != Some(&name)
+                    || s.address_type != "IPv4"
+                {
+                    continue;
+                }
+                let Some(target) = s
+                    .ports
+                    .iter()
+                    .flatten()
+                    .find(|p| p.name.clone().unwrap_or_default() == port_name)
+                    .and_then(|p| p.port)
+                else {
+                    continue;
+                };
+                for e in &s.endpoints {
+                    let c = e.conditions.clone().unwrap_or_default();
+                    if c.ready == Some(false) || c.terminating == Some(true) {
+                        continue;
+                    }
+                    for a in &e.addresses {
+                        endpoints.push(SocketAddr::new(a.parse().unwrap(), target as u16));
+                    }
+                }
+            }
+            endpoints.sort();
+            endpoints.dedup();
+            let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+            ports.push((
+                port.port,
+                json!({"port": port.port, "protocol": protocol, "endpoints": endpoints}),
+            ));
+        }
+        ports.sort_by_key(|(port, _)| *port);
+        mesh.insert(path, ports.into_iter().map(|(_, p)| p).collect());
+    }
+    mesh
+}
+
+/// The agent's `/debug/mesh`, reduced to what [`truth`] computes.
+fn observed(agent: &Agent) -> Result<Mesh, String> {
+    let mesh = agent.mesh().map_err(|e| e.to_string())?;
+    let services = mesh["services"]
+        .as_object()
+        .ok_or("no services in /debug/mesh")?;
+    Ok(services
+        .iter()
+        .map(|(path, s)| {
+            let ports = s["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| json!({"port": p["port"], "protocol": p["protocol"], "endpoints": p["endpoints"]}))
+                .collect();
+            (path.clone(), ports)
+        })
+        .collect())
+}
+
+/// Waits until the agent's mesh equals the server's state; returns how long it took.
+fn converge(agent: &Agent, server: &FakeApiServer, within: Duration, what: &str) -> Duration {
+    let expected = truth(server);
+    let start = Instant::now();
+    let result = wait::until(what, within, || {
+        let seen = observed(agent)?;
+        if seen == expected {
+            Ok(())
+        } else {
+            Err(diff(&expected, &seen))
+        }
+    });
+    if let Err(err) = result {
+        panic!("{err}\nagent log:\n{}", tail(&agent.log()));
+    }
+    start.elapsed()
+}
+
+fn diff(expected: &Mesh, seen: &Mesh) -> String {
+    let mut out = Vec::new();
+    for (path, want) in expected {
+        match seen.get(path) {
+            None => out.push(format!("missing {path}")),
+            Some(got) if got != want => out.push(format!("{path}: want {want} got {got}")),
+            _ => {}
+        }
+    }
+    for path in seen.keys().filter(|p| !expected.contains_key(*p)) {
+        out.push(format!("unexpected {path}"));
+    }
+    let total = out.len();
+    out.truncate(5);
+    format!("{total} differences: {}", out.join("; "))
+}
+
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(60)..].join("\n")
+}
+
+/// A fake API server and an agent watching it.
+struct Cluster {
+    server: FakeApiServer,
+    _dir: tempfile::TempDir,
+    agent: Agent,
+}
+
+impl Cluster {
+    /// Starts the agent against `server`; `up` says whether to wait for readiness.
+    fn start(server: FakeApiServer, up: bool) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        server.write_kubeconfig(&kubeconfig).unwrap();
+        let agent = Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.to_str().unwrap())]);
+        if up {
+            agent.wait_ready().unwrap();
+        }
+        Cluster {
+            server,
+            _dir: dir,
+            agent,
+        }
+    }
+}
+
+fn seed(server: &FakeApiServer) {
+    server
+        .apply_json(service(
+            "shop",
+            "web",
+            json!([{"name": "http", "port": 80, "targetPort": "web"}]),
+        ))
+        .unwrap();
+    server
+        .apply_json(slice(
+            "shop",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": 8080}]),
+            ready(&[ip(1), ip(2)]),
+        ))
+        .unwrap();
+    server
+        .apply_json(service(
+            "shop",
+            "db",
+            json!([{"name": "tcp-pg", "port": 5432}]),
+        ))
+        .unwrap();
+    server
+        .apply_json(slice(
+            "shop",
+            "db-1",
+            "db",
+            json!([{"name": "tcp-pg", "port": 5432}]),
+            ready(&[ip(10)]),
+        ))
+        .unwrap();
+}
+
+/// One change applied to the server.
+type Step = Box<dyn Fn(&FakeApiServer)>;
+
+#[test]
+fn services_and_slices_appear_and_changes_follow_within_a_second() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    converge(agent, server, FOLLOW, "initial mesh");
+
+    let mut steps: Vec<(&str, Step)> = vec![
+        (
+            "new service",
+            Box::new(|s| {
+                s.apply_json(service(
+                    "shop",
+                    "api",
+                    json!([{"name": "grpc", "port": 9090}]),
+                ))
+                .unwrap();
+            }),
+        ),
+        (
+            "its slice",
+            Box::new(|s| {
+                s.apply_json(slice(
+                    "shop",
+                    "api-1",
+                    "api",
+                    json!([{"name": "grpc", "port": 9090}]),
+                    ready(&[ip(20)]),
+                ))
+                .unwrap();
+            }),
+        ),
+        (
+            "a second slice of the same service, another target port",
+            Box::new(|s| {
+                s.apply_json(slice(
+                    "shop",
+                    "web-2",
+                    "web",
+                    json!([{"name": "http", "port": 8081}]),
+                    ready(&[ip(3)]),
+                ))
+                .unwrap();
+            }),
+        ),
+        (
+            "an endpoint turns not ready, another terminating",
+            Box::new(|s| {
+                s.apply_json(slice(
+                    "shop",
+                    "web-1",
+                    "web",
+                    json!([{"name": "http", "port": 8080}]),
+                    json!([
+                        {"addresses": [ip(1)], "conditions": {"ready": false}},
+                        {"addresses": [ip(2)], "conditions": {"ready": true, "terminating": true}},
+                        {"addresses": [ip(4)]},
+                    ]),
+                ))
+                .unwrap();
+            }),
+        ),
+        (
+            "an IPv6 slice is ignored",
+            Box::new(|s| {
+                let mut v6 = slice(
+                    "shop",
+                    "web-v6",
+                    "web",
+                    json!([{"name": "http", "port": 8080}]),
+                    ready(&["fd00::1".into()]),
+                );
+                v6["addressType"] = "IPv6".into();
+                s.apply_json(v6).unwrap();
+            }),
+        ),
+        (
+            "annotation moves a service",
+            Box::new(|s| {
+                let mut db = service("shop", "db", json!([{"name": "tcp-pg", "port": 5432}]));
+                db["metadata"]["annotations"] = json!({PATH_ANNOTATION: "/data/postgres/main"});
+                s.apply_json(db).unwrap();
+            }),
+        ),
+        (
+            "slice deleted",
+            Box::new(|s| {
+                s.delete::<EndpointSlice>("shop", "web-2").unwrap();
+            }),
+        ),
+        (
+            "service deleted",
+            Box::new(|s| {
+                s.delete::<Service>("shop", "api").unwrap();
+            }),
+        ),
+    ];
+    for (what, change) in steps.drain(..) {
+        change(server);
+        let took = converge(agent, server, FOLLOW, what);
+        println!("{what}: followed in {took:?}");
+    }
+    assert!(
+        agent.log().contains("IPv6"),
+        "the ignored IPv6 slice must be logged"
+    );
+}
+
+#[test]
+fn faults_mid_run_end_with_the_agent_equal_to_the_server() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    converge(agent, server, FOLLOW, "initial mesh");
+    let mut n = 100;
+    let mut churn = |server: &FakeApiServer| {
+        n += 1;
+        let name = format!("svc{n}");
+        server
+            .apply_json(service(
+                "churn",
+                &name,
+                json!([{"name": "http", "port": 80}]),
+            ))
+            .unwrap();
+        server
+            .apply_json(slice(
+                "churn",
+                &format!("{name}-1"),
+                &name,
+                json!([{"name": "http", "port": 80}]),
+                ready(&[ip(n)]),
+            ))
+            .unwrap();
+        server
+            .delete::<Service>("churn", &format!("svc{}", n - 1))
+            .unwrap();
+        server
+            .apply_json(slice(
+                "shop",
+                "web-1",
+                "web",
+                json!([{"name": "http", "port": 8080}]),
+                ready(&[ip(n), ip(n + 1000)]),
+            ))
+            .unwrap();
+    };
+
+    // 1. Every watch ends: the agent resumes from its last resourceVersion.
+    let requests = server.requests();
+    server.drop_watches();
+    churn(server);
+    converge(agent, server, RECOVER, "mesh after dropped watches");
+    wait::until("both watches reopened", RECOVER, || {
+        (server.open_watches() == 2)
+            .then_some(())
+            .ok_or(server.open_watches().to_string())
+    })
+    .unwrap();
+    println!(
+        "dropped watches: {} requests to recover",
+        server.requests() - requests
+    );
+
+    // 2. History compacted: open watches get a 410 ERROR event; the agent re-lists.
+    server.expire_history();
+    churn(server);
+    churn(server);
+    converge(agent, server, RECOVER, "mesh after 410 Gone");
+    assert!(
+        agent.log().contains("too old resource version"),
+        "the 410 must reach the agent:\n{}",
+        tail(&agent.log())
+    );
+
+    // 3. The API server goes away while things change, then comes back on the same port.
+    server.stop();
+    churn(server);
+    server.delete::<Service>("shop", "db").unwrap();
+    server.restart().unwrap();
+    converge(agent, server, RECOVER, "mesh after API server restart");
+
+    // 4. Restart combined with compaction: the resume is refused and the re-list catches up.
+    server.stop();
+    churn(server);
+    server.expire_history();
+    server.restart().unwrap();
+    converge(
+        agent,
+        server,
+        RECOVER,
+        "mesh after restart with compacted history",
+    );
+
+    // And normal operation continues at normal speed.
+    churn(server);
+    converge(agent, server, FOLLOW, "a change after the faults");
+}
+
+#[test]
+fn api_server_down_at_start_keeps_readyz_false_then_recovers() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    server.stop();
+    let cluster = Cluster::start(server, false);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    // The agent says why it is not ready, and is not ready.
+    wait::until("the agent to log the failed list", RECOVER, || {
+        let log = agent.log();
+        log.contains("retrying with backoff")
+            .then_some(())
+            .ok_or_else(|| tail(&log))
+    })
+    .unwrap();
+    let (status, _) = agent.get("/readyz").unwrap();
+    assert_ne!(status, 200, "ready without ever listing");
+    let (status, body) = agent.get("/debug/mesh").unwrap();
+    assert!(
+        status != 200 || !body.contains("/shop/"),
+        "published a mesh without listing: {body}"
+    );
+    // Still retrying a second time (backoff, not a give-up).
+    wait::until("a second retry", RECOVER, || {
+        let log = agent.log();
+        (log.matches("retrying with backoff").count() >= 3)
+            .then_some(())
+            .ok_or_else(|| tail(&log))
+    })
+    .unwrap();
+    assert_ne!(agent.get("/readyz").unwrap().0, 200);
+
+    server.restart().unwrap();
+    wait::until(
+        "readyz after the API server came up",
+        RECOVER,
+        || match agent.get("/readyz") {
+            Ok((200, _)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .unwrap();
+    converge(agent, server, FOLLOW, "mesh after a late API server");
+}
+
+/// Applies one random change; every kind of change the index handles.
+fn random_update(server: &FakeApiServer, rng: &mut StdRng, services: usize, next_ip: &mut u32) {
+    let i = rng.random_range(0..services);
+    let name = format!("svc{i}");
+    let namespace = format!("ns{}", i % 10);
+    let mut ips = |count: usize| -> Vec<String> {
+        (0..count)
+            .map(|_| {
+                *next_ip += 1;
+                ip(*next_ip)
+            })
+            .collect()
+    };
+    match rng.random_range(0..8) {
+        // New endpoints for the service's slice.
+        0..=2 => {
+            let count = rng.random_range(1..=10);
+            server
+                .apply_json(slice(
+                    &namespace,
+                    &format!("{name}-a"),
+                    &name,
+                    json!([{"name": "http", "port": 8080}]),
+                    ready(&ips(count)),
+                ))
+                .unwrap();
+        }
+        // Some endpoints not ready or terminating.
+        3 => {
+            let endpoints: Vec<Value> = ips(4)
+                .into_iter()
+                .enumerate()
+                .map(|(k, ip)| match k {
+                    0 => json!({"addresses": [ip], "conditions": {"ready": false}}),
+                    1 => json!({"addresses": [ip], "conditions": {"terminating": true, "ready": false}}),
+                    _ => json!({"addresses": [ip]}),
+                })
+                .collect();
+            server
+                .apply_json(slice(
+                    &namespace,
+                    &format!("{name}-a"),
+                    &name,
+                    json!([{"name": "http", "port": 8080}]),
+                    endpoints.into(),
+                ))
+                .unwrap();
+        }
+        // A second slice, or its removal.
+        4 => {
+            if rng.random_bool(0.5) {
+                server
+                    .apply_json(slice(
+                        &namespace,
+                        &format!("{name}-b"),
+                        &name,
+                        json!([{"name": "http", "port": 8081}]),
+                        ready(&ips(2)),
+                    ))
+                    .unwrap();
+            } else {
+                server
+                    .delete::<EndpointSlice>(&namespace, &format!("{name}-b"))
+                    .unwrap();
+            }
+        }
+        // The service's ports change shape.
+        5 => {
+            let ports = if rng.random_bool(0.5) {
+                json!([{"name": "http", "port": 80}, {"name": "tcp-admin", "port": 9000}])
+            } else {
+                json!([{"name": "http", "port": 80, "appProtocol": "kubernetes.io/h2c"}])
+            };
+            server
+                .apply_json(service(&namespace, &name, ports))
+                .unwrap();
+        }
+        // Deleted, or back.
+        6 => {
+            if rng.random_bool(0.5) {
+                server.delete::<Service>(&namespace, &name).unwrap();
+            } else {
+                server
+                    .apply_json(service(
+                        &namespace,
+                        &name,
+                        json!([{"name": "http", "port": 80}]),
+                    ))
+                    .unwrap();
+            }
+        }
+        // Moved to an annotated path.
+        _ => {
+            let mut svc = service(&namespace, &name, json!([{"name": "http", "port": 80}]));
+            svc["metadata"]["annotations"] = json!({PATH_ANNOTATION: format!("/moved/{name}")});
+            server.apply_json(svc).unwrap();
+        }
+    }
+}
+
+/// `services` Services in 10 namespaces, each with one slice of `per` ready endpoints.
+fn populate(server: &FakeApiServer, services: usize, per: usize) {
+    for i in 0..services {
+        let name = format!("svc{i}");
+        let namespace = format!("ns{}", i % 10);
+        server
+            .apply_json(service(
+                &namespace,
+                &name,
+                json!([{"name": "http", "port": 80}]),
+            ))
+            .unwrap();
+        let ips: Vec<String> = (0..per).map(|k| ip((i * per + k) as u32)).collect();
+        server
+            .apply_json(slice(
+                &namespace,
+                &format!("{name}-a"),
+                &name,
+                json!([{"name": "http", "port": 8080}]),
+                ready(&ips),
+            ))
+            .unwrap();
+    }
+}
+
+#[test]
+fn thousand_services_then_thousand_random_updates_end_at_the_truth() {
+    let server = FakeApiServer::start().unwrap();
+    populate(&server, 1000, 10);
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    converge(agent, server, RECOVER, "1000 services × 10 endpoints");
+    let seed: u64 = rand::rng().random();
+    println!("random updates with seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut next_ip = 1_000_000;
+    for _ in 0..1000 {
+        random_update(server, &mut rng, 1000, &mut next_ip);
+    }
+    let took = converge(agent, server, RECOVER, "mesh after 1000 random updates");
+    println!("1000 random updates (seed {seed}) converged {took:?} after the last one");
+}
+
+/// The agent's resident set size, from /proc, found by its unique admin address.
+fn agent_rss_kib(agent: &Agent) -> Option<u64> {
+    let needle = format!("--admin-addr={}", agent.admin);
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if !cmdline.contains(&needle) || !cmdline.contains("lattice-agent") {
+                return None;
+            }
+            let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+}
+
+/// Scale figures (printed, not asserted): time from start to ready and RSS with
+/// `LATTICE_BENCH_SERVICES` services (default 10k) of 10 endpoints each. The last line is
+/// JSON, for `cargo xtask bench`.
+#[test]
+#[ignore = "scale run; prints figures: cargo test -p lattice-e2e --test kube -- --ignored --nocapture scale"]
+fn scale_10k_services_100k_endpoints_rss_and_time_to_ready() {
+    let services: usize = std::env::var("LATTICE_BENCH_SERVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let per = 10;
+    let server = FakeApiServer::start().unwrap();
+    let populate_start = Instant::now();
+    populate(&server, services, per);
+    println!(
+        "populated {services} services in {:?}",
+        populate_start.elapsed()
+    );
+    let start = Instant::now();
+    let cluster = Cluster::start(server, false);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    wait::until(
+        "agent ready at scale",
+        Duration::from_secs(300),
+        || match agent.get("/readyz") {
+            Ok((200, _)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .unwrap();
+    let ready = start.elapsed();
+    let rss_ready = agent_rss_kib(agent);
+    converge(agent, server, RECOVER, "scale mesh");
+    // Steady state after some churn, so the figure includes a few snapshot generations.
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut next_ip = 10_000_000;
+    for _ in 0..1000 {
+        random_update(server, &mut rng, services, &mut next_ip);
+    }
+    let churn_start = Instant::now();
+    converge(agent, server, RECOVER, "scale mesh after churn");
+    let churn = churn_start.elapsed();
+    let rss_after = agent_rss_kib(agent);
+    let report = json!({
+        "services": services,
+        "endpoints": services * per,
+        "start_to_ready_ms": ready.as_millis() as u64,
+        "rss_at_ready_mib": rss_ready.map(|k| k as f64 / 1024.0),
+        "rss_after_1000_updates_mib": rss_after.map(|k| k as f64 / 1024.0),
+        "converge_after_1000_updates_ms": churn.as_millis() as u64,
+    });
+    println!("BENCH_KUBE_JSON {report}");
+}
