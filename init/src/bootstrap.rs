@@ -1,0 +1,157 @@
+//! Owns the Envoy v3 bootstrap: config → JSON value. Pure; writing the file is the caller's job.
+//!
+//! Envoy gets only what it needs to reach the node agent: the node identity, admin on loopback,
+//! one static HTTP/2 cluster for the agent's xDS, and ADS for clusters and listeners. Both
+//! subscriptions have `initial_fetch_timeout: 0s`, which Envoy defines as "wait indefinitely
+//! for the first response" (the default, 15s, would let Envoy go live on a partial config).
+
+use serde_json::{Value, json};
+
+use crate::config::{BootstrapConfig, XdsHost, XdsMode};
+
+/// The Envoy node cluster every Lattice sidecar reports.
+pub const NODE_CLUSTER: &str = "lattice";
+/// The static cluster that points at the node agent's xDS server.
+pub const XDS_CLUSTER: &str = "lattice-xds";
+/// Envoy admin: loopback only, so nothing outside the pod reaches it.
+pub const ADMIN_ADDRESS: &str = "127.0.0.1";
+pub const ADMIN_PORT: u16 = 15000;
+
+/// The bootstrap for `config`, ready to serialize.
+pub fn bootstrap(config: &BootstrapConfig) -> Value {
+    let api_type = match config.mode {
+        XdsMode::Delta => "DELTA_GRPC",
+        XdsMode::Sotw => "GRPC",
+    };
+    let (address, cluster_type) = match &config.xds.host {
+        XdsHost::Ip(ip) => (ip.to_string(), "STATIC"),
+        XdsHost::Name(name) => (name.clone(), "LOGICAL_DNS"),
+    };
+    let from_ads = json!({
+        "ads": {},
+        "resource_api_version": "V3",
+        "initial_fetch_timeout": "0s",
+    });
+    json!({
+        "node": {
+            "id": config.node_id,
+            "cluster": NODE_CLUSTER,
+        },
+        "admin": {
+            "address": socket_address(ADMIN_ADDRESS, ADMIN_PORT),
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": api_type,
+                "transport_api_version": "V3",
+                "grpc_services": [{ "envoy_grpc": { "cluster_name": XDS_CLUSTER } }],
+            },
+            "cds_config": from_ads.clone(),
+            "lds_config": from_ads,
+        },
+        "static_resources": {
+            "clusters": [{
+                "name": XDS_CLUSTER,
+                "type": cluster_type,
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": { "http2_protocol_options": {} },
+                    },
+                },
+                "load_assignment": {
+                    "cluster_name": XDS_CLUSTER,
+                    "endpoints": [{
+                        "lb_endpoints": [{
+                            "endpoint": { "address": socket_address(&address, config.xds.port) },
+                        }],
+                    }],
+                },
+            }],
+        },
+    })
+}
+
+fn socket_address(address: &str, port: u16) -> Value {
+    json!({ "socket_address": { "address": address, "port_value": port } })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::XdsAddress;
+
+    fn config(mode: XdsMode, xds: &str) -> BootstrapConfig {
+        BootstrapConfig {
+            node_id: "web-0.shop".into(),
+            xds: XdsAddress::parse(xds).unwrap(),
+            mode,
+        }
+    }
+
+    #[test]
+    fn golden_delta_bootstrap() {
+        let expected = json!({
+            "node": { "id": "web-0.shop", "cluster": "lattice" },
+            "admin": { "address": { "socket_address": { "address": "127.0.0.1", "port_value": 15000 } } },
+            "dynamic_resources": {
+                "ads_config": {
+                    "api_type": "DELTA_GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{ "envoy_grpc": { "cluster_name": "lattice-xds" } }]
+                },
+                "cds_config": { "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s" },
+                "lds_config": { "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s" }
+            },
+            "static_resources": { "clusters": [{
+                "name": "lattice-xds",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": { "http2_protocol_options": {} }
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": "lattice-xds",
+                    "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {
+                        "socket_address": { "address": "10.0.0.1", "port_value": 15010 }
+                    } } }] }]
+                }
+            }] }
+        });
+        assert_eq!(
+            bootstrap(&config(XdsMode::Delta, "10.0.0.1:15010")),
+            expected
+        );
+    }
+
+    #[test]
+    fn sotw_uses_plain_grpc() {
+        let value = bootstrap(&config(XdsMode::Sotw, "10.0.0.1:15010"));
+        assert_eq!(value["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
+    }
+
+    #[test]
+    fn a_host_name_is_resolved_by_envoy() {
+        let value = bootstrap(&config(
+            XdsMode::Delta,
+            "lattice-agent.lattice-system:15010",
+        ));
+        let cluster = &value["static_resources"]["clusters"][0];
+        assert_eq!(cluster["type"], "LOGICAL_DNS");
+        let address = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"];
+        assert_eq!(address["address"], "lattice-agent.lattice-system");
+    }
+
+    #[test]
+    fn ipv6_agent_address_is_bare() {
+        let value = bootstrap(&config(XdsMode::Delta, "[fd00::1]:15010"));
+        let address = &value["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]
+            ["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        assert_eq!(address["address"], "fd00::1");
+    }
+}
