@@ -101,6 +101,16 @@ pub(crate) fn handle(
 /// and TTLs unchanged; the client's id, question (letter case) and EDNS.
 pub(crate) fn relay(request: &Message, mut upstream: Message, transport: Transport) -> Vec<u8> {
     upstream.metadata.id = request.metadata.id;
+    // Records owned by the question name carry the client's letter case, as the question does
+    // (answers from the cache were stored with another client's case).
+    if let Some(question) = request.queries.first() {
+        for record in &mut upstream.answers {
+            if record.name.eq_ignore_root(question.name()) && !record.name.eq_case(question.name())
+            {
+                record.name = question.name().clone();
+            }
+        }
+    }
     upstream.queries.clone_from(&request.queries);
     upstream.edns = echo_edns(request);
     upstream.signature = None;
