@@ -139,3 +139,63 @@ pub(crate) fn answer(
     }
     Some(len)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::op::{Edns, Message, Query};
+    use hickory_proto::rr::{Name, RecordType};
+
+    fn table() -> NameTable {
+        NameTable::new([(
+            "buzz.bar.foo.system.internal".to_string(),
+            "240.240.0.1".parse().unwrap(),
+        )])
+    }
+
+    fn query(name: &str, qtype: RecordType, edns: bool) -> Vec<u8> {
+        let mut m = Message::query();
+        m.metadata.recursion_desired = true;
+        m.add_query(Query::query(Name::from_ascii(name).unwrap(), qtype));
+        if edns {
+            m.set_edns(Edns::new());
+        }
+        m.to_vec().unwrap()
+    }
+
+    #[test]
+    fn answers_a_queries_for_mesh_names_with_the_query_id_case_and_ttl() {
+        let mut out = [0u8; 512];
+        for edns in [false, true] {
+            let q = query("BUZZ.bar.foo.system.internal.", RecordType::A, edns);
+            let len =
+                answer(&table(), 42, &q, Transport::Udp, &mut out).expect("fast path answers");
+            let reply = Message::from_vec(&out[..len]).unwrap();
+            assert_eq!(reply.metadata.id, u16::from_be_bytes([q[0], q[1]]));
+            assert!(reply.metadata.authoritative && reply.metadata.recursion_desired);
+            assert_eq!(
+                reply.queries[0].name().to_ascii(),
+                "BUZZ.bar.foo.system.internal."
+            );
+            assert_eq!(reply.answers[0].ttl, 42);
+            assert_eq!(reply.answers[0].data.to_string(), "240.240.0.1");
+            assert_eq!(reply.edns.is_some(), edns);
+        }
+    }
+
+    #[test]
+    fn leaves_everything_else_to_the_general_path() {
+        let mut out = [0u8; 512];
+        let t = table();
+        for q in [
+            query("buzz.bar.foo.system.internal.", RecordType::AAAA, false),
+            query("nope.system.internal.", RecordType::A, false),
+            query("example.com.", RecordType::A, false),
+        ] {
+            assert!(answer(&t, 30, &q, Transport::Udp, &mut out).is_none());
+        }
+        let mut notify = query("buzz.bar.foo.system.internal.", RecordType::A, false);
+        notify[2] |= 4 << 3;
+        assert!(answer(&t, 30, &notify, Transport::Udp, &mut out).is_none());
+    }
+}

@@ -1,0 +1,386 @@
+//! `cargo xtask bench` — DNS (issues 5 and 8): dnsperf against the lattice DNS server, unbound and
+//! knot, all serving the same 1000 mesh names, each server pinned to core 0 and dnsperf to core 1,
+//! in one run. Mesh names are compared across the three; forwarded names (a zone that knot serves
+//! as the upstream) between lattice and unbound, both with warm caches.
+//!
+//! The lattice server is `dns/examples/bench_server.rs` (one thread, one UDP socket), built in
+//! release mode. Everything listens on 127.0.0.1 only.
+
+use std::fmt::Write as _;
+use std::net::UdpSocket;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+const NAMES: u32 = 1000;
+const SERVER_CORE: &str = "0";
+const CLIENT_CORE: &str = "1";
+
+/// Runs the benchmark and returns its figures; `smoke` runs each phase for one second.
+pub fn run(smoke: bool) -> anyhow::Result<Value> {
+    let seconds = if smoke { 1 } else { 10 };
+    let work = WorkDir::new()?;
+    let dir = work.path();
+    write_files(dir)?;
+    let bench_server = build_bench_server()?;
+
+    let knot_port = free_port()?;
+    let knot = Server::start(
+        "knot",
+        Command::new("knotd")
+            .arg("-c")
+            .arg(knot_config(dir, knot_port)?),
+        knot_port,
+    )?;
+    let unbound_port = free_port()?;
+    let unbound = Server::start(
+        "unbound",
+        Command::new("unbound")
+            .arg("-d")
+            .arg("-c")
+            .arg(unbound_config(dir, unbound_port, knot_port)?),
+        unbound_port,
+    )?;
+    let lattice_port = free_port()?;
+    let lattice = Server::start(
+        "lattice",
+        Command::new(&bench_server).args([
+            "--listen",
+            &format!("127.0.0.1:{lattice_port}"),
+            "--names",
+            &NAMES.to_string(),
+            "--upstream",
+            &format!("127.0.0.1:{knot_port}"),
+        ]),
+        lattice_port,
+    )?;
+
+    let mesh_queries = dir.join("mesh.queries");
+    let forwarded_queries = dir.join("forwarded.queries");
+    let mut results = serde_json::Map::new();
+    let mut mesh = serde_json::Map::new();
+    for server in [&lattice, &unbound, &knot] {
+        mesh.insert(
+            server.name.into(),
+            dnsperf(server.port, &mesh_queries, seconds, None)?,
+        );
+    }
+    let mut forwarded = serde_json::Map::new();
+    for server in [&lattice, &unbound] {
+        // One pass to fill the cache, so both serve forwarded names from memory.
+        dnsperf_once(server.port, &forwarded_queries)?;
+        forwarded.insert(
+            server.name.into(),
+            dnsperf(server.port, &forwarded_queries, seconds, None)?,
+        );
+    }
+    // Latency compared at the same offered load: half of the slowest server's saturation rate,
+    // so the figures measure service time rather than queueing.
+    let slowest = ["lattice", "unbound", "knot"]
+        .iter()
+        .filter_map(|s| mesh[*s]["qps"].as_f64())
+        .fold(f64::INFINITY, f64::min);
+    let rate = ((slowest / 2.0) as u64).max(1000);
+    let mut latency = serde_json::Map::new();
+    for server in [&lattice, &unbound, &knot] {
+        latency.insert(
+            server.name.into(),
+            dnsperf(server.port, &mesh_queries, seconds.min(5), Some(rate))?,
+        );
+    }
+    let ratio = |section: &serde_json::Map<String, Value>, a: &str, b: &str, key: &str| {
+        let (a, b) = (
+            section[a][key].as_f64().unwrap_or(0.0),
+            section[b][key].as_f64().unwrap_or(0.0),
+        );
+        if b > 0.0 { json!(a / b) } else { Value::Null }
+    };
+    results.insert(
+        "ratios".into(),
+        json!({
+            "mesh_qps_lattice_over_unbound": ratio(&mesh, "lattice", "unbound", "qps"),
+            "mesh_qps_lattice_over_knot": ratio(&mesh, "lattice", "knot", "qps"),
+            "forwarded_qps_lattice_over_unbound": ratio(&forwarded, "lattice", "unbound", "qps"),
+            "p99_latency_lattice_over_unbound": ratio(&latency, "lattice", "unbound", "p99_ms"),
+            "p99_latency_lattice_over_knot": ratio(&latency, "lattice", "knot", "p99_ms"),
+        }),
+    );
+    results.insert("mesh_names_saturated".into(), Value::Object(mesh));
+    results.insert("forwarded_names_saturated".into(), Value::Object(forwarded));
+    results.insert(
+        format!("mesh_names_latency_at_{rate}_qps"),
+        Value::Object(latency),
+    );
+    results.insert(
+        "setup".into(),
+        json!({
+            "names": NAMES,
+            "seconds_per_phase": seconds,
+            "server_core": SERVER_CORE,
+            "dnsperf_core": CLIENT_CORE,
+            "lattice": "dns/examples/bench_server.rs (release, current-thread runtime, one SO_REUSEPORT socket)",
+            "unbound": "num-threads 1, module-config iterator, local-data for the mesh, forward-zone to knot",
+            "knot": "udp-workers 1, zone files for the mesh and the forwarded zone",
+        }),
+    );
+    drop((lattice, unbound, knot));
+    Ok(Value::Object(results))
+}
+
+/// A temporary directory removed on drop.
+struct WorkDir(PathBuf);
+
+impl WorkDir {
+    fn new() -> anyhow::Result<Self> {
+        let path = std::env::temp_dir().join(format!("lattice-bench-dns-{}", std::process::id()));
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A server under test, pinned to the server core, killed on drop.
+struct Server {
+    name: &'static str,
+    port: u16,
+    child: Child,
+}
+
+impl Server {
+    fn start(name: &'static str, command: &mut Command, port: u16) -> anyhow::Result<Self> {
+        let program = command.get_program().to_owned();
+        let args: Vec<_> = command.get_args().map(ToOwned::to_owned).collect();
+        let child = Command::new("taskset")
+            .args(["-c", SERVER_CORE])
+            .arg(&program)
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {name} ({})", program.to_string_lossy()))?;
+        let mut server = Self { name, port, child };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let probe = Command::new("dig")
+                .args([
+                    "@127.0.0.1",
+                    "-p",
+                    &port.to_string(),
+                    "+tries=1",
+                    "+time=1",
+                    "svc0.ns0.system.internal",
+                ])
+                .output()?;
+            if String::from_utf8_lossy(&probe.stdout).contains("status: NOERROR") {
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                bail!("{name} exited before answering: {status}");
+            }
+            if Instant::now() > deadline {
+                bail!("{name} did not answer svc0.ns0.system.internal on port {port} within 15 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn mesh_name(i: u32) -> String {
+    format!("svc{i}.ns{}.system.internal", i % 10)
+}
+
+fn mesh_addr(i: u32) -> String {
+    format!("240.240.{}.{}", i / 250, i % 250 + 1)
+}
+
+fn write_files(dir: &Path) -> anyhow::Result<()> {
+    let mut mesh_zone = String::from(
+        "$ORIGIN system.internal.\n$TTL 30\n@ SOA ns hostmaster 1 3600 600 86400 30\n@ NS ns\nns A 127.0.0.1\n",
+    );
+    let mut forwarded_zone = String::from(
+        "$ORIGIN bench.example.\n$TTL 3600\n@ SOA ns hostmaster 1 3600 600 86400 300\n@ NS ns\nns A 127.0.0.1\n",
+    );
+    let (mut mesh_queries, mut forwarded_queries) = (String::new(), String::new());
+    for i in 0..NAMES {
+        writeln!(mesh_zone, "{}. A {}", mesh_name(i), mesh_addr(i))?;
+        writeln!(forwarded_zone, "host{i} A 192.0.2.{}", i % 250 + 1)?;
+        writeln!(mesh_queries, "{} A", mesh_name(i))?;
+        writeln!(forwarded_queries, "host{i}.bench.example A")?;
+    }
+    std::fs::write(dir.join("system.internal.zone"), mesh_zone)?;
+    std::fs::write(dir.join("bench.example.zone"), forwarded_zone)?;
+    std::fs::write(dir.join("mesh.queries"), mesh_queries)?;
+    std::fs::write(dir.join("forwarded.queries"), forwarded_queries)?;
+    Ok(())
+}
+
+fn knot_config(dir: &Path, port: u16) -> anyhow::Result<PathBuf> {
+    let d = dir.display();
+    let text = format!(
+        "server:\n    listen: 127.0.0.1@{port}\n    rundir: {d}\n    user: root:root\n    udp-workers: 1\n    tcp-workers: 1\n    background-workers: 1\n\
+         database:\n    storage: {d}\n\
+         log:\n  - target: stderr\n    any: warning\n\
+         zone:\n  - domain: system.internal\n    file: {d}/system.internal.zone\n  - domain: bench.example\n    file: {d}/bench.example.zone\n"
+    );
+    let path = dir.join("knot.conf");
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+fn unbound_config(dir: &Path, port: u16, upstream_port: u16) -> anyhow::Result<PathBuf> {
+    let mut text = format!(
+        "server:\n  interface: 127.0.0.1@{port}\n  port: {port}\n  do-ip6: no\n  do-daemonize: no\n  chroot: \"\"\n  username: \"\"\n  directory: \"{d}\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 0\n  num-threads: 1\n  module-config: \"iterator\"\n  access-control: 127.0.0.0/8 allow\n  do-not-query-localhost: no\n  qname-minimisation: no\n  local-zone: \".\" refuse\n  local-zone: \"bench.example.\" transparent\n  local-zone: \"system.internal.\" static\n  local-data: \"system.internal. 30 IN SOA ns.system.internal. hostmaster.system.internal. 1 3600 600 86400 30\"\n",
+        d = dir.display()
+    );
+    for i in 0..NAMES {
+        writeln!(
+            text,
+            "  local-data: \"{}. 30 IN A {}\"",
+            mesh_name(i),
+            mesh_addr(i)
+        )?;
+    }
+    write!(
+        text,
+        "forward-zone:\n  name: \"bench.example.\"\n  forward-addr: 127.0.0.1@{upstream_port}\nremote-control:\n  control-enable: no\n"
+    )?;
+    let path = dir.join("unbound.conf");
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+/// The `dns/examples/bench_server` binary, built in release mode.
+fn build_bench_server() -> anyhow::Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(cargo);
+    command.args([
+        "build",
+        "--release",
+        "-p",
+        "lattice-dns",
+        "--example",
+        "bench_server",
+        "--message-format=json",
+    ]);
+    // From `cargo xtask`, the workspace is xtask's parent; otherwise the current directory.
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dns/Cargo.toml");
+    if manifest.exists() {
+        command.arg("--manifest-path").arg(manifest);
+    }
+    let output = command
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo build for the DNS bench server")?;
+    if !output.status.success() {
+        bail!("building dns/examples/bench_server failed");
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .find(|path| path.ends_with("bench_server"))
+        .context("cargo did not report the bench_server executable")
+}
+
+fn dnsperf_command(port: u16, queries: &Path) -> Command {
+    let mut command = Command::new("taskset");
+    command
+        .args([
+            "-c",
+            CLIENT_CORE,
+            "dnsperf",
+            "-s",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-d",
+        ])
+        .arg(queries)
+        .args(["-c", "20", "-q", "500", "-t", "2"]);
+    command
+}
+
+fn dnsperf_once(port: u16, queries: &Path) -> anyhow::Result<()> {
+    let status = dnsperf_command(port, queries)
+        .args(["-n", "1"])
+        .stdout(Stdio::null())
+        .status()?;
+    anyhow::ensure!(
+        status.success(),
+        "dnsperf warm-up against port {port} failed"
+    );
+    Ok(())
+}
+
+/// One dnsperf run: saturating (`rate` None) or at a fixed rate with per-query latencies
+/// (`-v`), from which the percentiles come.
+fn dnsperf(port: u16, queries: &Path, seconds: u64, rate: Option<u64>) -> anyhow::Result<Value> {
+    let mut command = dnsperf_command(port, queries);
+    command.args(["-l", &seconds.to_string()]);
+    if let Some(rate) = rate {
+        command.args(["-Q", &rate.to_string(), "-v"]);
+    }
+    let output = command
+        .output()
+        .context("running dnsperf (apt install dnsperf)")?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(
+        output.status.success(),
+        "dnsperf against port {port} failed:\n{text}"
+    );
+    let field = |label: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.trim_start().starts_with(label))?;
+        line.split(':')
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let mut result = json!({
+        "qps": field("Queries per second"),
+        "avg_latency_ms": field("Average Latency (s)").map(|s| s * 1000.0),
+        "queries_completed": field("Queries completed"),
+        "queries_lost": field("Queries lost"),
+    });
+    if rate.is_some() {
+        let mut latencies: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with("> "))
+            .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+            .collect();
+        latencies.sort_by(f64::total_cmp);
+        let percentile = |p: f64| -> Option<f64> {
+            let last = latencies.len().checked_sub(1)?;
+            Some(latencies[((last as f64) * p).round() as usize] * 1000.0)
+        };
+        result["offered_qps"] = json!(rate);
+        result["p50_ms"] = json!(percentile(0.50));
+        result["p99_ms"] = json!(percentile(0.99));
+        result["p999_ms"] = json!(percentile(0.999));
+    }
+    Ok(result)
+}
