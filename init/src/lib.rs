@@ -49,6 +49,8 @@ pub enum InitError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("could not write the dry-run report to stdout: {0}")]
+    Output(std::io::Error),
     #[error("could not start the async runtime for netlink: {0}")]
     Runtime(std::io::Error),
     #[error(
@@ -193,6 +195,10 @@ pub fn execute(plan: &Plan) -> Result<(), InitError> {
     Ok(())
 }
 
+fn backend_forced(choice: BackendChoice) -> bool {
+    choice != BackendChoice::Auto
+}
+
 /// Puts back the families in `done`, newest first.
 fn roll_back(done: &[&FamilyPlan]) -> Result<(), (Family, IptablesError)> {
     for applied in done.iter().rev() {
@@ -212,8 +218,8 @@ fn roll_back(done: &[&FamilyPlan]) -> Result<(), (Family, IptablesError)> {
 
 /// Plans `--cleanup`: every family of the forced backend, or of every backend holding our rules.
 /// Families whose binaries are missing hold nothing of ours.
-pub fn plan_cleanup(backend: BackendChoice) -> Result<Vec<FamilyPlan>, InitError> {
-    let backends: &[Backend] = match backend {
+pub fn plan_cleanup(backend_choice: BackendChoice) -> Result<Vec<FamilyPlan>, InitError> {
+    let backends: &[Backend] = match backend_choice {
         BackendChoice::Nft => &[Backend::Nft],
         BackendChoice::Legacy => &[Backend::Legacy],
         BackendChoice::Auto => &[Backend::Nft, Backend::Legacy],
@@ -223,6 +229,12 @@ pub fn plan_cleanup(backend: BackendChoice) -> Result<Vec<FamilyPlan>, InitError
         for family in Family::ALL {
             let tools = match Tools::find(*backend, family) {
                 Ok(tools) => tools,
+                // A forced backend must at least serve IPv4; IPv6 tools may be absent.
+                Err(err @ IptablesError::MissingBinary { .. })
+                    if backend_forced(backend_choice) && family == Family::V4 =>
+                {
+                    return Err(err.into());
+                }
                 Err(IptablesError::MissingBinary { .. }) => continue,
                 Err(other) => return Err(other.into()),
             };
@@ -403,11 +415,7 @@ fn dry_run(config: &InitConfig, out: &mut impl std::io::Write) -> Result<(), Ini
             );
         }
     }
-    out.write_all(report.as_bytes())
-        .map_err(|source| InitError::Bootstrap {
-            path: PathBuf::from("<stdout>"),
-            source,
-        })
+    out.write_all(report.as_bytes()).map_err(InitError::Output)
 }
 
 fn pretty(value: &serde_json::Value) -> String {

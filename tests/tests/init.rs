@@ -269,7 +269,7 @@ fn rerun_is_byte_identical_and_cleanup_restores_the_previous_ruleset() {
         }
         let before = snapshot(&pod);
 
-        let (_, apply) = init_ok(&pod, &["--iptables-backend", backend]);
+        let (applied, apply) = init_ok(&pod, &["--iptables-backend", backend]);
         let installed = snapshot(&pod);
         let ours = save(&pod, backend, "iptables");
         assert!(
@@ -281,7 +281,7 @@ fn rerun_is_byte_identical_and_cleanup_restores_the_previous_ruleset() {
             assert!(installed.contains(foreign), "{backend}: lost {foreign:?}");
         }
 
-        let (_, rerun) = init_ok(&pod, &["--iptables-backend", backend]);
+        let (rerun_output, rerun) = init_ok(&pod, &["--iptables-backend", backend]);
         assert_eq!(
             snapshot(&pod),
             installed,
@@ -294,6 +294,31 @@ fn rerun_is_byte_identical_and_cleanup_restores_the_previous_ruleset() {
             "{backend}: auto re-run changed the ruleset"
         );
         let log = String::from_utf8_lossy(&auto_output.stderr);
+        assert!(log.contains("nothing to apply"), "{backend}: {log}");
+
+        // A tampered chain is rewritten (not appended to) back to the same bytes.
+        pod.exec(
+            &ipt,
+            &[
+                "-t",
+                "nat",
+                "-I",
+                "LATTICE_OUTPUT",
+                "1",
+                "-d",
+                "192.0.2.77/32",
+                "-j",
+                "RETURN",
+            ],
+        )
+        .unwrap();
+        let (rewritten, rewrite) = init_ok(&pod, &["--iptables-backend", backend]);
+        assert_eq!(
+            snapshot(&pod),
+            installed,
+            "{backend}: rewriting a tampered chain did not restore it"
+        );
+
         assert!(
             log.contains(&format!("backend={backend}")),
             "{backend}: {log}"
@@ -321,15 +346,30 @@ fn rerun_is_byte_identical_and_cleanup_restores_the_previous_ruleset() {
             "{backend}: second cleanup changed something"
         );
         println!(
-            "lattice-init timings ({backend}, process wall time): apply {}, re-run {}, \
-             auto re-run {}, cleanup {}, no-op cleanup {}",
+            "lattice-init timings ({backend}; process wall time, in-process time in brackets): \
+             apply {} [{}], re-run {} [{}], auto-detect re-run {}, re-run rewriting a tampered \
+             chain {} [{}], cleanup {}, no-op cleanup {}",
             ms(apply),
+            logged_elapsed(&applied),
             ms(rerun),
+            logged_elapsed(&rerun_output),
             ms(auto_rerun),
+            ms(rewrite),
+            logged_elapsed(&rewritten),
             ms(cleanup),
             ms(cleanup_again)
         );
     }
+}
+
+/// The `elapsed_ms` that `lattice-init` logs for its own work (config to rules in place).
+fn logged_elapsed(output: &Output) -> String {
+    let log = String::from_utf8_lossy(&output.stderr);
+    log.split("elapsed_ms=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|value| value.parse::<f64>().ok())
+        .map_or("?".into(), |value| format!("{value:.1} ms"))
 }
 
 /// (f) every bad input exits non-zero, names the problem, and leaves every ruleset unchanged,
