@@ -226,10 +226,14 @@ struct Cluster {
 impl Cluster {
     /// Starts the agent against `server`; `up` says whether to wait for readiness.
     fn start(server: FakeApiServer, up: bool) -> Cluster {
+        Cluster::start_with(server, up, &[])
+    }
+
+    fn start_with(server: FakeApiServer, up: bool, args: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         server.write_kubeconfig(&kubeconfig).unwrap();
-        let agent = Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.to_str().unwrap())]);
+        let agent = Agent::start_with_env(args, &[("KUBECONFIG", kubeconfig.to_str().unwrap())]);
         if up {
             agent.wait_ready().unwrap();
         }
@@ -386,6 +390,52 @@ fn services_and_slices_appear_and_changes_follow_within_a_second() {
         agent.log().contains("IPv6"),
         "the ignored IPv6 slice must be logged"
     );
+}
+
+#[test]
+fn namespace_flag_limits_the_watch_and_relists_per_namespace() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let http = json!([{"name": "http", "port": 80}]);
+    for ns in ["other", "third"] {
+        server.apply_json(service(ns, "web", http.clone())).unwrap();
+        server
+            .apply_json(slice(ns, "web-1", "web", http.clone(), ready(&[ip(50)])))
+            .unwrap();
+    }
+    let cluster = Cluster::start_with(server, true, &["--namespace=shop,other"]);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    let in_scope = |server: &FakeApiServer| -> Mesh {
+        truth(server)
+            .into_iter()
+            .filter(|(path, _)| path.starts_with("/shop/") || path.starts_with("/other/"))
+            .collect()
+    };
+    let check = |what: &str, within: Duration| {
+        let expected = in_scope(server);
+        wait::until(what, within, || {
+            let seen = observed(agent)?;
+            (seen == expected)
+                .then_some(())
+                .ok_or_else(|| diff(&expected, &seen))
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", tail(&agent.log())));
+    };
+    check("only the watched namespaces", FOLLOW);
+    server
+        .apply_json(service("third", "late", http.clone()))
+        .unwrap();
+    server
+        .apply_json(service("other", "late", http.clone()))
+        .unwrap();
+    check(
+        "a change in a watched namespace, none from the other",
+        FOLLOW,
+    );
+    // A 410 re-lists each namespace's watch; neither wipes the other's services.
+    server.expire_history();
+    server.delete::<Service>("other", "late").unwrap();
+    check("state after per-namespace re-lists", RECOVER);
 }
 
 #[test]

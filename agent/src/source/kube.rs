@@ -133,11 +133,14 @@ pub async fn run(
     tx: super::SnapshotTx,
     shutdown: CancellationToken,
 ) -> Result<(), KubeSourceError> {
-    let namespaces: Vec<Option<String>> = if config.namespaces.is_empty() {
+    let mut namespaces: Vec<Option<String>> = if config.namespaces.is_empty() {
         vec![None]
     } else {
         config.namespaces.iter().cloned().map(Some).collect()
     };
+    // One watch per namespace: a namespace named twice must not be listed twice.
+    namespaces.sort();
+    namespaces.dedup();
     let mut scopes = Vec::new();
     let mut streams: Vec<Pin<Box<dyn Stream<Item = Tagged> + Send>>> = Vec::new();
     for namespace in &namespaces {
