@@ -150,23 +150,52 @@ impl Drop for Agent {
     }
 }
 
-/// Minimal blocking HTTP/1.0 GET: (status, body).
+/// Minimal blocking HTTP/1.1 GET with `Connection: close`: (status, body). Envoy's admin
+/// refuses HTTP/1.0, and may answer chunked.
 pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let response = String::from_utf8_lossy(&raw);
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("not an HTTP response: {response:.200}"))?;
+    let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("not an HTTP response: {response:.200}"))?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap_or_default();
+        .ok_or_else(|| anyhow::anyhow!("not an HTTP response: {head:.200}"))?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase().starts_with("transfer-encoding:")
+            && l.to_ascii_lowercase().contains("chunked")
+    });
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_string()
+    };
     Ok((status, body))
+}
+
+fn dechunk(mut rest: &str) -> anyhow::Result<String> {
+    let mut out = String::new();
+    loop {
+        let (size, after) = rest
+            .split_once("\r\n")
+            .ok_or_else(|| anyhow::anyhow!("truncated chunked body"))?;
+        let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)?;
+        if size == 0 {
+            return Ok(out);
+        }
+        anyhow::ensure!(after.len() >= size + 2, "truncated chunk");
+        out.push_str(&after[..size]);
+        rest = &after[size + 2..];
+    }
 }
 
 /// Runs the agent to completion (for start-up failures): (exit code, stderr).

@@ -31,10 +31,7 @@ pub enum MeshFileError {
     #[error("mesh file {path}: {message}")]
     Invalid { path: PathBuf, message: String },
     #[error("mesh file {path}: {source}")]
-    Addresses {
-        path: PathBuf,
-        source: AddressError,
-    },
+    Addresses { path: PathBuf, source: AddressError },
     #[error("cannot watch mesh file {path} for changes: {source}")]
     Watch {
         path: PathBuf,
@@ -45,7 +42,8 @@ pub enum MeshFileError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct MeshFile {
-    #[serde(default)]
+    /// Required, so an empty or truncated file is an error rather than an empty mesh: writing
+    /// `services: []` is how to say "no services".
     services: Vec<FileService>,
 }
 
@@ -90,7 +88,9 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
             .map_err(|e| format!("{at}.path: {e}"))?;
         let at = format!("{at} ({path})");
         if !seen.insert(path.clone()) {
-            return Err(format!("{at}: duplicate path {path}: each path may appear once"));
+            return Err(format!(
+                "{at}: duplicate path {path}: each path may appear once"
+            ));
         }
         if service.ports.is_empty() {
             return Err(format!("{at}.ports: a service needs at least one port"));
@@ -109,10 +109,15 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
         let mut port_numbers = HashSet::new();
         for (j, port) in service.ports.iter().enumerate() {
             let number = port_number(port.port).ok_or_else(|| {
-                format!("{at}.ports[{j}].port: {} is out of range 1-65535", port.port)
+                format!(
+                    "{at}.ports[{j}].port: {} is out of range 1-65535",
+                    port.port
+                )
             })?;
             if !port_numbers.insert(number) {
-                return Err(format!("{at}.ports[{j}].port: port {number} is listed twice"));
+                return Err(format!(
+                    "{at}.ports[{j}].port: port {number} is listed twice"
+                ));
             }
             let target = match port.target_port {
                 None => number,
@@ -127,12 +132,27 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
             ports.push(ServicePort {
                 port: number,
                 protocol,
-                endpoints: endpoints.iter().map(|&ip| SocketAddr::new(ip, target)).collect(),
+                endpoints: endpoints
+                    .iter()
+                    .map(|&ip| SocketAddr::new(ip, target))
+                    .collect(),
             });
         }
         specs.push(ServiceSpec::new(path, ports));
     }
     Ok(specs)
+}
+
+/// Changes after which the file is whole again: closed after writing, created, renamed into
+/// place or removed. Plain data writes are skipped, so a file is never read half-written.
+fn is_complete_change(kind: &notify::EventKind) -> bool {
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    match kind {
+        notify::EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        notify::EventKind::Access(_) => false,
+        notify::EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Metadata(_)) => false,
+        _ => true,
+    }
 }
 
 fn port_number(value: i64) -> Option<u16> {
@@ -175,7 +195,11 @@ impl FileSource {
     }
 
     /// Publishes the loaded mesh, then every good edit, until shutdown.
-    pub async fn run(mut self, tx: SnapshotTx, shutdown: CancellationToken) -> Result<(), MeshFileError> {
+    pub async fn run(
+        mut self,
+        tx: SnapshotTx,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshFileError> {
         let snapshot = self.state.snapshot();
         tracing::info!(
             file = %self.path.display(),
@@ -187,24 +211,27 @@ impl FileSource {
 
         let (events_tx, mut events) = mpsc::channel::<()>(1);
         let file_name = self.path.file_name().map(|n| n.to_os_string());
-        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            let relevant = match &event {
-                // ConfigMaps swap a `..data` symlink, so any change in the directory may be ours.
-                Ok(event) => {
-                    event.paths.is_empty()
-                        || event.paths.iter().any(|p| {
-                            p.file_name().map(|n| n.to_os_string()) == file_name
-                                || p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".."))
-                        })
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                let relevant = match &event {
+                    // ConfigMaps swap a `..data` symlink, so any change in the directory may be ours.
+                    Ok(event) => {
+                        is_complete_change(&event.kind)
+                            && (event.paths.is_empty()
+                                || event.paths.iter().any(|p| {
+                                    p.file_name().map(|n| n.to_os_string()) == file_name
+                                        || p.file_name()
+                                            .is_some_and(|n| n.to_string_lossy().starts_with(".."))
+                                }))
+                    }
+                    Err(_) => true,
+                };
+                if relevant {
+                    // A full channel already holds a wake-up; one is enough.
+                    let _ = events_tx.try_send(());
                 }
-                Err(_) => true,
-            };
-            if relevant {
-                // A full channel already holds a wake-up; one is enough.
-                let _ = events_tx.try_send(());
-            }
-        })
-        .map_err(|source| self.watch_error(source))?;
+            })
+            .map_err(|source| self.watch_error(source))?;
         let dir = match self.path.parent() {
             Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
             _ => PathBuf::from("."),
@@ -299,7 +326,11 @@ services:
         let buzz = &specs[0];
         assert_eq!(buzz.path.as_str(), "/foo/bar/buzz");
         assert_eq!(buzz.ports[0].protocol, Protocol::Http);
-        let endpoints: Vec<String> = buzz.ports[0].endpoints.iter().map(|e| e.to_string()).collect();
+        let endpoints: Vec<String> = buzz.ports[0]
+            .endpoints
+            .iter()
+            .map(|e| e.to_string())
+            .collect();
         assert_eq!(endpoints, ["10.200.0.3:9090", "10.200.0.4:9090"]);
         assert!(specs[1].needs_own_address());
     }
@@ -307,11 +338,26 @@ services:
     #[test]
     fn errors_name_the_service_and_field() {
         let cases = [
-            (GOOD.replace("/foo/db", "/foo/bar/buzz"), "duplicate path /foo/bar/buzz"),
-            (GOOD.replace("10.200.0.9", "10.200.0.300"), "services[1] (/foo/db).endpoints[0].address"),
-            (GOOD.replace("5432", "70000"), "services[1] (/foo/db).ports[0].port: 70000 is out of range"),
-            (GOOD.replace("protocol: tcp", "protocol: udp"), "services[1] (/foo/db).ports[0].protocol: unknown protocol \"udp\""),
-            (GOOD.replace("targetPort", "targetPrt"), "unknown field `targetPrt`"),
+            (
+                GOOD.replace("/foo/db", "/foo/bar/buzz"),
+                "duplicate path /foo/bar/buzz",
+            ),
+            (
+                GOOD.replace("10.200.0.9", "10.200.0.300"),
+                "services[1] (/foo/db).endpoints[0].address",
+            ),
+            (
+                GOOD.replace("5432", "70000"),
+                "services[1] (/foo/db).ports[0].port: 70000 is out of range",
+            ),
+            (
+                GOOD.replace("protocol: tcp", "protocol: udp"),
+                "services[1] (/foo/db).ports[0].protocol: unknown protocol \"udp\"",
+            ),
+            (
+                GOOD.replace("targetPort", "targetPrt"),
+                "unknown field `targetPrt`",
+            ),
             (GOOD.replace("/foo/db", "foo/db"), "services[1].path"),
             (GOOD.replace("9090", "0"), "targetPort: 0 is out of range"),
             ("services: [".to_string(), ""),
@@ -323,8 +369,10 @@ services:
     }
 
     #[test]
-    fn an_empty_file_is_an_empty_mesh() {
+    fn only_an_explicit_empty_list_is_an_empty_mesh() {
         assert!(parse("services: []").unwrap().is_empty());
-        assert!(parse("{}").unwrap().is_empty());
+        // An empty or truncated file is far more likely a write in progress than intent.
+        assert!(parse("").is_err());
+        assert!(parse("{}").unwrap_err().contains("services"));
     }
 }

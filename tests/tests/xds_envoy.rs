@@ -1,0 +1,496 @@
+//! The agent's xDS server against a real Envoy, once over SotW (`GRPC`) and once over Delta
+//! (`DELTA_GRPC`) ADS, fed by a mesh file; plus a synthetic client that NACKs.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use lattice_e2e::agent::{Agent, run_to_exit};
+use lattice_e2e::envoy::{AdsMode, Envoy};
+use lattice_e2e::wait;
+
+/// Envoy's outbound listener binds the same port in every test: one Envoy at a time.
+static ENVOY: Mutex<()> = Mutex::new(());
+
+const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
+const DB: &str = "db.foo.system.internal|5432";
+const NEW: &str = "new.foo.system.internal|8080";
+
+/// The mesh file of these tests: service → endpoint addresses (HTTP on 8080, except db).
+fn write_mesh(path: &Path, services: &[(&str, &[&str])]) {
+    let mut text = String::from("services:\n");
+    for (svc, endpoints) in services {
+        let (port, protocol) = if *svc == "/foo/db" {
+            (5432, "tcp")
+        } else {
+            (8080, "http")
+        };
+        text.push_str(&format!(
+            "  - path: {svc}\n    ports:\n      - port: {port}\n        protocol: {protocol}\n    endpoints:\n"
+        ));
+        for e in *endpoints {
+            text.push_str(&format!("      - address: {e}\n"));
+        }
+    }
+    // Write-then-rename, as editors and ConfigMaps do, so the agent never reads half a file.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn expected(pairs: &[(&str, &[&str])]) -> BTreeMap<String, Vec<String>> {
+    pairs
+        .iter()
+        .map(|(c, eps)| (c.to_string(), eps.iter().map(|e| e.to_string()).collect()))
+        .collect()
+}
+
+/// Envoy's dynamic clusters and their endpoints (the static xDS cluster left out).
+fn mesh_clusters(envoy: &Envoy) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let mut clusters = envoy.cluster_endpoints()?;
+    clusters.retain(|name, _| name.contains(".system.internal|"));
+    Ok(clusters)
+}
+
+fn wait_clusters(
+    envoy: &Envoy,
+    want: &BTreeMap<String, Vec<String>>,
+    within: Duration,
+) -> Duration {
+    let start = Instant::now();
+    wait::until("Envoy /clusters to match the mesh", within, || {
+        let got = mesh_clusters(envoy)?;
+        if &got == want {
+            Ok(())
+        } else {
+            Err(format!("{got:?}"))
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}\nenvoy log:\n{}", envoy.log()));
+    start.elapsed()
+}
+
+fn dynamic<'a>(dump: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
+    dump["configs"]
+        .as_array()
+        .and_then(|configs| {
+            configs.iter().find(|c| {
+                c["@type"]
+                    .as_str()
+                    .is_some_and(|t| t.ends_with(&format!(".{kind}")))
+            })
+        })
+        .unwrap_or_else(|| panic!("no {kind} in config_dump"))
+}
+
+fn converges_with_a_real_envoy(mode: AdsMode) {
+    let _one_envoy = ENVOY.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    write_mesh(
+        &mesh,
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3", "10.200.0.4"]),
+            ("/foo/db", &["10.200.0.9"]),
+        ],
+    );
+    let mut agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    agent.wait_ready().unwrap();
+    let node = format!("test-{mode:?}").to_lowercase();
+    let envoy = Envoy::start(&node, agent.xds, mode);
+    envoy.wait_live().unwrap();
+
+    // (a) clusters, endpoints, the listener and the routes.
+    wait_clusters(
+        &envoy,
+        &expected(&[
+            (BUZZ, &["10.200.0.3:8080", "10.200.0.4:8080"]),
+            (DB, &["10.200.0.9:5432"]),
+        ]),
+        Duration::from_secs(5),
+    );
+    let dump = envoy.config_dump().unwrap();
+    let listeners = &dynamic(&dump, "ListenersConfigDump")["dynamic_listeners"];
+    assert_eq!(listeners[0]["name"], "lattice-outbound");
+    let chains = listeners[0]["active_state"]["listener"]["filter_chains"]
+        .as_array()
+        .unwrap();
+    let matches: Vec<String> = chains
+        .iter()
+        .map(|c| {
+            let m = &c["filter_chain_match"];
+            format!(
+                "{}:{}",
+                m["prefix_ranges"][0]["address_prefix"].as_str().unwrap(),
+                m["destination_port"]
+            )
+        })
+        .collect();
+    assert_eq!(matches, ["240.240.0.1:8080", "240.240.0.2:5432"]);
+    let routes = &dynamic(&dump, "RoutesConfigDump")["dynamic_route_configs"][0]["route_config"];
+    assert_eq!(routes["name"], "http.8080");
+    assert_eq!(
+        routes["virtual_hosts"][0]["domains"],
+        serde_json::json!([
+            "buzz.bar.foo.system.internal",
+            "buzz.bar.foo.system.internal:8080"
+        ])
+    );
+
+    // The agent sees the proxy and what it ACKed.
+    wait::until(
+        "/debug/xds to list the proxy with 4 ACKed types",
+        Duration::from_secs(5),
+        || {
+            let (_, body) = agent.get("/debug/xds").map_err(|e| e.to_string())?;
+            let proxies: serde_json::Value =
+                serde_json::from_str(&body).map_err(|e| e.to_string())?;
+            let acked = proxies
+                .as_array()
+                .and_then(|p| p.iter().find(|p| p["node_id"] == node.as_str()))
+                .map(|p| p["acked"].as_object().map(|a| a.len()));
+            if acked == Some(Some(4)) {
+                Ok(())
+            } else {
+                Err(body)
+            }
+        },
+    )
+    .unwrap();
+
+    // (b) live edits, each visible in Envoy within a second, with no Envoy restart.
+    let steps: [&[(&str, &[&str])]; 4] = [
+        // add an endpoint
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3", "10.200.0.4", "10.200.0.5"]),
+            ("/foo/db", &["10.200.0.9"]),
+        ],
+        // remove one
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3", "10.200.0.5"]),
+            ("/foo/db", &["10.200.0.9"]),
+        ],
+        // add a service
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3", "10.200.0.5"]),
+            ("/foo/db", &["10.200.0.9"]),
+            ("/foo/new", &["10.200.0.7"]),
+        ],
+        // remove a service
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3", "10.200.0.5"]),
+            ("/foo/new", &["10.200.0.7"]),
+        ],
+    ];
+    let wants = [
+        expected(&[
+            (
+                BUZZ,
+                &["10.200.0.3:8080", "10.200.0.4:8080", "10.200.0.5:8080"],
+            ),
+            (DB, &["10.200.0.9:5432"]),
+        ]),
+        expected(&[
+            (BUZZ, &["10.200.0.3:8080", "10.200.0.5:8080"]),
+            (DB, &["10.200.0.9:5432"]),
+        ]),
+        expected(&[
+            (BUZZ, &["10.200.0.3:8080", "10.200.0.5:8080"]),
+            (DB, &["10.200.0.9:5432"]),
+            (NEW, &["10.200.0.7:8080"]),
+        ]),
+        expected(&[
+            (BUZZ, &["10.200.0.3:8080", "10.200.0.5:8080"]),
+            (NEW, &["10.200.0.7:8080"]),
+        ]),
+    ];
+    for (step, want) in steps.iter().zip(&wants) {
+        write_mesh(&mesh, step);
+        let took = wait_clusters(&envoy, want, Duration::from_secs(1));
+        eprintln!("{mode:?}: edit visible in Envoy after {took:?}");
+    }
+
+    // A bad edit is rejected and the last good mesh keeps serving.
+    std::fs::write(
+        &mesh,
+        "services:\n  - path: /foo/bar/buzz\n    ports: [{port: 99999}]\n",
+    )
+    .unwrap();
+    wait::until(
+        "the agent to reject the bad edit",
+        Duration::from_secs(5),
+        || {
+            let log = agent.log();
+            if log.contains("mesh file edit rejected") && log.contains("99999 is out of range") {
+                Ok(())
+            } else {
+                Err("no rejection logged".into())
+            }
+        },
+    )
+    .unwrap();
+    assert_eq!(mesh_clusters(&envoy).unwrap(), wants[3]);
+    let served = agent.mesh().unwrap();
+    assert!(
+        served["services"].get("/foo/new").is_some(),
+        "last good mesh still served: {served}"
+    );
+
+    // (c) the agent dies: Envoy keeps its config; the agent comes back with a changed mesh and
+    // Envoy reconnects and converges.
+    agent.kill();
+    assert_eq!(
+        mesh_clusters(&envoy).unwrap(),
+        wants[3],
+        "Envoy dropped its config when the agent died"
+    );
+    write_mesh(
+        &mesh,
+        &[
+            ("/foo/bar/buzz", &["10.200.0.6"]),
+            ("/foo/db", &["10.200.0.9"]),
+        ],
+    );
+    agent.restart();
+    agent.wait_ready().unwrap();
+    wait_clusters(
+        &envoy,
+        &expected(&[(BUZZ, &["10.200.0.6:8080"]), (DB, &["10.200.0.9:5432"])]),
+        Duration::from_secs(15),
+    );
+    let metrics = agent.get("/metrics").unwrap().1;
+    assert!(
+        metrics.contains("lattice_xds_connected_proxies 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("lattice_xds_pushes_total{type=\"cds\"}"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn envoy_over_sotw_ads_converges_follows_edits_and_survives_agent_restart() {
+    converges_with_a_real_envoy(AdsMode::Sotw);
+}
+
+#[test]
+fn envoy_over_delta_ads_converges_follows_edits_and_survives_agent_restart() {
+    converges_with_a_real_envoy(AdsMode::Delta);
+}
+
+fn node() -> Option<Node> {
+    Some(Node {
+        id: "nacker".to_string(),
+        cluster: "lattice".to_string(),
+        ..Node::default()
+    })
+}
+
+fn rejection() -> Option<RpcStatus> {
+    Some(RpcStatus {
+        code: 3,
+        message: "synthetic rejection".to_string(),
+        details: Vec::new(),
+    })
+}
+
+/// (d) A client that NACKs is not sent the same response again: after the NACK, the next
+/// thing on the stream is the response for the next mesh change, nothing in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacking_sotw_client_is_not_sent_the_same_response_in_a_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
+    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    tokio::task::block_in_place(|| agent.wait_ready()).unwrap();
+
+    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{}", agent.xds))
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(DiscoveryRequest {
+        node: node(),
+        type_url: CDS.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut responses = client
+        .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = responses.message().await.unwrap().unwrap();
+    assert_eq!(first.resources.len(), 1);
+    tx.send(DiscoveryRequest {
+        node: node(),
+        type_url: CDS.into(),
+        response_nonce: first.nonce.clone(),
+        error_detail: rejection(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // The NACK is counted once the agent has handled it.
+    wait::until_async("the NACK to be counted", Duration::from_secs(5), || async {
+        let metrics = agent.get("/metrics").map_err(|e| e.to_string())?.1;
+        if metrics.contains("lattice_xds_nacks_total{type=\"cds\"} 1") {
+            Ok(())
+        } else {
+            Err(metrics)
+        }
+    })
+    .await
+    .unwrap();
+
+    write_mesh(
+        &mesh,
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3"]),
+            ("/foo/new", &["10.200.0.7"]),
+        ],
+    );
+    let next = tokio::time::timeout(Duration::from_secs(5), responses.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_ne!(
+        next.version_info, first.version_info,
+        "the NACKed response was sent again"
+    );
+    assert_eq!(next.resources.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacking_delta_client_is_not_sent_the_same_resources_in_a_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
+    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    tokio::task::block_in_place(|| agent.wait_ready()).unwrap();
+
+    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{}", agent.xds))
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(DeltaDiscoveryRequest {
+        node: node(),
+        type_url: CDS.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut responses = client
+        .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = responses.message().await.unwrap().unwrap();
+    assert_eq!(first.resources[0].name, BUZZ);
+    tx.send(DeltaDiscoveryRequest {
+        node: node(),
+        type_url: CDS.into(),
+        response_nonce: first.nonce.clone(),
+        error_detail: rejection(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    wait::until_async("the NACK to be counted", Duration::from_secs(5), || async {
+        let metrics = agent.get("/metrics").map_err(|e| e.to_string())?.1;
+        if metrics.contains("lattice_xds_nacks_total{type=\"cds\"} 1") {
+            Ok(())
+        } else {
+            Err(metrics)
+        }
+    })
+    .await
+    .unwrap();
+
+    write_mesh(
+        &mesh,
+        &[
+            ("/foo/bar/buzz", &["10.200.0.3"]),
+            ("/foo/new", &["10.200.0.7"]),
+        ],
+    );
+    let next = tokio::time::timeout(Duration::from_secs(5), responses.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let names: Vec<&str> = next.resources.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [NEW],
+        "only the new cluster; the NACKed one must not come again"
+    );
+}
+
+#[test]
+fn a_malformed_mesh_file_fails_start_up_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("bad.yaml");
+    std::fs::write(
+        &mesh,
+        "services:\n  - path: /foo/bar\n    ports: [{port: 80, protocol: udp}]\n",
+    )
+    .unwrap();
+    let (code, stderr) = run_to_exit(&[
+        "--mesh-file",
+        mesh.to_str().unwrap(),
+        "--upstream-dns",
+        "127.0.0.1:9",
+        "--xds-addr",
+        "127.0.0.1:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--dns-addr",
+        "127.0.0.1:0",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains(mesh.to_str().unwrap()),
+        "names the file: {stderr}"
+    );
+    assert!(
+        stderr.contains("services[0] (/foo/bar).ports[0].protocol: unknown protocol \"udp\""),
+        "{stderr}"
+    );
+
+    let (code, stderr) = run_to_exit(&["--mesh-file", "/nonexistent/mesh.yaml"]);
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains("cannot read mesh file /nonexistent/mesh.yaml"),
+        "{stderr}"
+    );
+
+    let (code, stderr) = run_to_exit(&["--trap-cidr", "240.240.0.0/33", "--mesh-file", "x"]);
+    assert_eq!(code, Some(2), "usage errors exit 2: {stderr}");
+    assert!(stderr.contains("240.240.0.0/33"), "{stderr}");
+}
+
+#[test]
+fn sigterm_shuts_down_gracefully() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
+    let mut agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    agent.wait_ready().unwrap();
+    assert_eq!(agent.get("/healthz").unwrap().0, 200);
+    let status = agent.terminate().unwrap();
+    assert!(status.success(), "exit status {status}");
+    let log = agent.log();
+    assert!(
+        log.contains("shutting down") && log.contains("stopped"),
+        "{log}"
+    );
+}
