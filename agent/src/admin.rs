@@ -65,7 +65,11 @@ impl AdminServer {
 async fn readyz(State(state): State<AdminState>) -> Response {
     match state.mesh.borrow().as_ref() {
         Some(snapshot) => format!("ready: mesh version {}\n", snapshot.version).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, "not ready: mesh not synced yet\n").into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: mesh not synced yet\n",
+        )
+            .into_response(),
     }
 }
 

@@ -32,7 +32,12 @@ pub struct AgentConfig {
     pub mesh_file: Option<PathBuf>,
 
     /// Kubernetes namespaces to watch (repeat or comma-separate); all namespaces when empty.
-    #[arg(long = "namespace", env = "LATTICE_NAMESPACES", value_delimiter = ',', value_name = "NS")]
+    #[arg(
+        long = "namespace",
+        env = "LATTICE_NAMESPACES",
+        value_delimiter = ',',
+        value_name = "NS"
+    )]
     pub namespaces: Vec<String>,
 
     /// Address of the gRPC ADS server the node's Envoys connect to.
@@ -81,7 +86,8 @@ impl AgentConfig {
 }
 
 fn parse_trap(s: &str) -> Result<TrapCidr, String> {
-    s.parse().map_err(|e: crate::mesh::AddressError| e.to_string())
+    s.parse()
+        .map_err(|e: crate::mesh::AddressError| e.to_string())
 }
 
 fn parse_upstream(s: &str) -> Result<SocketAddr, String> {
@@ -122,9 +128,12 @@ mod tests {
             .to_string();
         assert!(err.contains("resolver"), "{err}");
         assert!(AgentConfig::try_parse_from(["lattice-agent", "--no-such-flag"]).is_err());
-        let config =
-            AgentConfig::try_parse_from(["lattice-agent", "--upstream-dns", "127.0.0.1,[::1]:5353"])
-                .unwrap();
+        let config = AgentConfig::try_parse_from([
+            "lattice-agent",
+            "--upstream-dns",
+            "127.0.0.1,[::1]:5353",
+        ])
+        .unwrap();
         assert_eq!(config.upstream_dns[0].to_string(), "127.0.0.1:53");
         assert_eq!(config.upstream_dns[1].to_string(), "[::1]:5353");
     }

@@ -86,18 +86,29 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let proxies = ProxyRegistry::default();
     let (mesh_tx, mesh_rx) = source::channel();
-    let (pipeline, outputs) = Pipeline::new(mesh_rx.clone(), config.debounce(), metrics.xds.clone());
+    let (pipeline, outputs) =
+        Pipeline::new(mesh_rx.clone(), config.debounce(), metrics.xds.clone());
 
     // Bind everything before serving anything.
     let xds_listener = tokio::net::TcpListener::bind(config.xds_addr)
         .await
-        .with_context(|| format!("cannot bind the xDS server on {} (--xds-addr)", config.xds_addr))?;
+        .with_context(|| {
+            format!(
+                "cannot bind the xDS server on {} (--xds-addr)",
+                config.xds_addr
+            )
+        })?;
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
     let dns = DnsServer::bind(dns_config, outputs.names, metrics.dns.clone()).await?;
     let admin = AdminServer::bind(config.admin_addr, mesh_rx, metrics.clone(), proxies.clone())
         .await
-        .with_context(|| format!("cannot bind the admin server on {} (--admin-addr)", config.admin_addr))?;
+        .with_context(|| {
+            format!(
+                "cannot bind the admin server on {} (--admin-addr)",
+                config.admin_addr
+            )
+        })?;
     tracing::info!(
         xds = %xds_listener.local_addr()?,
         dns = %dns.local_addr(),
@@ -181,8 +192,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
 
 async fn shutdown_signal() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         // Without signal handlers the agent can still be killed; it just cannot drain.
         return std::future::pending().await;
     };

@@ -230,7 +230,9 @@ impl MeshState {
     /// Adds or replaces one service. Returns false (and changes nothing) when it is identical
     /// to what is already there.
     pub fn upsert(&mut self, spec: ServiceSpec) -> Result<bool, AddressError> {
-        let address = self.addresses.assign(&spec.path, spec.needs_own_address())?;
+        let address = self
+            .addresses
+            .assign(&spec.path, spec.needs_own_address())?;
         if let Some(existing) = self.services.get(&spec.path)
             && existing.address == address
             && existing.ports == spec.ports
@@ -334,7 +336,9 @@ mod tests {
     fn tcp_services_get_distinct_own_addresses_stable_under_churn() {
         let mut state = MeshState::new(trap());
         for i in 0..50 {
-            state.upsert(spec(&format!("/t/s{i}"), Protocol::Tcp)).unwrap();
+            state
+                .upsert(spec(&format!("/t/s{i}"), Protocol::Tcp))
+                .unwrap();
         }
         let before = state.snapshot();
         let mut seen = std::collections::HashSet::new();
@@ -342,7 +346,11 @@ mod tests {
             let ServiceAddress::Own(ip) = service.address else {
                 panic!("{} should have its own address", service.path)
             };
-            assert_ne!(ip, Ipv4Addr::new(240, 240, 0, 1), "own address must not be the shared one");
+            assert_ne!(
+                ip,
+                Ipv4Addr::new(240, 240, 0, 1),
+                "own address must not be the shared one"
+            );
             assert!(seen.insert(ip), "address {ip} assigned twice");
         }
         // Churn: remove every other service, add new ones; survivors keep their addresses and
@@ -351,7 +359,9 @@ mod tests {
             assert!(state.remove(&format!("/t/s{i}").parse().unwrap()));
         }
         for i in 50..120 {
-            state.upsert(spec(&format!("/t/s{i}"), Protocol::Tcp)).unwrap();
+            state
+                .upsert(spec(&format!("/t/s{i}"), Protocol::Tcp))
+                .unwrap();
         }
         let after = state.snapshot();
         for (path, service) in &before.services {
@@ -369,20 +379,32 @@ mod tests {
     fn replace_all_changes_only_what_differs_and_is_atomic() {
         let mut state = MeshState::new("240.240.0.0/30".parse().unwrap());
         state
-            .replace_all(vec![spec("/a/http", Protocol::Http), spec("/a/tcp", Protocol::Tcp)])
+            .replace_all(vec![
+                spec("/a/http", Protocol::Http),
+                spec("/a/tcp", Protocol::Tcp),
+            ])
             .unwrap();
         let first = state.snapshot();
         // An identical world publishes no new version and keeps the same Arcs.
         state
-            .replace_all(vec![spec("/a/http", Protocol::Http), spec("/a/tcp", Protocol::Tcp)])
+            .replace_all(vec![
+                spec("/a/http", Protocol::Http),
+                spec("/a/tcp", Protocol::Tcp),
+            ])
             .unwrap();
         let second = state.snapshot();
         assert_eq!(first.version, second.version);
-        assert!(Arc::ptr_eq(&first.services[&"/a/http".parse().unwrap()], &second.services[&"/a/http".parse().unwrap()]));
+        assert!(Arc::ptr_eq(
+            &first.services[&"/a/http".parse().unwrap()],
+            &second.services[&"/a/http".parse().unwrap()]
+        ));
         // /30 has two hosts: .1 is shared, .2 the only own address. A second TCP service
         // cannot fit, and the failed replace leaves the state untouched.
         let err = state
-            .replace_all(vec![spec("/a/tcp", Protocol::Tcp), spec("/a/tcp2", Protocol::Tcp)])
+            .replace_all(vec![
+                spec("/a/tcp", Protocol::Tcp),
+                spec("/a/tcp2", Protocol::Tcp),
+            ])
             .unwrap_err();
         assert!(err.to_string().contains("/a/tcp2"), "{err}");
         let third = state.snapshot();

@@ -32,11 +32,9 @@ impl XdsMetrics {
             pushes: Family::default(),
             nacks: Family::default(),
             snapshot_version: Gauge::default(),
-            push_latency: Histogram::new(
-                [
-                    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
-                ],
-            ),
+            push_latency: Histogram::new([
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+            ]),
         };
         let xds = registry.sub_registry_with_prefix("lattice_xds");
         xds.register(

@@ -75,7 +75,11 @@ impl Pipeline {
                 version = mesh.version,
                 services = mesh.services.len(),
                 endpoints = mesh.endpoint_count(),
-                translate_ms = seen_at.elapsed().saturating_sub(self.debounce).as_secs_f64() * 1e3,
+                translate_ms = seen_at
+                    .elapsed()
+                    .saturating_sub(self.debounce)
+                    .as_secs_f64()
+                    * 1e3,
                 "serving mesh snapshot"
             );
         }

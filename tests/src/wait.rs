@@ -22,7 +22,11 @@ pub fn until<T>(
 }
 
 /// Async variant of [`until`].
-pub async fn until_async<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> anyhow::Result<T>
+pub async fn until_async<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut check: F,
+) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, String>>,
