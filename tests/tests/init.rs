@@ -566,6 +566,103 @@ fn envoy_validate(path: &Path) -> Result<(), String> {
     }
 }
 
+/// The written bootstrap runs a real Envoy inside the pod namespace: the admin API answers on
+/// 127.0.0.1:15000 only, reports the node id and cluster, and Envoy waits for the agent's
+/// clusters instead of going live.
+#[test]
+fn envoy_runs_with_the_bootstrap_and_keeps_admin_on_loopback() {
+    let net = Topology::new("envoyrun");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("envoy.json");
+    init_ok(
+        &net.pod,
+        &[
+            "--bootstrap-out",
+            path.to_str().unwrap(),
+            "--node-id",
+            "web-0.shop",
+            "--xds-address",
+            "10.99.0.2:15010",
+        ],
+    );
+    let mut command = net.pod.command(envoy::binary());
+    command
+        .args(["--disable-hot-restart", "--log-level", "warn", "-c"])
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _envoy = net.pod.spawn(command).unwrap();
+
+    // No agent answers, so CDS has no first response and Envoy waits in PRE_INITIALIZING. (That
+    // the wait is unbounded, `initial_fetch_timeout: 0s`, is asserted on the JSON above; proving
+    // it here would take longer than Envoy's 15 s default.)
+    let info = wait::until("Envoy admin /server_info", Duration::from_secs(30), || {
+        let body = net
+            .pod
+            .enter(|| http_get("127.0.0.1:15000", "/server_info"))
+            .map_err(|err| err.to_string())??;
+        serde_json::from_str::<serde_json::Value>(&body).map_err(|err| err.to_string())
+    })
+    .unwrap();
+    assert_eq!(info["node"]["id"], "web-0.shop", "{info}");
+    assert_eq!(info["node"]["cluster"], "lattice", "{info}");
+    assert_eq!(
+        info["state"], "PRE_INITIALIZING",
+        "Envoy must wait for the agent's clusters: {info}"
+    );
+
+    let from_outside = net
+        .remote
+        .enter(|| TcpStream::connect_timeout(&"10.99.0.1:15000".parse().unwrap(), TIMEOUT))
+        .unwrap();
+    assert!(
+        from_outside.is_err(),
+        "Envoy admin is reachable from outside the pod"
+    );
+}
+
+/// A minimal HTTP/1.1 GET (one request, connection closed) returning the body, or why it failed.
+fn http_get(addr: &str, path: &str) -> Result<String, String> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = TcpStream::connect(addr).map_err(|err| err.to_string())?;
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .map_err(|err| err.to_string())?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|err| err.to_string())?;
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .map_err(|err| err.to_string())?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or("no HTTP header end")?;
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        return Err(head.lines().next().unwrap_or_default().to_owned());
+    }
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Ok(body.to_owned());
+    }
+    let mut decoded = String::new();
+    let mut rest = body;
+    loop {
+        let (size, after) = rest.split_once("\r\n").ok_or("truncated chunk")?;
+        let size = usize::from_str_radix(size.trim(), 16).map_err(|err| err.to_string())?;
+        if size == 0 {
+            return Ok(decoded);
+        }
+        let chunk = after.get(..size).ok_or("truncated chunk")?;
+        decoded.push_str(chunk);
+        rest = after.get(size + 2..).ok_or("truncated chunk")?;
+    }
+}
+
 /// (h) with both backends installed, `auto` follows the rules the namespace already holds and
 /// says why; the other backend is left untouched.
 #[test]
