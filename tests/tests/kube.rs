@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use lattice_e2e::agent::Agent;
+use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::wait;
 use rand::rngs::StdRng;
@@ -436,6 +437,99 @@ fn namespace_flag_limits_the_watch_and_relists_per_namespace() {
     server.expire_history();
     server.delete::<Service>("other", "late").unwrap();
     check("state after per-namespace re-lists", RECOVER);
+}
+
+/// Envoy's mesh clusters (`name|port`) and their endpoints.
+fn envoy_clusters(envoy: &Envoy) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let mut clusters = envoy.cluster_endpoints()?;
+    clusters.retain(|name, _| name.contains(".system.internal|"));
+    Ok(clusters)
+}
+
+fn dig(agent: &Agent, name: &str) -> Option<String> {
+    let out = std::process::Command::new("dig")
+        .args([
+            &format!("@{}", agent.dns.ip()),
+            "-p",
+            &agent.dns.port().to_string(),
+            "+short",
+            "+tries=1",
+            "+time=1",
+            name,
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!text.is_empty()).then_some(text)
+}
+
+#[test]
+fn kubernetes_services_reach_a_real_envoy_and_dns_within_a_second() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    let envoy = Envoy::start("kube-test", agent.xds, AdsMode::Sotw);
+    envoy.wait_live().unwrap();
+    let wait_envoy = |what: &str, want: &[(&str, &[String])], within: Duration| {
+        let want: BTreeMap<String, Vec<String>> = want
+            .iter()
+            .map(|(c, eps)| (c.to_string(), eps.to_vec()))
+            .collect();
+        let start = Instant::now();
+        wait::until(what, within, || {
+            let got = envoy_clusters(&envoy)?;
+            (got == want).then_some(()).ok_or(format!("{got:?}"))
+        })
+        .unwrap_or_else(|e| panic!("{e}\nenvoy log:\n{}", tail(&envoy.log())));
+        start.elapsed()
+    };
+    let ep = |n: u32, port: u16| format!("{}:{port}", ip(n));
+    wait_envoy(
+        "Envoy clusters from Kubernetes",
+        &[
+            ("db.shop.system.internal|5432", &[ep(10, 5432)]),
+            ("web.shop.system.internal|80", &[ep(1, 8080), ep(2, 8080)]),
+        ],
+        Duration::from_secs(10),
+    );
+    assert_eq!(
+        dig(agent, "web.shop.system.internal").as_deref(),
+        Some("240.240.0.1")
+    );
+
+    server
+        .apply_json(slice(
+            "shop",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": 8080}]),
+            ready(&[ip(2), ip(3)]),
+        ))
+        .unwrap();
+    server
+        .apply_json(service(
+            "shop",
+            "api",
+            json!([{"name": "http", "port": 8000}]),
+        ))
+        .unwrap();
+    let took = wait_envoy(
+        "Envoy follows a slice change and a new service",
+        &[
+            ("api.shop.system.internal|8000", &[]),
+            ("db.shop.system.internal|5432", &[ep(10, 5432)]),
+            ("web.shop.system.internal|80", &[ep(2, 8080), ep(3, 8080)]),
+        ],
+        FOLLOW,
+    );
+    println!("Envoy followed in {took:?}");
+    let start = Instant::now();
+    wait::until("DNS answers for the new service", FOLLOW, || {
+        dig(agent, "api.shop.system.internal").ok_or_else(|| "no answer".to_string())
+    })
+    .unwrap();
+    println!("DNS followed in {:?}", start.elapsed());
 }
 
 #[test]
