@@ -62,6 +62,12 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_UPSTREAM_DNS", value_delimiter = ',', value_name = "ADDR", value_parser = parse_upstream)]
     pub upstream_dns: Vec<SocketAddr>,
 
+    /// Add this link-local address to the node (dummy link `lattice-dns0`, or `lo`) before the
+    /// DNS server binds, and remove it on shutdown; pods use it as their nameserver. Needs
+    /// CAP_NET_ADMIN. --dns-addr must listen on it. The manifests use 169.254.20.10.
+    #[arg(long, env = "LATTICE_NODE_LOCAL_DNS", value_name = "ADDR")]
+    pub node_local_dns: Option<std::net::IpAddr>,
+
     /// TTL, in seconds, of answers for mesh names.
     #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
     pub dns_ttl: u32,

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod config;
 pub mod mesh;
 pub mod metrics;
+pub mod node_dns;
 pub mod pipeline;
 pub mod source;
 pub mod translate;

@@ -11,6 +11,7 @@ use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service
 use lattice_agent::admin::AdminServer;
 use lattice_agent::config::{AgentConfig, LogFormat};
 use lattice_agent::metrics::Metrics;
+use lattice_agent::node_dns::NodeLocalAddress;
 use lattice_agent::pipeline::Pipeline;
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::xds::{ProxyRegistry, XdsServer};
@@ -77,6 +78,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             Source::Kubernetes(client)
         }
     };
+    lattice_agent::node_dns::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {
         println!("configuration is valid");
         return Ok(());
@@ -98,6 +100,12 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 config.xds_addr
             )
         })?;
+    // The DNS server binds on the node-local address, so it must exist first. Dropped on an
+    // early return, it removes itself.
+    let node_dns = match config.node_local_dns {
+        Some(address) => Some(NodeLocalAddress::install(address).await?),
+        None => None,
+    };
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
     let dns = DnsServer::bind(dns_config, outputs.names, metrics.dns.clone()).await?;
@@ -180,6 +188,11 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         if let Ok(Err(error)) = done {
             tracing::warn!("{error:#}");
         }
+    }
+    if let Some(node_dns) = node_dns
+        && let Err(error) = node_dns.remove().await
+    {
+        tracing::warn!("{error:#}");
     }
     match failure {
         Some(error) => Err(error),
