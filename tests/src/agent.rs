@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use crate::netns::{Netns, enter_path};
 use crate::{bins, wait};
 
 /// A port that was free a moment ago (the OS hands out ephemeral ports round-robin, so a
@@ -18,8 +19,18 @@ pub fn free_port() -> u16 {
         .expect("no free port on loopback")
 }
 
+/// The three addresses an agent serves on.
+#[derive(Clone, Copy, Debug)]
+pub struct AgentAddrs {
+    pub xds: SocketAddr,
+    pub dns: SocketAddr,
+    pub admin: SocketAddr,
+}
+
 pub struct Agent {
     child: Option<Child>,
+    /// The network namespace the agent runs in (`/run/netns/<name>`); the host's when `None`.
+    netns: Option<PathBuf>,
     args: Vec<String>,
     envs: Vec<(String, String)>,
     log: tempfile::NamedTempFile,
@@ -38,6 +49,7 @@ impl Agent {
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
         let mut agent = Agent {
             child: None,
+            netns: None,
             args: args.iter().map(|s| s.to_string()).collect(),
             envs: envs
                 .iter()
@@ -52,9 +64,47 @@ impl Agent {
         agent
     }
 
+    /// Starts the agent inside the network namespace `netns` on the given addresses (which
+    /// must exist in that namespace), as a node's agent runs in the node's network. Admin
+    /// queries ([`Agent::get`]) are made from inside the namespace.
+    pub fn start_in_netns(
+        netns: &Netns,
+        addrs: AgentAddrs,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Agent {
+        let mut agent = Agent {
+            child: None,
+            netns: Some(netns.path()),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            log: tempfile::NamedTempFile::new().expect("temp file for the agent log"),
+            xds: addrs.xds,
+            dns: addrs.dns,
+            admin: addrs.admin,
+        };
+        agent.spawn();
+        agent
+    }
+
     fn spawn(&mut self) {
         let log = self.log.reopen().expect("agent log");
-        let mut command = Command::new(bins::path("lattice-agent"));
+        let mut command = match &self.netns {
+            // `ip netns exec` execs the agent, so the child is the agent itself: kill and
+            // SIGTERM reach it directly.
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command
+                    .args(["netns", "exec"])
+                    .arg(netns.file_name().unwrap_or_default())
+                    .arg(bins::path("lattice-agent"));
+                command
+            }
+            None => Command::new(bins::path("lattice-agent")),
+        };
         command
             .arg(format!("--xds-addr={}", self.xds))
             .arg(format!("--dns-addr={}", self.dns))
@@ -86,7 +136,10 @@ impl Agent {
 
     /// A GET on the admin server: (status, body).
     pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        http_get(self.admin, path)
+        match &self.netns {
+            Some(netns) => enter_path(netns, || http_get(self.admin, path))?,
+            None => http_get(self.admin, path),
+        }
     }
 
     /// `/debug/mesh` as JSON.

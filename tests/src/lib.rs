@@ -7,4 +7,5 @@ pub mod bins;
 pub mod envoy;
 pub mod fake_apiserver;
 pub mod netns;
+pub mod node;
 pub mod wait;

@@ -28,7 +28,7 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use anyhow::{Context as _, bail};
@@ -98,18 +98,7 @@ impl Netns {
         T: Send,
         F: FnOnce() -> T + Send,
     {
-        let file = File::open(self.path())
-            .with_context(|| format!("opening {}", self.path().display()))?;
-        std::thread::scope(|scope| {
-            scope
-                .spawn(move || {
-                    setns(&file, CloneFlags::CLONE_NEWNET)
-                        .map_err(|err| anyhow::anyhow!("setns into {}: {err}", self.name))?;
-                    Ok(f())
-                })
-                .join()
-                .map_err(|_| anyhow::anyhow!("closure in namespace {} panicked", self.name))?
-        })
+        enter_path(&self.path(), f)
     }
 
     /// A veth pair: `name` here with `address` (CIDR) and `peer_name` in `peer`, optionally with
@@ -196,6 +185,39 @@ impl Drop for Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs `f` on a thread that has joined the namespace at `path` (`/run/netns/<name>`) and
+/// returns its result: [`Netns::enter`] for code that knows a namespace only by its path, such
+/// as a process guard that outlives the borrow of its [`Netns`].
+pub fn enter_path<T, F>(path: &Path, f: F) -> anyhow::Result<T>
+where
+    T: Send,
+    F: FnOnce() -> T + Send,
+{
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                join(&file, path)?;
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("closure in namespace {} panicked", path.display()))?
+    })
+}
+
+/// Moves the calling thread into the namespace at `path` for the rest of its life. For
+/// long-running threads (servers, load generators) started by the harness itself; anything
+/// else should use [`Netns::enter`], which confines the switch to one closure.
+pub fn join_path(path: &Path) -> anyhow::Result<()> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    join(&file, path)
+}
+
+fn join(file: &File, path: &Path) -> anyhow::Result<()> {
+    setns(file, CloneFlags::CLONE_NEWNET)
+        .map_err(|err| anyhow::anyhow!("setns into {}: {err}", path.display()))
 }
 
 fn host_command(program: &str, args: &[&str]) -> anyhow::Result<String> {

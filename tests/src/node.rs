@@ -1,0 +1,722 @@
+//! A simulated Kubernetes node for data-path tests: a "node" network namespace with a bridge
+//! and no route out of the machine, the agent running inside it, and "pod" namespaces on the
+//! bridge — a client pod set up the way a mesh pod is (the real `lattice-init`, then a real
+//! Envoy as UID 1337 on the bootstrap init wrote, its resolver on the agent's DNS), backend pods
+//! with HTTP servers that answer with their identity, and a raw TCP echo.
+//!
+//! ```text
+//!  node netns: br0 10.200.0.1/24, agent xDS :15010 + DNS :53 on 10.200.0.1, admin 127.0.0.1:15020
+//!    ├── client pod 10.200.0.2: iptables (lattice-init) → Envoy :15001 (uid 1337)
+//!    ├── backend pods 10.200.0.1x:8080 (HTTP, answer "<identity>")
+//!    └── echo pod 10.200.0.2x (raw TCP echo)
+//! ```
+//!
+//! Every piece is a guard: processes are killed and namespaces deleted on drop, also when a test
+//! panics. Declare the [`Node`] first so it drops last. Traffic only ever goes to addresses of
+//! these namespaces: the node has no default route, and the agent's upstream DNS is an address
+//! nothing listens on unless a test says otherwise.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+
+use crate::agent::{Agent, AgentAddrs, http_get};
+use crate::netns::{Netns, Process, enter_path, join_path};
+use crate::{bins, envoy, wait};
+
+/// The node's address on its pod bridge; the agent serves xDS and DNS here.
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 1);
+/// The agent's xDS address in the node, as a DaemonSet with hostNetwork would serve it.
+pub const XDS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_IP), 15010);
+/// The agent's DNS address in the node.
+pub const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_IP), 53);
+/// The agent's admin address, on the node's loopback.
+pub const ADMIN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 15020);
+/// The UID Envoy runs as in a mesh pod (its traffic is never captured).
+pub const ENVOY_UID: u32 = 1337;
+/// Envoy's admin port inside a pod (loopback only).
+pub const ENVOY_ADMIN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 15000);
+
+/// Timeouts for one request from a pod: bounded, so nothing a test does can hang.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The node: its network namespace, with a bridge `br0` at [`NODE_IP`] and nothing else.
+pub struct Node {
+    pub netns: Netns,
+    next_port: AtomicU32,
+}
+
+impl Node {
+    pub fn new(label: &str) -> anyhow::Result<Node> {
+        let netns = Netns::new(label)?;
+        netns.bridge("br0", &format!("{NODE_IP}/24"))?;
+        Ok(Node {
+            netns,
+            next_port: AtomicU32::new(0),
+        })
+    }
+
+    /// A pod namespace on the node's bridge at `10.200.0.<host>`, its default route via the node.
+    pub fn pod(&self, label: &str, host: u8) -> anyhow::Result<Pod> {
+        let address = Ipv4Addr::new(10, 200, 0, host);
+        let netns = Netns::new(label)?;
+        let port = format!("vp{}", self.next_port.fetch_add(1, Ordering::Relaxed));
+        netns.veth("eth0", &format!("{address}/24"), &self.netns, &port, None)?;
+        self.netns.attach(&port, "br0")?;
+        netns.ip(&["route", "add", "default", "via", &NODE_IP.to_string()])?;
+        Ok(Pod { netns, address })
+    }
+
+    /// Starts the real agent in the node namespace on [`XDS`], [`DNS`] and [`ADMIN`], and waits
+    /// until it is ready.
+    pub fn agent(&self, args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<Agent> {
+        let addrs = AgentAddrs {
+            xds: XDS,
+            dns: DNS,
+            admin: ADMIN,
+        };
+        let agent = Agent::start_in_netns(&self.netns, addrs, args, envs);
+        agent.wait_ready()?;
+        Ok(agent)
+    }
+
+    /// A backend pod serving HTTP on `port` that answers every request with `identity`.
+    pub fn http_backend(&self, identity: &str, host: u8, port: u16) -> anyhow::Result<Backend> {
+        let pod = self.pod(identity, host)?;
+        let answer = identity.to_string();
+        let server = Server::start(&pod, port, move |stream, stats| {
+            serve_http(stream, &answer, stats)
+        })?;
+        Ok(Backend {
+            server,
+            identity: identity.to_string(),
+            pod,
+        })
+    }
+
+    /// A backend pod with a raw TCP echo on `port`.
+    pub fn tcp_echo(&self, identity: &str, host: u8, port: u16) -> anyhow::Result<Backend> {
+        let pod = self.pod(identity, host)?;
+        let server = Server::start(&pod, port, serve_echo)?;
+        Ok(Backend {
+            server,
+            identity: identity.to_string(),
+            pod,
+        })
+    }
+
+    /// A mesh client pod: `lattice-init`, then Envoy as UID 1337, waited on until LIVE (so the
+    /// agent must be serving). See [`ClientPod`].
+    pub fn client(&self, label: &str, host: u8) -> anyhow::Result<ClientPod> {
+        ClientPod::start(self, label, host)
+    }
+}
+
+/// A pod: its namespace and its address on the node's bridge.
+pub struct Pod {
+    pub netns: Netns,
+    pub address: Ipv4Addr,
+}
+
+/// What a backend server saw: requests (HTTP) or connections (echo), and when.
+#[derive(Default)]
+pub struct Stats {
+    served: AtomicU64,
+    times: Mutex<(Option<Instant>, Option<Instant>)>,
+}
+
+impl Stats {
+    fn record(&self) {
+        self.served.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut times = self.times.lock().unwrap_or_else(|p| p.into_inner());
+        times.0.get_or_insert(now);
+        times.1 = Some(now);
+    }
+
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    pub fn first(&self) -> Option<Instant> {
+        self.times.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+
+    pub fn last(&self) -> Option<Instant> {
+        self.times.lock().unwrap_or_else(|p| p.into_inner()).1
+    }
+}
+
+/// A TCP server in a pod: a listener made inside the pod's namespace, an accept thread, a
+/// thread per connection. Dropping it stops accepting (shutdown wakes the blocked accept).
+pub struct Server {
+    listener: Arc<TcpListener>,
+    stopping: Arc<AtomicBool>,
+    accepting: Option<JoinHandle<()>>,
+    pub stats: Arc<Stats>,
+}
+
+impl Server {
+    fn start<H>(pod: &Pod, port: u16, handler: H) -> anyhow::Result<Server>
+    where
+        H: Fn(TcpStream, &Stats) + Send + Sync + 'static,
+    {
+        let listener = Arc::new(
+            pod.netns
+                .enter(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))?
+                .with_context(|| format!("binding :{port} in {}", pod.netns.name()))?,
+        );
+        let stats = Arc::new(Stats::default());
+        let stopping = Arc::new(AtomicBool::new(false));
+        let handler = Arc::new(handler);
+        let accepting = {
+            let (listener, stats, stopping) = (listener.clone(), stats.clone(), stopping.clone());
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    if stopping.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let (stats, handler) = (stats.clone(), handler.clone());
+                    std::thread::spawn(move || {
+                        // A connection that idles longer than this is given up on, so no
+                        // thread outlives its test by much.
+                        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+                        handler(stream, &stats);
+                    });
+                }
+            })
+        };
+        Ok(Server {
+            listener,
+            stopping,
+            accepting: Some(accepting),
+            stats,
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        // shutdown(2) on a listening socket makes a blocked accept(2) return (EINVAL).
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        if let Some(thread) = self.accepting.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// HTTP/1.1 with keep-alive (Envoy pools its upstream connections): every request is answered
+/// `200` with the identity as the body.
+fn serve_http(stream: TcpStream, identity: &str, stats: &Stats) {
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut close = false;
+        let mut saw_request = false;
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                if saw_request {
+                    break;
+                }
+                continue;
+            }
+            saw_request = true;
+            let lower = line.to_ascii_lowercase();
+            if lower.starts_with("connection:") && lower.contains("close") {
+                close = true;
+            }
+        }
+        stats.record();
+        let body = format!("{identity}\n");
+        let response = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n{}\r\n{body}",
+            body.len(),
+            if close { "connection: close\r\n" } else { "" }
+        );
+        if writer.write_all(response.as_bytes()).is_err() || close {
+            return;
+        }
+    }
+}
+
+fn serve_echo(mut stream: TcpStream, stats: &Stats) {
+    stats.record();
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let _ = std::io::copy(&mut stream, &mut writer);
+    let _ = writer.shutdown(Shutdown::Write);
+}
+
+/// A backend pod and its server. The server drops (stops) before the pod's namespace goes.
+pub struct Backend {
+    pub server: Server,
+    pub identity: String,
+    pub pod: Pod,
+}
+
+impl Backend {
+    pub fn stats(&self) -> &Stats {
+        &self.server.stats
+    }
+}
+
+/// `/etc/netns/<name>/resolv.conf`, which `ip netns exec` mounts over `/etc/resolv.conf`;
+/// removed on drop.
+struct ResolvConf {
+    dir: PathBuf,
+}
+
+impl ResolvConf {
+    fn write(netns: &Netns, nameserver: Ipv4Addr) -> anyhow::Result<ResolvConf> {
+        let dir = Path::new("/etc/netns").join(netns.name());
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let guard = ResolvConf { dir };
+        std::fs::write(
+            guard.dir.join("resolv.conf"),
+            format!("nameserver {nameserver}\noptions timeout:2 attempts:1\n"),
+        )?;
+        Ok(guard)
+    }
+}
+
+impl Drop for ResolvConf {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A mesh client pod, set up as the real thing: `lattice-init` (capture of the trapped block to
+/// Envoy, DNS redirected to the agent, the Envoy bootstrap written with the node as xDS server),
+/// then Envoy as UID 1337 on that bootstrap, and a resolv.conf naming the agent's DNS.
+/// Fields drop in order: Envoy, resolv.conf, the namespace, the bootstrap directory.
+pub struct ClientPod {
+    _envoy: Process,
+    _resolv: ResolvConf,
+    pub pod: Pod,
+    /// What `lattice-init` printed (its rules and the bootstrap summary).
+    pub init_output: String,
+    dir: tempfile::TempDir,
+}
+
+impl ClientPod {
+    fn start(node: &Node, label: &str, host: u8) -> anyhow::Result<ClientPod> {
+        let pod = node.pod(label, host)?;
+        let resolv = ResolvConf::write(&pod.netns, NODE_IP)?;
+        let dir = tempfile::tempdir()?;
+        let bootstrap = dir.path().join("envoy.json");
+        let init = pod
+            .netns
+            .command(bins::path("lattice-init"))
+            .arg(format!("--xds-address={XDS}"))
+            .arg(format!("--node-id={label}.default"))
+            .arg(format!("--redirect-dns={DNS}"))
+            .arg("--bootstrap-out")
+            .arg(&bootstrap)
+            .stdin(Stdio::null())
+            .output()
+            .context("running lattice-init")?;
+        anyhow::ensure!(
+            init.status.success(),
+            "lattice-init failed ({}): {}",
+            init.status,
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let init_output = format!(
+            "{}{}",
+            String::from_utf8_lossy(&init.stdout),
+            String::from_utf8_lossy(&init.stderr)
+        );
+        // Envoy runs unprivileged: it must be able to read its bootstrap.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(&bootstrap, std::fs::Permissions::from_mode(0o644))?;
+        let log = std::fs::File::create(dir.path().join("envoy.log"))?;
+        let mut command = pod.netns.command("setpriv");
+        command
+            .args([
+                format!("--reuid={ENVOY_UID}"),
+                format!("--regid={ENVOY_UID}"),
+                "--clear-groups".to_string(),
+                "--".to_string(),
+            ])
+            .arg(envoy::binary())
+            .arg("-c")
+            .arg(&bootstrap)
+            .args([
+                "--disable-hot-restart",
+                "--log-level",
+                "info",
+                "--concurrency",
+                "1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(log);
+        let envoy = pod.netns.spawn(command)?;
+        let client = ClientPod {
+            _envoy: envoy,
+            _resolv: resolv,
+            pod,
+            init_output,
+            dir,
+        };
+        client.wait_live()?;
+        Ok(client)
+    }
+
+    pub fn netns(&self) -> &Netns {
+        &self.pod.netns
+    }
+
+    /// The Envoy bootstrap `lattice-init` wrote.
+    pub fn bootstrap(&self) -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(self.dir.path().join("envoy.json"))?)
+    }
+
+    pub fn envoy_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+
+    /// A GET on the pod's Envoy admin (loopback in the pod).
+    pub fn envoy_admin(&self, path: &str) -> Result<String, String> {
+        match enter_path(&self.pod.netns.path(), || http_get(ENVOY_ADMIN, path)) {
+            Ok(Ok((200, body))) => Ok(body),
+            Ok(Ok((status, body))) => Err(format!("{status}: {body:.300}")),
+            Ok(Err(err)) | Err(err) => Err(err.to_string()),
+        }
+    }
+
+    fn wait_live(&self) -> anyhow::Result<()> {
+        wait::until("client Envoy LIVE", Duration::from_secs(60), || {
+            let body = self.envoy_admin("/server_info")?;
+            if body.contains("\"LIVE\"") {
+                Ok(())
+            } else {
+                Err(format!("{body:.300}\nlog:\n{}", self.envoy_log()))
+            }
+        })
+    }
+
+    /// Envoy's endpoints per mesh cluster, from `/clusters`.
+    pub fn envoy_endpoints(&self) -> Result<BTreeMap<String, Vec<String>>, String> {
+        let body = self.envoy_admin("/clusters")?;
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for line in body.lines() {
+            let parts: Vec<&str> = line.split("::").collect();
+            if parts.len() >= 3 && parts[0].contains(".system.internal|") {
+                let endpoints = out.entry(parts[0].to_string()).or_default();
+                if parts[2] == "cx_active" {
+                    endpoints.push(parts[1].to_string());
+                }
+            }
+        }
+        for endpoints in out.values_mut() {
+            endpoints.sort();
+        }
+        Ok(out)
+    }
+
+    /// Runs `program args` in the pod (as root, so captured like an app).
+    pub fn run(&self, program: &str, args: &[&str]) -> anyhow::Result<Output> {
+        self.pod.netns.run(program, args)
+    }
+
+    /// `curl` from the pod: the body, or curl's complaint.
+    pub fn curl(&self, url: &str) -> Result<String, String> {
+        let output = self
+            .run("curl", &["-4", "-sS", "--max-time", "5", "--fail", url])
+            .map_err(|e| e.to_string())?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(format!(
+                "curl {url}: {}{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    }
+
+    /// `dig` through the pod's resolver: (status, A records, query wall time).
+    pub fn dig(&self, name: &str) -> anyhow::Result<DigAnswer> {
+        let start = Instant::now();
+        let output = self.run("dig", &["+time=2", "+tries=1", name, "A"])?;
+        let took = start.elapsed();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        let status = text
+            .split("status: ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or("no answer")
+            .to_string();
+        let mut addresses = Vec::new();
+        let mut in_answer = false;
+        for line in text.lines() {
+            if line.starts_with(";; ANSWER SECTION") {
+                in_answer = true;
+            } else if line.trim().is_empty() {
+                in_answer = false;
+            } else if in_answer {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                if fields.len() >= 5 && fields[3] == "A" {
+                    addresses.push(fields[4].parse()?);
+                }
+            }
+        }
+        Ok(DigAnswer {
+            status,
+            addresses,
+            took,
+            text,
+        })
+    }
+
+    /// The one A record of `name`, from the pod's resolver.
+    pub fn resolve(&self, name: &str) -> anyhow::Result<Ipv4Addr> {
+        let answer = self.dig(name)?;
+        match answer.addresses.as_slice() {
+            [one] if answer.status == "NOERROR" => Ok(*one),
+            _ => anyhow::bail!("{name} did not resolve to one address:\n{}", answer.text),
+        }
+    }
+
+    /// One HTTP GET from an app in the pod to `addr` (a trapped address) with `Host: host`; the
+    /// body on 200.
+    pub fn http(&self, addr: SocketAddr, host: &str) -> Result<String, String> {
+        enter_path(&self.pod.netns.path(), || one_request(addr, host)).map_err(|e| e.to_string())?
+    }
+
+    /// Sends `payload` over one TCP connection from the pod to `addr` and returns what comes
+    /// back before the peer closes.
+    pub fn tcp_exchange(&self, addr: SocketAddr, payload: &[u8]) -> Result<Vec<u8>, String> {
+        enter_path(&self.pod.netns.path(), || {
+            let mut stream =
+                TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| e.to_string())?;
+            stream
+                .set_read_timeout(Some(IO_TIMEOUT))
+                .map_err(|e| e.to_string())?;
+            stream.write_all(payload).map_err(|e| e.to_string())?;
+            stream
+                .shutdown(Shutdown::Write)
+                .map_err(|e| e.to_string())?;
+            let mut back = Vec::new();
+            stream.read_to_end(&mut back).map_err(|e| e.to_string())?;
+            Ok(back)
+        })
+        .map_err(|e| e.to_string())?
+    }
+
+    /// A steady stream of GETs from the pod to `addr` with `Host: host`, one connection each,
+    /// about every `interval`, until [`Load::stop`].
+    pub fn load(&self, addr: SocketAddr, host: &str, interval: Duration) -> Load {
+        Load::start(self.pod.netns.path(), addr, host.to_string(), interval)
+    }
+}
+
+impl Drop for ClientPod {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- client Envoy log ---\n{}", self.envoy_log());
+        }
+    }
+}
+
+/// A `dig` result.
+#[derive(Debug)]
+pub struct DigAnswer {
+    pub status: String,
+    pub addresses: Vec<Ipv4Addr>,
+    pub took: Duration,
+    pub text: String,
+}
+
+/// One request, the way an app sends it: a new connection, `Connection: close`.
+fn one_request(addr: SocketAddr, host: &str) -> Result<String, String> {
+    let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("write: {e}"))?;
+    let mut raw = Vec::new();
+    stream
+        .read_to_end(&mut raw)
+        .map_err(|e| format!("read: {e}"))?;
+    let response = String::from_utf8_lossy(&raw);
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("not an HTTP response: {response:?}"))?;
+    let status = head.lines().next().unwrap_or_default();
+    if status.split_whitespace().nth(1) != Some("200") {
+        return Err(format!("{status}: {body:.200}"));
+    }
+    Ok(body.trim().to_string())
+}
+
+/// What one request of a [`Load`] got.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub at: Instant,
+    pub result: Result<String, String>,
+}
+
+/// A background stream of requests from a pod.
+pub struct Load {
+    stopping: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Vec<Outcome>>>,
+}
+
+impl Load {
+    fn start(netns: PathBuf, addr: SocketAddr, host: String, interval: Duration) -> Load {
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
+        let thread = std::thread::spawn(move || {
+            let mut outcomes = Vec::new();
+            if let Err(err) = join_path(&netns) {
+                outcomes.push(Outcome {
+                    at: Instant::now(),
+                    result: Err(err.to_string()),
+                });
+                return outcomes;
+            }
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                let result = one_request(addr, &host);
+                outcomes.push(Outcome {
+                    at: started,
+                    result,
+                });
+                // Pacing, not waiting for a condition: a steady rate without starving the
+                // Envoy and servers that share the cores.
+                std::thread::sleep(interval.saturating_sub(started.elapsed()));
+            }
+            outcomes
+        });
+        Load {
+            stopping,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops the stream and returns every outcome in order.
+    pub fn stop(mut self) -> LoadReport {
+        self.stopping.store(true, Ordering::Relaxed);
+        let outcomes = self
+            .thread
+            .take()
+            .and_then(|thread| thread.join().ok())
+            .unwrap_or_default();
+        LoadReport { outcomes }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The outcomes of a [`Load`].
+pub struct LoadReport {
+    pub outcomes: Vec<Outcome>,
+}
+
+impl LoadReport {
+    pub fn failures(&self) -> Vec<&Outcome> {
+        self.outcomes.iter().filter(|o| o.result.is_err()).collect()
+    }
+
+    /// Answers per backend identity.
+    pub fn by_backend(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for outcome in &self.outcomes {
+            if let Ok(identity) = &outcome.result {
+                *out.entry(identity.clone()).or_default() += 1;
+            }
+        }
+        out
+    }
+}
+
+/// A mesh file for the agent's `--mesh-file`, rewritten whole with write-then-rename (as
+/// editors and ConfigMaps do) so the agent never reads half of it.
+pub struct MeshFile {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// One service of a mesh file: one port.
+#[derive(Clone, Debug)]
+pub struct MeshService {
+    pub path: String,
+    pub port: u16,
+    pub protocol: String,
+    pub endpoints: Vec<Ipv4Addr>,
+}
+
+impl MeshFile {
+    pub fn new(services: &[MeshService]) -> anyhow::Result<MeshFile> {
+        let dir = tempfile::tempdir()?;
+        let file = MeshFile {
+            path: dir.path().join("mesh.yaml"),
+            _dir: dir,
+        };
+        file.write(services)?;
+        Ok(file)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn write(&self, services: &[MeshService]) -> anyhow::Result<()> {
+        let tmp = self.path.with_extension("tmp");
+        std::fs::write(&tmp, render(services))?;
+        std::fs::rename(&tmp, &self.path)?;
+        Ok(())
+    }
+}
+
+/// The mesh file text for `services`.
+pub fn render(services: &[MeshService]) -> String {
+    let mut text = String::from("services:\n");
+    for service in services {
+        text.push_str(&format!(
+            "  - path: {}\n    ports:\n      - port: {}\n        protocol: {}\n    endpoints:\n",
+            service.path, service.port, service.protocol
+        ));
+        for endpoint in &service.endpoints {
+            text.push_str(&format!("      - address: {endpoint}\n"));
+        }
+    }
+    text
+}
