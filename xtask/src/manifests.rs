@@ -99,7 +99,9 @@ impl ImageRef {
             || tag.as_deref().is_some_and(|t| !valid(t))
             || digest.as_deref().is_some_and(|d| !d.contains(':'))
         {
-            bail!("--image {image:?} is not an image reference like registry.example/lattice:0.1.0");
+            bail!(
+                "--image {image:?} is not an image reference like registry.example/lattice:0.1.0"
+            );
         }
         Ok(ImageRef {
             name: name.to_string(),
