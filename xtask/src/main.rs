@@ -4,6 +4,7 @@
 
 mod bench_dns;
 mod bench_kube;
+mod demo;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -58,6 +59,9 @@ enum Task {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// The whole data path on a simulated node, narrated: DNS, capture, Envoy, backends, a
+    /// live mesh change, then teardown. Needs root.
+    Demo,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +77,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Task::Bench { smoke, only } => bench(smoke, &only),
+        Task::Demo => demo::run(),
     }
 }
 

