@@ -29,7 +29,7 @@ pub enum NodeDnsError {
     )]
     Connect(std::io::Error),
     #[error(
-        "cannot {action} for the node-local DNS address {address} ({source}); the agent needs \
+        "cannot {action} for the node-local DNS address {address}; the agent needs \
          CAP_NET_ADMIN in the node's network namespace, or drop --node-local-dns"
     )]
     Netlink {
