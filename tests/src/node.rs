@@ -313,7 +313,7 @@ impl Drop for ResolvConf {
 /// then Envoy as UID 1337 on that bootstrap, and a resolv.conf naming the agent's DNS.
 /// Fields drop in order: Envoy, resolv.conf, the namespace, the bootstrap directory.
 pub struct ClientPod {
-    _envoy: Process,
+    envoy: Process,
     _resolv: ResolvConf,
     pub pod: Pod,
     /// What `lattice-init` printed (its rules and the bootstrap summary).
@@ -376,7 +376,7 @@ impl ClientPod {
             .stderr(log);
         let envoy = pod.netns.spawn(command)?;
         let client = ClientPod {
-            _envoy: envoy,
+            envoy,
             _resolv: resolv,
             pod,
             init_output,
@@ -388,6 +388,19 @@ impl ClientPod {
 
     pub fn netns(&self) -> &Netns {
         &self.pod.netns
+    }
+
+    /// The real UID Envoy runs as, from `/proc/<pid>/status` (`ip netns exec` and `setpriv`
+    /// exec in turn, so the child is Envoy itself).
+    pub fn envoy_uid(&mut self) -> anyhow::Result<u32> {
+        let pid = self.envoy.child().id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("Uid:"))
+            .and_then(|uids| uids.split_whitespace().next())
+            .and_then(|uid| uid.parse().ok())
+            .with_context(|| format!("no Uid line in /proc/{pid}/status"))
     }
 
     /// The Envoy bootstrap `lattice-init` wrote.

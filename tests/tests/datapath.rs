@@ -333,7 +333,12 @@ fn backends_follow_the_mesh_without_failures(fx: &Fixture) {
 #[test]
 fn a_http_by_name_reaches_both_backends() {
     let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
-    let fx = Fixture::with_mesh_file("dp-a");
+    let mut fx = Fixture::with_mesh_file("dp-a");
+    assert_eq!(
+        fx.client.envoy_uid().unwrap(),
+        1337,
+        "Envoy must run as the proxy UID"
+    );
     http_by_name_reaches_both_backends(&fx);
 }
 
