@@ -5,6 +5,7 @@
 mod bench_dns;
 mod bench_kube;
 mod demo;
+mod manifests;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -62,6 +63,16 @@ enum Task {
     /// The whole data path on a simulated node, narrated: DNS, capture, Envoy, backends, a
     /// live mesh change, then teardown. Needs root.
     Demo,
+    /// Render the Kubernetes manifests (deploy/ and deploy/examples/) for users without
+    /// kustomize: to stdout, or as lattice.yaml and lattice-example.yaml under --out.
+    Manifests {
+        /// Write files into this directory instead of printing.
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Set the agent and init image (for example registry.example/lattice:0.1.0).
+        #[arg(long)]
+        image: Option<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -78,6 +89,7 @@ fn main() -> anyhow::Result<()> {
         }
         Task::Bench { smoke, only } => bench(smoke, &only),
         Task::Demo => demo::run(),
+        Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
     }
 }
 
