@@ -157,6 +157,11 @@ impl Agent {
         self.log.path().to_path_buf()
     }
 
+    /// The agent's process id while it runs (the agent itself, also inside a namespace).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))

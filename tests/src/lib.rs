@@ -2,10 +2,12 @@
 //! a real Envoy, the real project binaries, and a fake Kubernetes API server that speaks the
 //! real list/watch wire protocol.
 
+pub mod ads_client;
 pub mod agent;
 pub mod bins;
 pub mod envoy;
 pub mod fake_apiserver;
+pub mod k8s_objects;
 pub mod netns;
 pub mod node;
 pub mod wait;

@@ -8,7 +8,7 @@
 //! default: `cargo test -p lattice-e2e --test kube -- --ignored --nocapture scale`.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -16,6 +16,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use lattice_e2e::agent::Agent;
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::k8s_objects::{ip, populate, ready, service, slice};
 use lattice_e2e::wait;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -30,37 +31,6 @@ const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
 
 /// The mesh as a source decides it: path → ports (port, protocol, sorted endpoints).
 type Mesh = BTreeMap<String, Value>;
-
-fn service(namespace: &str, name: &str, ports: Value) -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"namespace": namespace, "name": name},
-        "spec": {"ports": ports},
-    })
-}
-
-fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints: Value) -> Value {
-    json!({
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"namespace": namespace, "name": name,
-                     "labels": {"kubernetes.io/service-name": service}},
-        "addressType": "IPv4",
-        "ports": ports,
-        "endpoints": endpoints,
-    })
-}
-
-fn ready(ips: &[String]) -> Value {
-    ips.iter()
-        .map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}}))
-        .collect()
-}
-
-fn ip(n: u32) -> String {
-    Ipv4Addr::from(0x0a00_0000 + n).to_string()
-}
 
 /// The expected mesh, from the objects the fake server holds, by the rules of
 /// docs/kubernetes.md. Written without the agent's code, so a shared bug cannot hide.
@@ -769,35 +739,10 @@ fn random_update(server: &FakeApiServer, rng: &mut StdRng, services: usize, next
     }
 }
 
-/// `services` Services in 10 namespaces, each with one slice of `per` ready endpoints.
-fn populate(server: &FakeApiServer, services: usize, per: usize) {
-    for i in 0..services {
-        let name = format!("svc{i}");
-        let namespace = format!("ns{}", i % 10);
-        server
-            .apply_json(service(
-                &namespace,
-                &name,
-                json!([{"name": "http", "port": 80}]),
-            ))
-            .unwrap();
-        let ips: Vec<String> = (0..per).map(|k| ip((i * per + k) as u32)).collect();
-        server
-            .apply_json(slice(
-                &namespace,
-                &format!("{name}-a"),
-                &name,
-                json!([{"name": "http", "port": 8080}]),
-                ready(&ips),
-            ))
-            .unwrap();
-    }
-}
-
 #[test]
 fn thousand_services_then_thousand_random_updates_end_at_the_truth() {
     let server = FakeApiServer::start().unwrap();
-    populate(&server, 1000, 10);
+    populate(&server, 1000, 10).unwrap();
     let cluster = Cluster::start(server, true);
     let (server, agent) = (&cluster.server, &cluster.agent);
     converge(agent, server, RECOVER, "1000 services × 10 endpoints");
@@ -845,7 +790,7 @@ fn scale_10k_services_100k_endpoints_rss_and_time_to_ready() {
     let per = 10;
     let server = FakeApiServer::start().unwrap();
     let populate_start = Instant::now();
-    populate(&server, services, per);
+    populate(&server, services, per).unwrap();
     println!(
         "populated {services} services in {:?}",
         populate_start.elapsed()

@@ -4,6 +4,7 @@
 
 mod bench_dns;
 mod bench_kube;
+mod bench_xds;
 mod demo;
 mod manifests;
 
@@ -50,13 +51,13 @@ enum Task {
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
-    /// Run the benchmarks (DNS vs unbound and knot; Kubernetes source at scale) and write
+    /// Run the benchmarks (DNS vs unbound and knot; Kubernetes source and xDS at scale) and write
     /// JSON under target/bench/.
     Bench {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube); all when empty.
+        /// Only these parts (dns, kube, xds); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -200,6 +201,9 @@ fn bench(smoke: bool, only: &[String]) -> anyhow::Result<()> {
     }
     if wanted("kube") {
         results.insert("kube".to_string(), bench_kube::run(smoke)?);
+    }
+    if wanted("xds") {
+        results.insert("xds".to_string(), bench_xds::run(smoke)?);
     }
     let dir = workspace_root().join("target/bench");
     std::fs::create_dir_all(&dir)?;

@@ -1,0 +1,470 @@
+//! A synthetic ADS client that behaves like Envoy on the wire: it subscribes to all clusters
+//! and listeners (wildcard), then to the endpoints of every cluster it holds, ACKs what it can
+//! decode and NACKs what it cannot. Benchmarks run many of them against one agent; tests use
+//! one to look at what is sent.
+//!
+//! The protocol rules it keeps, as Envoy does:
+//! - SotW: every request of a type carries the last version it accepted and the nonce of the
+//!   last response it received of that type; a NACK carries the previous good version and an
+//!   `error_detail`; an EDS request always names the whole current subscription, so the ACK of
+//!   a response that crossed a subscription change carries the change.
+//! - Delta: an ACK or NACK names the response's nonce; subscription changes are separate,
+//!   incremental requests; a removed cluster's endpoints are unsubscribed.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::core::v3::{Node, address, socket_address};
+use envoy_types::pb::envoy::config::endpoint::v3::{ClusterLoadAssignment, lb_endpoint};
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use prost::Message;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::envoy::AdsMode;
+
+pub const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+
+/// A SotW response of 10k clusters is several MB; tonic's default cap is 4 MB.
+const MAX_MESSAGE: usize = 256 << 20;
+
+/// What a client holds, and what it took to get it.
+#[derive(Clone, Debug, Default)]
+pub struct ClientView {
+    pub clusters: BTreeSet<String>,
+    /// Cluster → endpoint addresses (sorted), with when they last changed.
+    pub endpoints: BTreeMap<String, (Vec<SocketAddr>, Instant)>,
+    pub listeners: BTreeSet<String>,
+    pub responses: u64,
+    /// Encoded (protobuf) size of every response received, gRPC framing left out.
+    pub bytes: u64,
+    pub acks: u64,
+    pub nacks: u64,
+    pub last_response: Option<Instant>,
+}
+
+impl ClientView {
+    /// The endpoints of a cluster, if the client holds any for it.
+    pub fn endpoints_of(&self, cluster: &str) -> Option<&[SocketAddr]> {
+        self.endpoints.get(cluster).map(|(e, _)| e.as_slice())
+    }
+
+    /// Every cluster the client holds has its endpoints (an assignment, maybe empty).
+    pub fn synced(&self) -> bool {
+        !self.clusters.is_empty() && self.clusters.iter().all(|c| self.endpoints.contains_key(c))
+    }
+}
+
+pub struct AdsClient {
+    view: Arc<Mutex<ClientView>>,
+    changed: watch::Receiver<u64>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl AdsClient {
+    pub async fn connect(
+        xds: SocketAddr,
+        node_id: &str,
+        mode: AdsMode,
+    ) -> anyhow::Result<AdsClient> {
+        let client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
+            .await?
+            .max_decoding_message_size(MAX_MESSAGE);
+        let view = Arc::new(Mutex::new(ClientView::default()));
+        let (bump, changed) = watch::channel(0u64);
+        let node = Node {
+            id: node_id.to_string(),
+            cluster: "lattice".to_string(),
+            ..Node::default()
+        };
+        let task = match mode {
+            AdsMode::Sotw => tokio::spawn(run_sotw(client, node, view.clone(), bump)),
+            AdsMode::Delta => tokio::spawn(run_delta(client, node, view.clone(), bump)),
+        };
+        Ok(AdsClient {
+            view,
+            changed,
+            task,
+        })
+    }
+
+    /// A copy of the whole view (large at scale; [`AdsClient::with_view`] reads in place).
+    pub fn view(&self) -> ClientView {
+        self.with_view(ClientView::clone)
+    }
+
+    pub fn with_view<T>(&self, read: impl FnOnce(&ClientView) -> T) -> T {
+        read(&self.view.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Waits until `check` holds for the client's view; fails if the stream ends first.
+    pub async fn wait_for(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&ClientView) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            // Marks the current value seen before checking, so a change after the check wakes us.
+            self.changed.borrow_and_update();
+            if self.with_view(&check) {
+                return Ok(());
+            }
+            if self.task.is_finished() {
+                return Err(self.stopped(what).await);
+            }
+            match tokio::time::timeout_at(deadline, self.changed.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(self.stopped(what).await),
+                Err(_) => anyhow::bail!("timed out after {timeout:?} waiting for {what}"),
+            }
+        }
+    }
+
+    async fn stopped(&mut self, what: &str) -> anyhow::Error {
+        let why = match (&mut self.task).await {
+            Ok(Ok(())) => "the agent closed the stream".to_string(),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(e) => e.to_string(),
+        };
+        anyhow::anyhow!("ADS client stopped while waiting for {what}: {why}")
+    }
+}
+
+impl Drop for AdsClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn endpoints_of(assignment: &ClusterLoadAssignment) -> Vec<SocketAddr> {
+    let mut out: Vec<SocketAddr> = assignment
+        .endpoints
+        .iter()
+        .flat_map(|locality| &locality.lb_endpoints)
+        .filter_map(|lb| match &lb.host_identifier {
+            Some(lb_endpoint::HostIdentifier::Endpoint(endpoint)) => endpoint.address.as_ref(),
+            _ => None,
+        })
+        .filter_map(|addr| match &addr.address {
+            Some(address::Address::SocketAddress(sa)) => {
+                let port = match sa.port_specifier {
+                    Some(socket_address::PortSpecifier::PortValue(p)) => u16::try_from(p).ok()?,
+                    _ => return None,
+                };
+                Some(SocketAddr::new(sa.address.parse().ok()?, port))
+            }
+            _ => None,
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// A resource of the response's type, decoded; an error (for the NACK) otherwise.
+fn decode<M: Message + Default>(any: &Any, type_url: &str) -> Result<M, String> {
+    if any.type_url != type_url {
+        return Err(format!(
+            "resource of type {} in a {type_url} response",
+            any.type_url
+        ));
+    }
+    M::decode(any.value.as_slice()).map_err(|e| format!("cannot decode a {type_url}: {e}"))
+}
+
+fn bytes_hash(bytes: &[u8]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    bytes.hash(&mut hasher);
+    hasher.finish()
+}
+
+fn lock(view: &Mutex<ClientView>) -> std::sync::MutexGuard<'_, ClientView> {
+    view.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Per type on a SotW stream: the last version accepted and the last nonce received.
+#[derive(Default)]
+struct SotwType {
+    version: String,
+    nonce: String,
+}
+
+/// Applies a SotW response to the view; `Err` is the NACK's message. Returns the cluster
+/// names to subscribe to when they changed.
+fn apply_sotw(
+    v: &mut ClientView,
+    response: &DiscoveryResponse,
+    eds_hashes: &mut HashMap<String, u64>,
+    now: Instant,
+) -> Result<Option<Vec<String>>, String> {
+    match response.type_url.as_str() {
+        CDS => {
+            let clusters = response
+                .resources
+                .iter()
+                .map(|any| decode::<Cluster>(any, CDS).map(|c| c.name))
+                .collect::<Result<BTreeSet<String>, String>>()?;
+            if clusters == v.clusters {
+                return Ok(None);
+            }
+            v.endpoints.retain(|name, _| clusters.contains(name));
+            eds_hashes.retain(|name, _| clusters.contains(name));
+            v.clusters = clusters;
+            Ok(Some(v.clusters.iter().cloned().collect()))
+        }
+        EDS => {
+            // A SotW EDS response re-sends every assignment; decode only those whose bytes
+            // changed, or a hundred clients at 10k clusters measure themselves, not the agent.
+            let held: HashSet<u64> = eds_hashes.values().copied().collect();
+            let mut changed = Vec::new();
+            for any in &response.resources {
+                let hash = bytes_hash(&any.value);
+                if !held.contains(&hash) || any.type_url != EDS {
+                    changed.push((decode::<ClusterLoadAssignment>(any, EDS)?, hash));
+                }
+            }
+            for (cla, hash) in changed {
+                let endpoints = endpoints_of(&cla);
+                eds_hashes.insert(cla.cluster_name.clone(), hash);
+                if v.endpoints_of(&cla.cluster_name) != Some(endpoints.as_slice()) {
+                    v.endpoints.insert(cla.cluster_name, (endpoints, now));
+                }
+            }
+            Ok(None)
+        }
+        LDS => {
+            v.listeners = response
+                .resources
+                .iter()
+                .map(|any| decode::<Listener>(any, LDS).map(|l| l.name))
+                .collect::<Result<_, _>>()?;
+            Ok(None)
+        }
+        other => Err(format!("not subscribed to {other}")),
+    }
+}
+
+async fn run_sotw(
+    mut client: AggregatedDiscoveryServiceClient<tonic::transport::Channel>,
+    node: Node,
+    view: Arc<Mutex<ClientView>>,
+    bump: watch::Sender<u64>,
+) -> anyhow::Result<()> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for type_url in [CDS, LDS] {
+        tx.send(DiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: type_url.to_string(),
+            ..DiscoveryRequest::default()
+        })?;
+    }
+    let mut stream = client
+        .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let mut types: HashMap<String, SotwType> = HashMap::new();
+    // The current EDS subscription; `None` until the first CDS response.
+    let mut eds_names: Option<Vec<String>> = None;
+    let mut eds_hashes: HashMap<String, u64> = HashMap::new();
+    let request = |state: &SotwType, type_url: &str, names: &[String]| DiscoveryRequest {
+        node: Some(node.clone()),
+        type_url: type_url.to_string(),
+        version_info: state.version.clone(),
+        response_nonce: state.nonce.clone(),
+        resource_names: names.to_vec(),
+        ..DiscoveryRequest::default()
+    };
+    while let Some(response) = stream.message().await? {
+        let now = Instant::now();
+        let outcome = {
+            let mut v = lock(&view);
+            v.responses += 1;
+            v.bytes += response.encoded_len() as u64;
+            v.last_response = Some(now);
+            let outcome = apply_sotw(&mut v, &response, &mut eds_hashes, now);
+            match outcome {
+                Ok(_) => v.acks += 1,
+                Err(_) => v.nacks += 1,
+            }
+            outcome
+        };
+        let state = types.entry(response.type_url.clone()).or_default();
+        state.nonce = response.nonce.clone();
+        let names = match response.type_url.as_str() {
+            EDS => eds_names.clone().unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let mut ack = request(state, &response.type_url, &names);
+        let subscribe = match outcome {
+            Ok(subscribe) => {
+                state.version = response.version_info.clone();
+                ack.version_info = state.version.clone();
+                subscribe
+            }
+            Err(message) => {
+                ack.error_detail = Some(RpcStatus {
+                    code: tonic::Code::InvalidArgument as i32,
+                    message,
+                    ..RpcStatus::default()
+                });
+                None
+            }
+        };
+        tx.send(ack)?;
+        if let Some(names) = subscribe {
+            let state = types.entry(EDS.to_string()).or_default();
+            tx.send(request(state, EDS, &names))?;
+            eds_names = Some(names);
+        }
+        bump.send_modify(|n| *n += 1);
+    }
+    Ok(())
+}
+
+/// Applies a Delta response to the view; `Err` is the NACK's message. Returns the endpoint
+/// subscription changes: (subscribe, unsubscribe).
+fn apply_delta(
+    v: &mut ClientView,
+    response: &DeltaDiscoveryResponse,
+    now: Instant,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let (mut subscribe, mut unsubscribe) = (Vec::new(), Vec::new());
+    // Decode everything first: a NACKed response changes nothing.
+    match response.type_url.as_str() {
+        CDS => {
+            for r in &response.resources {
+                if let Some(any) = &r.resource {
+                    let cluster: Cluster = decode(any, CDS)?;
+                    if cluster.name != r.name {
+                        return Err(format!(
+                            "resource {} holds cluster {}",
+                            r.name, cluster.name
+                        ));
+                    }
+                }
+            }
+            for r in response.resources.iter().filter(|r| r.resource.is_some()) {
+                if v.clusters.insert(r.name.clone()) {
+                    subscribe.push(r.name.clone());
+                }
+            }
+            for name in &response.removed_resources {
+                if v.clusters.remove(name) {
+                    v.endpoints.remove(name);
+                    unsubscribe.push(name.clone());
+                }
+            }
+        }
+        EDS => {
+            let mut assignments = Vec::new();
+            for r in &response.resources {
+                if let Some(any) = &r.resource {
+                    let cla: ClusterLoadAssignment = decode(any, EDS)?;
+                    assignments.push((r.name.clone(), endpoints_of(&cla)));
+                }
+            }
+            for (name, endpoints) in assignments {
+                if v.endpoints_of(&name) != Some(endpoints.as_slice()) {
+                    v.endpoints.insert(name, (endpoints, now));
+                }
+            }
+            for name in &response.removed_resources {
+                v.endpoints.remove(name);
+            }
+        }
+        LDS => {
+            for r in &response.resources {
+                if let Some(any) = &r.resource {
+                    decode::<Listener>(any, LDS)?;
+                }
+            }
+            for r in response.resources.iter().filter(|r| r.resource.is_some()) {
+                v.listeners.insert(r.name.clone());
+            }
+            for name in &response.removed_resources {
+                v.listeners.remove(name);
+            }
+        }
+        other => return Err(format!("not subscribed to {other}")),
+    }
+    Ok((subscribe, unsubscribe))
+}
+
+async fn run_delta(
+    mut client: AggregatedDiscoveryServiceClient<tonic::transport::Channel>,
+    node: Node,
+    view: Arc<Mutex<ClientView>>,
+    bump: watch::Sender<u64>,
+) -> anyhow::Result<()> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    // No names on the first request of a wildcard type: the legacy wildcard, as Envoy sends.
+    for type_url in [CDS, LDS] {
+        tx.send(DeltaDiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: type_url.to_string(),
+            ..DeltaDiscoveryRequest::default()
+        })?;
+    }
+    let mut stream = client
+        .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    while let Some(response) = stream.message().await? {
+        let now = Instant::now();
+        let outcome = {
+            let mut v = lock(&view);
+            v.responses += 1;
+            v.bytes += response.encoded_len() as u64;
+            v.last_response = Some(now);
+            let outcome = apply_delta(&mut v, &response, now);
+            match outcome {
+                Ok(_) => v.acks += 1,
+                Err(_) => v.nacks += 1,
+            }
+            outcome
+        };
+        let mut ack = DeltaDiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            ..DeltaDiscoveryRequest::default()
+        };
+        let (subscribe, unsubscribe) = match outcome {
+            Ok(changes) => changes,
+            Err(message) => {
+                ack.error_detail = Some(RpcStatus {
+                    code: tonic::Code::InvalidArgument as i32,
+                    message,
+                    ..RpcStatus::default()
+                });
+                (Vec::new(), Vec::new())
+            }
+        };
+        tx.send(ack)?;
+        if !subscribe.is_empty() || !unsubscribe.is_empty() {
+            tx.send(DeltaDiscoveryRequest {
+                node: Some(node.clone()),
+                type_url: EDS.to_string(),
+                resource_names_subscribe: subscribe,
+                resource_names_unsubscribe: unsubscribe,
+                ..DeltaDiscoveryRequest::default()
+            })?;
+        }
+        bump.send_modify(|n| *n += 1);
+    }
+    Ok(())
+}

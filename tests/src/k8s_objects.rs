@@ -1,0 +1,74 @@
+//! Kubernetes objects as the fake API server takes them (JSON), built the way the tests and
+//! benchmarks need them: Services, EndpointSlices of ready endpoints, a generated mesh.
+
+use std::net::Ipv4Addr;
+
+use serde_json::{Value, json};
+
+use crate::fake_apiserver::FakeApiServer;
+
+pub fn service(namespace: &str, name: &str, ports: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"ports": ports},
+    })
+}
+
+pub fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints: Value) -> Value {
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"namespace": namespace, "name": name,
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": ports,
+        "endpoints": endpoints,
+    })
+}
+
+/// Ready endpoints, one per address.
+pub fn ready(ips: &[String]) -> Value {
+    ips.iter()
+        .map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}}))
+        .collect()
+}
+
+/// The `n`th address of 10.0.0.0/8.
+pub fn ip(n: u32) -> String {
+    Ipv4Addr::from(0x0a00_0000 + n).to_string()
+}
+
+/// Service `i` of a generated mesh: (namespace, name).
+pub fn generated(i: usize) -> (String, String) {
+    (format!("ns{}", i % 10), format!("svc{i}"))
+}
+
+/// The slice of generated service `i` (`svc<i>-a`, HTTP on 8080) with these endpoints.
+pub fn generated_slice(i: usize, ips: &[String]) -> Value {
+    let (namespace, name) = generated(i);
+    slice(
+        &namespace,
+        &format!("{name}-a"),
+        &name,
+        json!([{"name": "http", "port": 8080}]),
+        ready(ips),
+    )
+}
+
+/// `services` Services (HTTP on 80) in 10 namespaces, each with one slice of `per` ready
+/// endpoints: service `i` has addresses `ip(i * per) ..`.
+pub fn populate(server: &FakeApiServer, services: usize, per: usize) -> anyhow::Result<()> {
+    for i in 0..services {
+        let (namespace, name) = generated(i);
+        server.apply_json(service(
+            &namespace,
+            &name,
+            json!([{"name": "http", "port": 80}]),
+        ))?;
+        let ips: Vec<String> = (0..per).map(|k| ip((i * per + k) as u32)).collect();
+        server.apply_json(generated_slice(i, &ips))?;
+    }
+    Ok(())
+}
