@@ -7,7 +7,6 @@
 mod address;
 mod path;
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
@@ -185,6 +184,10 @@ impl Service {
     }
 }
 
+/// The services of a snapshot, by path. A persistent map: taking a snapshot, and comparing two
+/// (`OrdMap::diff` skips shared subtrees), costs what changed, not the size of the mesh.
+pub type ServiceMap = imbl::OrdMap<MeshPath, Arc<Service>>;
+
 /// One immutable, consistent view of the mesh. Services are shared between snapshots when
 /// unchanged (`Arc::ptr_eq` tells a translator it can reuse its previous output).
 #[derive(Clone, Debug, Serialize)]
@@ -192,7 +195,7 @@ pub struct MeshSnapshot {
     /// Increases by one with every published change.
     pub version: u64,
     pub trap: TrapCidr,
-    pub services: BTreeMap<MeshPath, Arc<Service>>,
+    pub services: ServiceMap,
 }
 
 impl MeshSnapshot {
@@ -212,7 +215,7 @@ impl MeshSnapshot {
 #[derive(Debug)]
 pub struct MeshState {
     addresses: AddressBook,
-    services: BTreeMap<MeshPath, Arc<Service>>,
+    services: ServiceMap,
     version: u64,
     dirty: bool,
 }
@@ -221,7 +224,7 @@ impl MeshState {
     pub fn new(trap: TrapCidr) -> Self {
         MeshState {
             addresses: AddressBook::new(trap),
-            services: BTreeMap::new(),
+            services: ServiceMap::new(),
             version: 0,
             dirty: true,
         }
@@ -395,8 +398,8 @@ mod tests {
         let second = state.snapshot();
         assert_eq!(first.version, second.version);
         assert!(Arc::ptr_eq(
-            &first.services[&"/a/http".parse().unwrap()],
-            &second.services[&"/a/http".parse().unwrap()]
+            &first.services[&"/a/http".parse::<MeshPath>().unwrap()],
+            &second.services[&"/a/http".parse::<MeshPath>().unwrap()]
         ));
         // /30 has two hosts: .1 is shared, .2 the only own address. A second TCP service
         // cannot fit, and the failed replace leaves the state untouched.
@@ -409,17 +412,21 @@ mod tests {
         assert!(err.to_string().contains("/a/tcp2"), "{err}");
         let third = state.snapshot();
         assert_eq!(third.version, second.version);
-        assert!(third.services.contains_key(&"/a/http".parse().unwrap()));
+        assert!(
+            third
+                .services
+                .contains_key(&"/a/http".parse::<MeshPath>().unwrap())
+        );
     }
 
     #[test]
     fn removed_address_is_reused_only_after_release() {
         let mut state = MeshState::new("240.240.0.0/29".parse().unwrap());
         state.upsert(spec("/x/one", Protocol::Tcp)).unwrap();
-        let one = state.snapshot().services[&"/x/one".parse().unwrap()].address;
+        let one = state.snapshot().services[&"/x/one".parse::<MeshPath>().unwrap()].address;
         state.remove(&"/x/one".parse().unwrap());
         state.upsert(spec("/x/two", Protocol::Tcp)).unwrap();
-        let two = state.snapshot().services[&"/x/two".parse().unwrap()].address;
+        let two = state.snapshot().services[&"/x/two".parse::<MeshPath>().unwrap()].address;
         // Round-robin allocation avoids handing a just-freed address to a new service, so
         // clients holding a stale DNS answer do not reach the wrong service.
         assert_ne!(one, two);

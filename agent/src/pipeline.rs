@@ -63,10 +63,14 @@ impl Pipeline {
             let Some(mesh) = self.mesh.borrow_and_update().clone() else {
                 continue;
             };
-            let mut xds = translator.translate(&mesh);
+            let translation = translator.translate(&mesh);
+            let mut xds = translation.xds;
             xds.seen_at = Some(seen_at);
-            self.names
-                .send_replace(Arc::new(translate::dns::name_table(&mesh)));
+            // Names and addresses change only with the shape of the mesh, not its endpoints.
+            if translation.shape_changed {
+                self.names
+                    .send_replace(Arc::new(translate::dns::name_table(&mesh)));
+            }
             self.xds.send_replace(Some(Arc::new(xds)));
             self.metrics
                 .snapshot_version

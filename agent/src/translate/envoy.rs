@@ -40,7 +40,8 @@ use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use envoy_types::util::pack_any;
 use prost::Message;
 
-use crate::mesh::{MeshPath, MeshSnapshot, Service, ServiceAddress, ServicePort};
+use crate::mesh::{MeshSnapshot, Service, ServiceAddress, ServiceMap, ServicePort};
+use imbl::ordmap::DiffItem;
 
 /// The one listener every captured connection lands on.
 pub const OUTBOUND_LISTENER: &str = "lattice-outbound";
@@ -129,8 +130,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// All resources of one type, by name.
-pub type ResourceMap = BTreeMap<String, Arc<XdsResource>>;
+/// All resources of one type, by name. Persistent: a snapshot shares what did not change with
+/// the one before it, and two snapshots are compared by what differs.
+pub type ResourceMap = imbl::OrdMap<String, Arc<XdsResource>>;
 
 /// Everything Envoy should have for one mesh snapshot.
 #[derive(Debug, Default)]
@@ -158,74 +160,87 @@ pub fn route_name(port: u16) -> String {
     format!("http.{port}")
 }
 
-/// Remembers the last translation per service, so unchanged services cost nothing.
+/// Keeps the last translation and updates it by what changed in the mesh: the persistent maps
+/// make both the comparison and the snapshot handed out cost the size of the change.
 #[derive(Default)]
 pub struct EnvoyTranslator {
-    services: HashMap<MeshPath, Translated>,
-    listener_and_routes: Option<(Arc<XdsResource>, ResourceMap)>,
+    mesh: Option<ServiceMap>,
+    resources: [ResourceMap; 4],
 }
 
-struct Translated {
-    service: Arc<Service>,
-    clusters: Vec<Arc<XdsResource>>,
-    endpoints: Vec<Arc<XdsResource>>,
+/// One translation, and whether any service came, went or changed shape (its name, address or
+/// ports: what DNS, the listener and the routes depend on).
+pub struct Translation {
+    pub xds: XdsSnapshot,
+    pub shape_changed: bool,
 }
 
 impl EnvoyTranslator {
-    pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
-        let before = self.services.len();
-        self.services
-            .retain(|path, _| mesh.services.contains_key(path));
-        // Any removed, added or reshaped service changes the listener and routes; endpoint
-        // changes alone do not.
-        let mut shape_changed = self.services.len() != before;
-
-        let mut out = XdsSnapshot {
-            version: mesh.version,
-            ..XdsSnapshot::default()
-        };
-        for (path, service) in &mesh.services {
-            let translated = match self.services.remove(path) {
-                Some(prev) if Arc::ptr_eq(&prev.service, service) => prev,
-                Some(prev) if prev.service.same_shape(service) => Translated {
-                    service: service.clone(),
-                    clusters: prev.clusters,
-                    endpoints: endpoints_for(service),
-                },
-                _ => {
+    pub fn translate(&mut self, mesh: &MeshSnapshot) -> Translation {
+        let previous = self.mesh.take().unwrap_or_default();
+        let mut shape_changed =
+            previous.is_empty() && self.resources[ResourceType::Listener.index()].is_empty();
+        for change in previous.diff(&mesh.services) {
+            match change {
+                DiffItem::Add(_, service) => {
+                    self.insert(service, true);
                     shape_changed = true;
-                    Translated {
-                        service: service.clone(),
-                        clusters: clusters_for(service),
-                        endpoints: endpoints_for(service),
-                    }
                 }
-            };
-            for resource in &translated.clusters {
-                out.resources[ResourceType::Cluster.index()]
-                    .insert(resource.name.clone(), resource.clone());
+                DiffItem::Update {
+                    old: (_, old),
+                    new: (_, new),
+                } => {
+                    let same_shape = old.same_shape(new);
+                    if !same_shape {
+                        self.remove(old);
+                    }
+                    self.insert(new, !same_shape);
+                    shape_changed |= !same_shape;
+                }
+                DiffItem::Remove(_, service) => {
+                    self.remove(service);
+                    shape_changed = true;
+                }
             }
-            for resource in &translated.endpoints {
-                out.resources[ResourceType::Endpoint.index()]
-                    .insert(resource.name.clone(), resource.clone());
-            }
-            self.services.insert(path.clone(), translated);
         }
-
-        if shape_changed || self.listener_and_routes.is_none() {
+        if shape_changed {
             let listener = outbound_listener(mesh);
-            let routes = route_configs(mesh)
+            self.resources[ResourceType::Listener.index()] =
+                ResourceMap::unit(listener.name.clone(), listener);
+            self.resources[ResourceType::Route.index()] = route_configs(mesh)
                 .into_iter()
                 .map(|r| (r.name.clone(), r))
                 .collect();
-            self.listener_and_routes = Some((listener, routes));
         }
-        if let Some((listener, routes)) = &self.listener_and_routes {
-            out.resources[ResourceType::Listener.index()]
-                .insert(listener.name.clone(), listener.clone());
-            out.resources[ResourceType::Route.index()] = routes.clone();
+        self.mesh = Some(mesh.services.clone());
+        Translation {
+            xds: XdsSnapshot {
+                version: mesh.version,
+                resources: self.resources.clone(),
+                seen_at: None,
+            },
+            shape_changed,
         }
-        out
+    }
+
+    fn insert(&mut self, service: &Service, with_clusters: bool) {
+        if with_clusters {
+            for resource in clusters_for(service) {
+                self.resources[ResourceType::Cluster.index()]
+                    .insert(resource.name.clone(), resource);
+            }
+        }
+        for resource in endpoints_for(service) {
+            self.resources[ResourceType::Endpoint.index()].insert(resource.name.clone(), resource);
+        }
+    }
+
+    fn remove(&mut self, service: &Service) {
+        for port in &service.ports {
+            let name = cluster_name(service, port.port);
+            self.resources[ResourceType::Cluster.index()].remove(&name);
+            self.resources[ResourceType::Endpoint.index()].remove(&name);
+        }
     }
 }
 
@@ -555,7 +570,9 @@ mod tests {
     #[test]
     fn one_eds_cluster_and_assignment_per_service_port() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let xds = EnvoyTranslator::default()
+            .translate(&example(&mut state))
+            .xds;
         let names: Vec<&String> = xds.of(ResourceType::Cluster).keys().collect();
         assert_eq!(
             names,
@@ -622,7 +639,9 @@ mod tests {
     #[test]
     fn listener_picks_chains_by_destination_and_has_no_default() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let xds = EnvoyTranslator::default()
+            .translate(&example(&mut state))
+            .xds;
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(
             listener.listener_filters[0].name,
@@ -683,7 +702,9 @@ mod tests {
     #[test]
     fn an_empty_mesh_still_yields_a_valid_listener() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default().translate(&mesh(&mut state, vec![]));
+        let xds = EnvoyTranslator::default()
+            .translate(&mesh(&mut state, vec![]))
+            .xds;
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(listener.filter_chains.len(), 1);
         let m = listener.filter_chains[0]
@@ -701,24 +722,26 @@ mod tests {
     fn an_endpoint_change_reuses_everything_but_its_assignment() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         let mut translator = EnvoyTranslator::default();
-        let first = translator.translate(&example(&mut state));
-        let second = translator.translate(&mesh(
-            &mut state,
-            vec![
-                (
-                    "/foo/bar/buzz",
-                    vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
-                ),
-                (
-                    "/foo/greeter",
-                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
-                ),
-                (
-                    "/foo/db",
-                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
-                ),
-            ],
-        ));
+        let first = translator.translate(&example(&mut state)).xds;
+        let second = translator
+            .translate(&mesh(
+                &mut state,
+                vec![
+                    (
+                        "/foo/bar/buzz",
+                        vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
+                    ),
+                    (
+                        "/foo/greeter",
+                        vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                    ),
+                    (
+                        "/foo/db",
+                        vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                    ),
+                ],
+            ))
+            .xds;
         for kind in [
             ResourceType::Cluster,
             ResourceType::Listener,
@@ -739,7 +762,7 @@ mod tests {
             .collect();
         assert_eq!(changed, ["buzz.bar.foo.system.internal|8080"]);
         // Versions are content hashes: a fresh translator gives the same ones.
-        let fresh = EnvoyTranslator::default().translate(&state.snapshot());
+        let fresh = EnvoyTranslator::default().translate(&state.snapshot()).xds;
         for kind in ResourceType::ALL {
             for (name, resource) in second.of(kind) {
                 assert_eq!(resource.version, fresh.of(kind)[name].version);
@@ -752,13 +775,15 @@ mod tests {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         let mut translator = EnvoyTranslator::default();
         translator.translate(&example(&mut state));
-        let after = translator.translate(&mesh(
-            &mut state,
-            vec![(
-                "/foo/db",
-                vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
-            )],
-        ));
+        let after = translator
+            .translate(&mesh(
+                &mut state,
+                vec![(
+                    "/foo/db",
+                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                )],
+            ))
+            .xds;
         assert_eq!(after.of(ResourceType::Cluster).len(), 1);
         assert_eq!(after.of(ResourceType::Endpoint).len(), 1);
         assert!(after.of(ResourceType::Route).is_empty());

@@ -18,7 +18,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse, Resource,
 };
 
-use crate::translate::envoy::{ResourceType, XdsResource, XdsSnapshot};
+use imbl::ordmap::DiffItem;
+
+use crate::translate::envoy::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
 /// What a stream reports for logs, metrics and `/debug/xds`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,7 +248,50 @@ struct DeltaType {
     in_flight: HashMap<String, String>,
     /// The snapshot version of the in-flight response, reported on its ACK or NACK.
     in_flight_version: String,
+    /// The resources this type was last reconciled against; the next push looks only at what
+    /// differs from them, plus `dirty`. `None` means look at everything.
+    synced: Option<ResourceMap>,
+    /// Names to look at on the next push whatever the snapshot says (new subscriptions,
+    /// endpoints to re-send).
+    dirty: BTreeSet<String>,
     force: bool,
+}
+
+impl DeltaType {
+    /// Of the named resources: the ones to send (wanted, and not at the version the client
+    /// holds), the ones to remove (held but gone), and subscribed ones that do not exist and
+    /// were not yet reported absent.
+    fn delta_of<'a, 's>(
+        &self,
+        current: &'s ResourceMap,
+        names: impl Iterator<Item = &'a String>,
+    ) -> (Vec<&'s Arc<XdsResource>>, Vec<String>, Vec<String>) {
+        let (mut changed, mut removed, mut absent) = (Vec::new(), Vec::new(), Vec::new());
+        let mut seen = HashSet::new();
+        for name in names {
+            if !seen.insert(name.as_str()) {
+                continue;
+            }
+            match current.get(name) {
+                Some(resource)
+                    if self.interest.wants(name)
+                        && self.known.get(name) != Some(&resource.version) =>
+                {
+                    changed.push(resource);
+                }
+                Some(_) => {}
+                None if self.known.contains_key(name) => removed.push(name.clone()),
+                // Explicitly subscribed names that do not exist: say so once, so Envoy does
+                // not wait for them until its fetch timeout.
+                None if self.interest.names.contains(name) && !self.told_absent.contains(name) => {
+                    absent.push(name.clone())
+                }
+                None => {}
+            }
+        }
+        changed.sort_by(|a, b| a.name.cmp(&b.name));
+        (changed, removed, absent)
+    }
 }
 
 /// One `DeltaAggregatedResources` stream.
@@ -287,12 +332,15 @@ impl DeltaStream {
             state.interest.wildcard =
                 request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
             state.known = request.initial_resource_versions.clone();
+            state.synced = None;
         }
         for name in &request.resource_names_subscribe {
             if name == "*" {
                 state.interest.wildcard = true;
+                state.synced = None;
             } else if state.interest.names.insert(name.clone()) {
                 state.told_absent.remove(name);
+                state.dirty.insert(name.clone());
             }
         }
         for name in &request.resource_names_unsubscribe {
@@ -351,27 +399,29 @@ impl DeltaStream {
                 continue;
             }
             let current = snapshot.of(kind);
-            let changed: Vec<&Arc<XdsResource>> = current
-                .values()
-                .filter(|r| state.interest.wants(&r.name))
-                .filter(|r| state.known.get(&r.name) != Some(&r.version))
-                .collect();
-            let mut removed: Vec<String> = state
-                .known
-                .keys()
-                .filter(|name| !current.contains_key(*name))
-                .cloned()
-                .collect();
-            // Explicitly subscribed names that do not exist: say so once, so Envoy does not
-            // wait for them until its fetch timeout.
-            let absent: Vec<String> = state
-                .interest
-                .names
-                .iter()
-                .filter(|n| !current.contains_key(*n) && !state.known.contains_key(*n))
-                .filter(|n| !state.told_absent.contains(*n))
-                .cloned()
-                .collect();
+            let (changed, mut removed, absent) = match state.synced.take() {
+                Some(synced) => {
+                    // Only what changed since the last reconciled snapshot, plus names that
+                    // need a look for other reasons: a push costs the change, not the mesh.
+                    let mut names: BTreeSet<String> = std::mem::take(&mut state.dirty);
+                    names.extend(synced.diff(current).map(|d| match d {
+                        DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
+                        DiffItem::Update { new: (name, _), .. } => name.clone(),
+                    }));
+                    state.delta_of(current, names.iter())
+                }
+                None => {
+                    state.dirty.clear();
+                    state.delta_of(
+                        current,
+                        current
+                            .keys()
+                            .chain(state.known.keys())
+                            .chain(state.interest.names.iter()),
+                    )
+                }
+            };
+            state.synced = Some(current.clone());
             if changed.is_empty() && removed.is_empty() && absent.is_empty() && !state.force {
                 continue;
             }
@@ -419,6 +469,7 @@ impl DeltaStream {
             let endpoints = &mut self.types[ResourceType::Endpoint.index()];
             for name in changed_clusters {
                 endpoints.known.remove(&name);
+                endpoints.dirty.insert(name);
             }
         }
         out
@@ -476,7 +527,7 @@ mod tests {
 
         fn snapshot(&mut self) -> XdsSnapshot {
             let mesh = self.state.snapshot();
-            self.translator.translate(&mesh)
+            self.translator.translate(&mesh).xds
         }
     }
 
@@ -813,5 +864,31 @@ mod tests {
         let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
         assert_eq!(urls, [CDS, EDS]);
         assert_eq!(names(&out[1]), [BUZZ]);
+    }
+
+    #[test]
+    fn delta_changes_made_while_a_response_is_in_flight_go_out_after_its_ack() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = DeltaStream::new();
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        let pending = out[0].nonce.clone();
+        // Two changes while the first response is un-ACKed: nothing goes out yet.
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.2:8080"]);
+        assert!(stream.on_snapshot(&snap2).is_empty());
+        let snap3 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.3:8080"]);
+        assert!(stream.on_snapshot(&snap3).is_empty());
+        let (out, _) = stream.on_request(&delta(EDS, &[], &[], &pending), &snap3);
+        assert_eq!(names(&out[0]), [BUZZ]);
+        assert_eq!(
+            out[0].resources[0].version,
+            snap3.of(ResourceType::Endpoint)[BUZZ].version,
+            "the latest version, not an intermediate one"
+        );
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap3);
+        assert!(
+            stream.on_snapshot(&snap3).is_empty(),
+            "nothing left to send"
+        );
     }
 }

@@ -152,7 +152,7 @@ fn service_and_slices_map_to_ports_with_target_ports_by_name() {
             ]
         )]
     );
-    let web = &snap.services[&"/shop/web".parse().unwrap()];
+    let web = &snap.services[&"/shop/web".parse::<crate::mesh::MeshPath>().unwrap()];
     assert_eq!(web.dns_name, "web.shop.system.internal");
 }
 
@@ -443,7 +443,7 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
     let paths: Vec<String> = after.services.keys().map(|p| p.to_string()).collect();
     assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/vanish"]);
     // Unchanged services are shared with the previous snapshot, not rebuilt.
-    let keep = "/b/keep".parse().unwrap();
+    let keep: crate::mesh::MeshPath = "/b/keep".parse().unwrap();
     assert!(Arc::ptr_eq(&before.services[&keep], &after.services[&keep]));
     // Deletes and applies after the list.
     driver.handle(
