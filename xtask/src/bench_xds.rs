@@ -2,7 +2,8 @@
 //! (the real agent fed through the fake API server, synthetic ADS clients half SotW and half
 //! Delta) and returns the figures it prints: initial sync, change-to-all-clients latency,
 //! bytes per change per client, the agent's RSS and CPU, at a 100-service baseline and at
-//! 10k services. A smoke run uses 10 vs 100 services, 10 clients, 20 changes and a debug build.
+//! 10k services (sizes overridable from the environment, see `run`). A smoke run uses 10 vs
+//! 100 services, 10 clients, 20 changes and a debug build.
 
 use std::process::Command;
 
@@ -14,11 +15,14 @@ const MARKER: &str = "BENCH_XDS_JSON ";
 pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let profile: &[&str] = if smoke { &[] } else { &["--release"] };
-    let (services, baseline, clients, changes) = if smoke {
-        ("100", "10", "10", "20")
-    } else {
-        ("10000", "100", "100", "1000")
-    };
+    // Sizes: (variable, smoke, full); a variable already set in the environment wins, so a
+    // shorter run at full size is `LATTICE_BENCH_CHANGES=50 cargo xtask bench --only xds`.
+    let sizes = [
+        ("LATTICE_BENCH_SERVICES", "100", "10000"),
+        ("LATTICE_BENCH_BASELINE_SERVICES", "10", "100"),
+        ("LATTICE_BENCH_CLIENTS", "10", "100"),
+        ("LATTICE_BENCH_CHANGES", "20", "1000"),
+    ];
 
     let status = Command::new(&cargo)
         .args(["build", "-p", "lattice-agent", "--bins"])
@@ -33,10 +37,13 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         .args(["test", "-p", "lattice-e2e", "--test", "xds_scale"])
         .args(profile)
         .args(["--", "--ignored", "--exact", "--nocapture", TEST])
-        .env("LATTICE_BENCH_SERVICES", services)
-        .env("LATTICE_BENCH_BASELINE_SERVICES", baseline)
-        .env("LATTICE_BENCH_CLIENTS", clients)
-        .env("LATTICE_BENCH_CHANGES", changes)
+        .envs(sizes.iter().map(|(name, small, full)| {
+            let default = if smoke { small } else { full };
+            (
+                *name,
+                std::env::var(name).unwrap_or_else(|_| default.to_string()),
+            )
+        }))
         .output()
         .context("running the xDS scale test")?;
     let stdout = String::from_utf8_lossy(&output.stdout);
