@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use lattice_init::config::{BootstrapConfig, XdsAddress, XdsHost, XdsMode};
+
 use crate::agent::{free_port, http_get};
 use crate::wait;
 
@@ -38,47 +40,27 @@ pub enum AdsMode {
     Delta,
 }
 
-/// A minimal ADS bootstrap for xDS tests on loopback (the data-path tests use the one
-/// `lattice-init` writes instead).
+/// The bootstrap `lattice-init` writes (its own generator, not a copy), with admin moved to
+/// `admin_port` so an Envoy on the test host does not collide with anything on 15000.
 pub fn bootstrap(
     node_id: &str,
     xds: SocketAddr,
     mode: AdsMode,
     admin_port: u16,
 ) -> serde_json::Value {
-    let api_type = match mode {
-        AdsMode::Sotw => "GRPC",
-        AdsMode::Delta => "DELTA_GRPC",
-    };
-    serde_json::json!({
-        "node": {"id": node_id, "cluster": "lattice"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "dynamic_resources": {
-            "ads_config": {
-                "api_type": api_type,
-                "transport_api_version": "V3",
-                "grpc_services": [{"envoy_grpc": {"cluster_name": "lattice-xds"}}]
-            },
-            "cds_config": {"ads": {}, "resource_api_version": "V3"},
-            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+    let mut value = lattice_init::bootstrap::bootstrap(&BootstrapConfig {
+        node_id: node_id.to_string(),
+        xds: XdsAddress {
+            host: XdsHost::Ip(xds.ip()),
+            port: xds.port(),
         },
-        "static_resources": {"clusters": [{
-            "name": "lattice-xds",
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}
-                }
-            },
-            "load_assignment": {"cluster_name": "lattice-xds", "endpoints": [{"lb_endpoints": [{
-                "endpoint": {"address": {"socket_address": {
-                    "address": xds.ip().to_string(), "port_value": xds.port()
-                }}}
-            }]}]}
-        }]}
-    })
+        mode: match mode {
+            AdsMode::Sotw => XdsMode::Sotw,
+            AdsMode::Delta => XdsMode::Delta,
+        },
+    });
+    value["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();
+    value
 }
 
 pub struct Envoy {

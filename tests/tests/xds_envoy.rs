@@ -301,62 +301,78 @@ fn rejection() -> Option<RpcStatus> {
     })
 }
 
+/// An agent serving one service from a mesh file, for a hand-driven ADS client.
+struct NackFixture {
+    _dir: tempfile::TempDir,
+    mesh: std::path::PathBuf,
+    agent: Agent,
+    client: AggregatedDiscoveryServiceClient<tonic::transport::Channel>,
+}
+
+impl NackFixture {
+    async fn start() -> NackFixture {
+        let dir = tempfile::tempdir().unwrap();
+        let mesh = dir.path().join("mesh.yaml");
+        write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
+        let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+        tokio::task::block_in_place(|| agent.wait_ready()).unwrap();
+        let client = AggregatedDiscoveryServiceClient::connect(format!("http://{}", agent.xds))
+            .await
+            .unwrap();
+        NackFixture {
+            _dir: dir,
+            mesh,
+            agent,
+            client,
+        }
+    }
+
+    /// Waits until the agent has counted the NACK, then adds a service to the mesh.
+    async fn after_nack_change_the_mesh(&self) {
+        wait::until_async("the NACK to be counted", Duration::from_secs(5), || async {
+            let metrics = self.agent.get("/metrics").map_err(|e| e.to_string())?.1;
+            if metrics.contains("lattice_xds_nacks_total{type=\"cds\"} 1") {
+                Ok(())
+            } else {
+                Err(metrics)
+            }
+        })
+        .await
+        .unwrap();
+        write_mesh(
+            &self.mesh,
+            &[
+                ("/foo/bar/buzz", &["10.200.0.3"]),
+                ("/foo/new", &["10.200.0.7"]),
+            ],
+        );
+    }
+}
+
 /// (d) A client that NACKs is not sent the same response again: after the NACK, the next
 /// thing on the stream is the response for the next mesh change, nothing in between.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nacking_sotw_client_is_not_sent_the_same_response_in_a_loop() {
-    let dir = tempfile::tempdir().unwrap();
-    let mesh = dir.path().join("mesh.yaml");
-    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
-    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
-    tokio::task::block_in_place(|| agent.wait_ready()).unwrap();
-
-    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{}", agent.xds))
-        .await
-        .unwrap();
+    let mut fixture = NackFixture::start().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tx.send(DiscoveryRequest {
+    let request = |nonce: &str, error| DiscoveryRequest {
         node: node(),
         type_url: CDS.into(),
+        response_nonce: nonce.to_string(),
+        error_detail: error,
         ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut responses = client
+    };
+    tx.send(request("", None)).await.unwrap();
+    let mut responses = fixture
+        .client
         .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
         .unwrap()
         .into_inner();
     let first = responses.message().await.unwrap().unwrap();
     assert_eq!(first.resources.len(), 1);
-    tx.send(DiscoveryRequest {
-        node: node(),
-        type_url: CDS.into(),
-        response_nonce: first.nonce.clone(),
-        error_detail: rejection(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    // The NACK is counted once the agent has handled it.
-    wait::until_async("the NACK to be counted", Duration::from_secs(5), || async {
-        let metrics = agent.get("/metrics").map_err(|e| e.to_string())?.1;
-        if metrics.contains("lattice_xds_nacks_total{type=\"cds\"} 1") {
-            Ok(())
-        } else {
-            Err(metrics)
-        }
-    })
-    .await
-    .unwrap();
-
-    write_mesh(
-        &mesh,
-        &[
-            ("/foo/bar/buzz", &["10.200.0.3"]),
-            ("/foo/new", &["10.200.0.7"]),
-        ],
-    );
+    tx.send(request(&first.nonce, rejection())).await.unwrap();
+    fixture.after_nack_change_the_mesh().await;
     let next = tokio::time::timeout(Duration::from_secs(5), responses.message())
         .await
         .unwrap()
@@ -371,57 +387,26 @@ async fn a_nacking_sotw_client_is_not_sent_the_same_response_in_a_loop() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nacking_delta_client_is_not_sent_the_same_resources_in_a_loop() {
-    let dir = tempfile::tempdir().unwrap();
-    let mesh = dir.path().join("mesh.yaml");
-    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3"])]);
-    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
-    tokio::task::block_in_place(|| agent.wait_ready()).unwrap();
-
-    let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{}", agent.xds))
-        .await
-        .unwrap();
+    let mut fixture = NackFixture::start().await;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tx.send(DeltaDiscoveryRequest {
+    let request = |nonce: &str, error| DeltaDiscoveryRequest {
         node: node(),
         type_url: CDS.into(),
+        response_nonce: nonce.to_string(),
+        error_detail: error,
         ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut responses = client
+    };
+    tx.send(request("", None)).await.unwrap();
+    let mut responses = fixture
+        .client
         .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
         .unwrap()
         .into_inner();
     let first = responses.message().await.unwrap().unwrap();
     assert_eq!(first.resources[0].name, BUZZ);
-    tx.send(DeltaDiscoveryRequest {
-        node: node(),
-        type_url: CDS.into(),
-        response_nonce: first.nonce.clone(),
-        error_detail: rejection(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    wait::until_async("the NACK to be counted", Duration::from_secs(5), || async {
-        let metrics = agent.get("/metrics").map_err(|e| e.to_string())?.1;
-        if metrics.contains("lattice_xds_nacks_total{type=\"cds\"} 1") {
-            Ok(())
-        } else {
-            Err(metrics)
-        }
-    })
-    .await
-    .unwrap();
-
-    write_mesh(
-        &mesh,
-        &[
-            ("/foo/bar/buzz", &["10.200.0.3"]),
-            ("/foo/new", &["10.200.0.7"]),
-        ],
-    );
+    tx.send(request(&first.nonce, rejection())).await.unwrap();
+    fixture.after_nack_change_the_mesh().await;
     let next = tokio::time::timeout(Duration::from_secs(5), responses.message())
         .await
         .unwrap()
