@@ -85,8 +85,8 @@ fn print_table(report: &serde_json::Value) {
         println!(
             "{:<10} {:>8} {:>7} {:>10} {:>9} {:>9} {:>12} {:>12} {:>8} {:>10}",
             run,
-            r["services"],
-            r["clients"],
+            r["services"].as_u64().unwrap_or(0),
+            r["clients"].as_u64().unwrap_or(0),
             ms(&r["initial_sync_ms"]),
             ms(&r["change_to_all_clients_ms"]["p50"]),
             ms(&r["change_to_all_clients_ms"]["p99"]),
