@@ -49,7 +49,7 @@ fn nonce(counter: &mut u64) -> String {
 }
 
 /// Which resources of a type the client wants.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Interest {
     wildcard: bool,
     names: BTreeSet<String>,
@@ -77,6 +77,10 @@ struct SotwType {
     sent_version: Option<String>,
     sent: HashMap<String, String>,
     acked_version: Option<String>,
+    /// The resources of this type the last push looked at, for the current interest: while
+    /// the snapshot still holds the very same map, nothing can have changed, so an ACK or a
+    /// snapshot that changed only other types costs nothing instead of a scan of the type.
+    evaluated: Option<ResourceMap>,
     /// Send even if the content did not change (endpoints after their cluster changed).
     force: bool,
 }
@@ -141,7 +145,11 @@ impl SotwStream {
             }
         }
         state.requested = true;
-        state.interest = sotw_interest(kind, &request.resource_names);
+        let interest = sotw_interest(kind, &request.resource_names);
+        if interest != state.interest {
+            state.interest = interest;
+            state.evaluated = None;
+        }
         if first {
             // Always answer the first request of a type on a stream.
             state.force = true;
@@ -161,8 +169,12 @@ impl SotwStream {
             if !state.requested || state.pending.is_some() {
                 continue;
             }
-            let resources: Vec<&Arc<XdsResource>> = snapshot
-                .of(kind)
+            let current = snapshot.of(kind);
+            if !state.force && state.evaluated.as_ref().is_some_and(|e| e.ptr_eq(current)) {
+                continue;
+            }
+            state.evaluated = Some(current.clone());
+            let resources: Vec<&Arc<XdsResource>> = current
                 .values()
                 .filter(|r| state.interest.wants(&r.name))
                 .collect();
