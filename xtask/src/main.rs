@@ -64,6 +64,13 @@ enum Task {
     /// The whole data path on a simulated node, narrated: DNS, capture, Envoy, backends, a
     /// live mesh change, then teardown. Needs root.
     Demo,
+    /// Fuzz the DNS query path (dns/fuzz, cargo-fuzz with libFuzzer) for a while; installs
+    /// cargo-fuzz when missing. Runs on the stable toolchain through RUSTC_BOOTSTRAP.
+    Fuzz {
+        /// How long to fuzz, in seconds.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+    },
     /// Render the Kubernetes manifests (deploy/ and deploy/examples/) for users without
     /// kustomize: to stdout, or as lattice.yaml and lattice-example.yaml under --out.
     Manifests {
@@ -90,6 +97,7 @@ fn main() -> anyhow::Result<()> {
         }
         Task::Bench { smoke, only } => bench(smoke, &only),
         Task::Demo => demo::run(),
+        Task::Fuzz { seconds } => fuzz(seconds),
         Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
     }
 }
@@ -183,6 +191,20 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         test.arg("--").args(extra);
     }
     run(&mut test)
+}
+
+/// cargo-fuzz needs nightly-only compiler flags (sanitizers); RUSTC_BOOTSTRAP lets the one
+/// stable toolchain these machines have accept them.
+fn fuzz(seconds: u64) -> anyhow::Result<()> {
+    if !have("cargo-fuzz") {
+        run(Command::new(cargo()).args(["install", "--locked", "cargo-fuzz"]))?;
+    }
+    let dir = workspace_root().join("dns/fuzz");
+    run(Command::new(cargo())
+        .current_dir(&dir)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .args(["fuzz", "run", "query", "--"])
+        .arg(format!("-max_total_time={seconds}")))
 }
 
 fn bench(smoke: bool, only: &[String]) -> anyhow::Result<()> {
