@@ -6,7 +6,8 @@
 //!
 //! Ignored by default; `cargo xtask bench --only xds` runs it with a release agent. Sizes from
 //! `LATTICE_BENCH_SERVICES` (10000), `LATTICE_BENCH_BASELINE_SERVICES` (100),
-//! `LATTICE_BENCH_CLIENTS` (100), `LATTICE_BENCH_CHANGES` (1000).
+//! `LATTICE_BENCH_CLIENTS` (100), `LATTICE_BENCH_CHANGES` (1000), `LATTICE_BENCH_SOTW_PERCENT`
+//! (50: the share of clients on SotW, the rest on Delta).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -68,8 +69,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-fn mean(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len().max(1) as f64
+/// `None` for no values (a run without SotW or without Delta clients).
+fn mean(values: &[f64]) -> Option<f64> {
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
 }
 
 async fn connect(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
@@ -87,7 +89,7 @@ async fn connect(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
 }
 
 /// One run: a mesh of `services`, `clients` clients, `changes` single-endpoint changes.
-async fn run(services: usize, clients: usize, changes: usize) -> Value {
+async fn run(services: usize, clients: usize, sotw: usize, changes: usize) -> Value {
     let server = FakeApiServer::start().unwrap();
     let populated = Instant::now();
     populate(&server, services, PER_SERVICE).unwrap();
@@ -99,9 +101,10 @@ async fn run(services: usize, clients: usize, changes: usize) -> Value {
     let start = Instant::now();
     let agent = Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.to_str().unwrap())]);
     let pid = agent.pid().expect("the agent runs");
+    // SotW and Delta clients interleaved, `sotw` of them SotW.
     let modes: Vec<AdsMode> = (0..clients)
         .map(|k| {
-            if k % 2 == 0 {
+            if (k + 1) * sotw / clients.max(1) > k * sotw / clients.max(1) {
                 AdsMode::Sotw
             } else {
                 AdsMode::Delta
@@ -201,7 +204,7 @@ async fn run(services: usize, clients: usize, changes: usize) -> Value {
         "bytes_per_change_per_client": {
             "sotw_mean": mean(&bytes_sotw),
             "delta_mean": mean(&bytes_delta),
-            "delta_max": bytes_delta.iter().copied().fold(0.0, f64::max),
+            "delta_max": bytes_delta.iter().copied().reduce(f64::max),
         },
         "agent_rss_mib": {"synced": rss_synced, "after_changes": rss_after},
         "agent_cpu_s": {"to_sync": cpu_synced, "after_changes": cpu_after},
@@ -217,9 +220,10 @@ async fn xds_propagation_and_cost_at_scale() {
     let baseline = env_or("LATTICE_BENCH_BASELINE_SERVICES", 100);
     let clients = env_or("LATTICE_BENCH_CLIENTS", 100);
     let changes = env_or("LATTICE_BENCH_CHANGES", 1000);
-    let small = run(baseline, clients, changes).await;
+    let sotw = clients * env_or("LATTICE_BENCH_SOTW_PERCENT", 50).min(100) / 100;
+    let small = run(baseline, clients, sotw, changes).await;
     println!("baseline: {small}");
-    let large = run(services, clients, changes).await;
+    let large = run(services, clients, sotw, changes).await;
     println!("full: {large}");
     let ratio = |path: &[&str]| -> Option<f64> {
         let get = |v: &Value| path.iter().fold(v, |v, k| &v[*k]).as_f64();

@@ -22,6 +22,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_BASELINE_SERVICES", "10", "100"),
         ("LATTICE_BENCH_CLIENTS", "10", "100"),
         ("LATTICE_BENCH_CHANGES", "20", "1000"),
+        ("LATTICE_BENCH_SOTW_PERCENT", "50", "50"),
     ];
 
     let status = Command::new(&cargo)
