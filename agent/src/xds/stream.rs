@@ -73,7 +73,8 @@ struct SotwType {
     /// Nonce of the response in flight (sent, not yet ACKed or NACKed).
     pending: Option<String>,
     last_nonce: Option<String>,
-    /// Version of the last response sent, and per-resource versions it held.
+    /// Version of the last response sent, and (clusters only: they alone decide what else
+    /// to re-send) the per-resource versions it held.
     sent_version: Option<String>,
     sent: HashMap<String, String>,
     acked_version: Option<String>,
@@ -193,10 +194,12 @@ impl SotwStream {
             };
             let nonce = nonce(&mut self.nonces);
             let state = &mut self.types[kind.index()];
-            state.sent = resources
-                .iter()
-                .map(|r| (r.name.clone(), r.version.clone()))
-                .collect();
+            if kind == ResourceType::Cluster {
+                state.sent = resources
+                    .iter()
+                    .map(|r| (r.name.clone(), r.version.clone()))
+                    .collect();
+            }
             state.sent_version = Some(version.clone());
             state.pending = Some(nonce.clone());
             state.last_nonce = Some(nonce.clone());
