@@ -47,21 +47,12 @@ impl Agent {
 
     pub fn start_with_env(args: &[&str], envs: &[(&str, &str)]) -> Agent {
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
-        let mut agent = Agent {
-            child: None,
-            netns: None,
-            args: args.iter().map(|s| s.to_string()).collect(),
-            envs: envs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            log: tempfile::NamedTempFile::new().expect("temp file for the agent log"),
+        let addrs = AgentAddrs {
             xds: loopback(free_port()),
             dns: loopback(free_port()),
             admin: loopback(free_port()),
         };
-        agent.spawn();
-        agent
+        Agent::launch(None, addrs, args, envs)
     }
 
     /// Starts the agent inside the network namespace `netns` on the given addresses (which
@@ -73,9 +64,18 @@ impl Agent {
         args: &[&str],
         envs: &[(&str, &str)],
     ) -> Agent {
+        Agent::launch(Some(netns.path()), addrs, args, envs)
+    }
+
+    fn launch(
+        netns: Option<PathBuf>,
+        addrs: AgentAddrs,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Agent {
         let mut agent = Agent {
             child: None,
-            netns: Some(netns.path()),
+            netns,
             args: args.iter().map(|s| s.to_string()).collect(),
             envs: envs
                 .iter()

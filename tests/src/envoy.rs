@@ -63,6 +63,16 @@ pub fn bootstrap(
     value
 }
 
+/// How every test Envoy runs: no hot-restart shared memory (several Envoys on one machine),
+/// one worker thread (two cores for everything).
+pub const ARGS: [&str; 5] = [
+    "--disable-hot-restart",
+    "--log-level",
+    "info",
+    "--concurrency",
+    "1",
+];
+
 pub struct Envoy {
     child: Option<Child>,
     pub admin: SocketAddr,
@@ -90,13 +100,7 @@ impl Envoy {
         let child = Command::new(binary())
             .arg("-c")
             .arg(bootstrap)
-            .args([
-                "--disable-hot-restart",
-                "--log-level",
-                "info",
-                "--concurrency",
-                "1",
-            ])
+            .args(ARGS)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -365,13 +365,7 @@ impl ClientPod {
             .arg(envoy::binary())
             .arg("-c")
             .arg(&bootstrap)
-            .args([
-                "--disable-hot-restart",
-                "--log-level",
-                "info",
-                "--concurrency",
-                "1",
-            ])
+            .args(envoy::ARGS)
             .stdout(Stdio::null())
             .stderr(log);
         let envoy = pod.netns.spawn(command)?;
