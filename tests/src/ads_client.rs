@@ -61,11 +61,6 @@ impl ClientView {
     pub fn endpoints_of(&self, cluster: &str) -> Option<&[SocketAddr]> {
         self.endpoints.get(cluster).map(|(e, _)| e.as_slice())
     }
-
-    /// Every cluster the client holds has its endpoints (an assignment, maybe empty).
-    pub fn synced(&self) -> bool {
-        !self.clusters.is_empty() && self.clusters.iter().all(|c| self.endpoints.contains_key(c))
-    }
 }
 
 pub struct AdsClient {
