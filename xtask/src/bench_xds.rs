@@ -5,16 +5,15 @@
 //! 10k services (sizes overridable from the environment, see `run`). A smoke run uses 10 vs
 //! 100 services, 10 clients, 20 changes and a debug build.
 
-use std::process::Command;
+use crate::scale_test::ScaleTest;
 
-use anyhow::{Context, bail};
-
-const TEST: &str = "xds_propagation_and_cost_at_scale";
-const MARKER: &str = "BENCH_XDS_JSON ";
+const SCALE: ScaleTest<'static> = ScaleTest {
+    file: "xds_scale",
+    test: "xds_propagation_and_cost_at_scale",
+    marker: "BENCH_XDS_JSON ",
+};
 
 pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let profile: &[&str] = if smoke { &[] } else { &["--release"] };
     // Sizes: (variable, smoke, full); a variable already set in the environment wins, so a
     // shorter run at full size is `LATTICE_BENCH_CHANGES=50 cargo xtask bench --only xds`.
     let sizes = [
@@ -24,44 +23,14 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_CHANGES", "20", "1000"),
         ("LATTICE_BENCH_SOTW_PERCENT", "50", "50"),
     ];
-
-    let status = Command::new(&cargo)
-        .args(["build", "-p", "lattice-agent", "--bins"])
-        .args(profile)
-        .status()
-        .context("running cargo build for lattice-agent")?;
-    if !status.success() {
-        bail!("cargo build -p lattice-agent failed: {status}");
-    }
-    // `cargo test --release` runs from target/release, so the test finds the release agent.
-    let output = Command::new(&cargo)
-        .args(["test", "-p", "lattice-e2e", "--test", "xds_scale"])
-        .args(profile)
-        .args(["--", "--ignored", "--exact", "--nocapture", TEST])
-        .envs(sizes.iter().map(|(name, small, full)| {
-            let default = if smoke { small } else { full };
-            (
-                *name,
-                std::env::var(name).unwrap_or_else(|_| default.to_string()),
-            )
-        }))
-        .output()
-        .context("running the xDS scale test")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        bail!(
-            "the xDS scale test failed ({}):\n{stdout}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(MARKER))
-        .with_context(|| format!("the xDS scale test printed no {MARKER:?} line:\n{stdout}"))?;
-    let mut report: serde_json::Value = serde_json::from_str(line)
-        .with_context(|| format!("xDS scale test report is not JSON: {line}"))?;
-    report["build"] = if smoke { "debug" } else { "release" }.into();
+    let envs = sizes.iter().map(|(name, small, full)| {
+        let default = if smoke { small } else { full };
+        (
+            name.to_string(),
+            std::env::var(name).unwrap_or_else(|_| default.to_string()),
+        )
+    });
+    let report = SCALE.run(smoke, envs)?;
     print_table(&report);
     Ok(report)
 }

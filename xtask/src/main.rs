@@ -7,6 +7,7 @@ mod bench_kube;
 mod bench_xds;
 mod demo;
 mod manifests;
+mod scale_test;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,0 +1,62 @@
+//! Running one of the ignored scale tests of `tests/` as a benchmark: build the agent (release,
+//! or debug for a smoke run), run the test against it, and read the JSON report it prints
+//! after a marker.
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+pub struct ScaleTest<'a> {
+    /// The integration test file of `lattice-e2e` (`kube`, `xds_scale`).
+    pub file: &'a str,
+    /// The ignored test's name.
+    pub test: &'a str,
+    /// The prefix of the line that carries the JSON report.
+    pub marker: &'a str,
+}
+
+impl ScaleTest<'_> {
+    pub fn run(
+        &self,
+        smoke: bool,
+        envs: impl IntoIterator<Item = (String, String)>,
+    ) -> anyhow::Result<serde_json::Value> {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let profile: &[&str] = if smoke { &[] } else { &["--release"] };
+        let status = Command::new(&cargo)
+            .args(["build", "-p", "lattice-agent", "--bins"])
+            .args(profile)
+            .status()
+            .context("running cargo build for lattice-agent")?;
+        if !status.success() {
+            bail!("cargo build -p lattice-agent failed: {status}");
+        }
+        // `cargo test --release` runs from target/release, so the test finds the release agent.
+        let output = Command::new(&cargo)
+            .args(["test", "-p", "lattice-e2e", "--test", self.file])
+            .args(profile)
+            .args(["--", "--ignored", "--exact", "--nocapture", self.test])
+            .envs(envs)
+            .output()
+            .with_context(|| format!("running the scale test {}", self.test))?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() {
+            bail!(
+                "the scale test {} failed ({}):\n{stdout}\n{}",
+                self.test,
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(self.marker))
+            .with_context(|| {
+                format!("{} printed no {:?} line:\n{stdout}", self.test, self.marker)
+            })?;
+        let mut report: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("the report of {} is not JSON: {line}", self.test))?;
+        report["build"] = if smoke { "debug" } else { "release" }.into();
+        Ok(report)
+    }
+}
