@@ -662,6 +662,18 @@ impl LoadReport {
         self.outcomes.iter().filter(|o| o.result.is_err()).collect()
     }
 
+    /// Panics, naming the first failure, unless every request succeeded.
+    pub fn assert_no_failures(&self) {
+        let failures = self.failures();
+        assert!(
+            failures.is_empty(),
+            "{} of {} requests failed, first: {:?}",
+            failures.len(),
+            self.outcomes.len(),
+            failures.first()
+        );
+    }
+
     /// Answers per backend identity.
     pub fn by_backend(&self) -> BTreeMap<String, usize> {
         let mut out = BTreeMap::new();

@@ -313,14 +313,7 @@ fn backends_follow_the_mesh_without_failures(fx: &Fixture) {
     );
 
     let report = load.stop();
-    let failures = report.failures();
-    assert!(
-        failures.is_empty(),
-        "{} of {} requests failed, first: {:?}",
-        failures.len(),
-        report.outcomes.len(),
-        failures.first()
-    );
+    report.assert_no_failures();
     println!(
         "(c) removal: Envoy had 1 endpoint after {envoy_took:?}, b2's last request {b2_after:?} \
          after the edit; addition: b3's first request {b3_after:?} after the edit; \
@@ -404,14 +397,7 @@ fn d_agent_crash_and_restart_keep_traffic_flowing() {
     );
 
     let report = load.stop();
-    let failures = report.failures();
-    assert!(
-        failures.is_empty(),
-        "{} of {} requests failed, first: {:?}",
-        failures.len(),
-        report.outcomes.len(),
-        failures.first()
-    );
+    report.assert_no_failures();
     println!(
         "(d) agent down {down_for:?} with {} requests served meanwhile; after restart Envoy \
          followed a mesh edit in {converged:?} (edit {:?} after ready); {} requests, 0 failed",
