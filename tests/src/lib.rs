@@ -7,6 +7,7 @@ pub mod agent;
 pub mod bins;
 pub mod envoy;
 pub mod fake_apiserver;
+pub mod iptables;
 pub mod k8s_objects;
 pub mod netns;
 pub mod node;

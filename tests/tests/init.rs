@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
+use lattice_e2e::iptables::{self, without_empty_tables};
 use lattice_e2e::netns::Netns;
 use lattice_e2e::{bins, envoy, wait};
 use nix::sys::socket::{SockaddrIn, SockaddrIn6, getsockopt, sockopt};
@@ -17,72 +18,22 @@ use nix::sys::socket::{SockaddrIn, SockaddrIn6, getsockopt, sockopt};
 const TIMEOUT: Duration = Duration::from_secs(10);
 const APP_UID: &str = "1000";
 const ENVOY_UID: &str = "1337";
-const FAMILIES: [&str; 2] = ["iptables", "ip6tables"];
 
 /// The backends whose binaries are installed: every test that touches rules runs on each.
 fn backends() -> Vec<&'static str> {
-    let installed = |name: &str| {
-        std::env::var_os("PATH")
-            .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(name).is_file()))
-    };
-    let found: Vec<&str> = ["nft", "legacy"]
-        .into_iter()
-        .filter(|backend| {
-            FAMILIES.iter().all(|family| {
-                installed(&format!("{family}-{backend}-save"))
-                    && installed(&format!("{family}-{backend}-restore"))
-            })
-        })
-        .collect();
+    let found = iptables::backends();
     assert!(!found.is_empty(), "no iptables backend installed");
     found
 }
 
 /// `iptables-save` of one backend and family, without the timestamped comment lines.
 fn save(ns: &Netns, backend: &str, family: &str) -> String {
-    let text = ns
-        .exec(&format!("{family}-{backend}-save"), &[] as &[&str])
-        .unwrap();
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .map(|line| format!("{line}\n"))
-        .collect()
-}
-
-/// `save` output without tables that hold no rules and no chains of their own: a table the
-/// kernel instantiated for a run (empty built-in chains, ACCEPT) is not part of what init
-/// installs, and no iptables command removes it again.
-fn without_empty_tables(save: &str) -> String {
-    let mut kept = String::new();
-    let mut section = String::new();
-    let mut has_content = false;
-    for line in save.lines() {
-        if line.starts_with('*') {
-            section.clear();
-            has_content = false;
-        }
-        section.push_str(line);
-        section.push('\n');
-        has_content |= line.starts_with("-A ") || (line.starts_with(':') && line.contains(" - ["));
-        if line == "COMMIT" && has_content {
-            kept.push_str(&section);
-        }
-    }
-    kept
+    iptables::save(ns, backend, family).unwrap()
 }
 
 /// Every ruleset in the namespace: both backends, both families.
 fn snapshot(ns: &Netns) -> String {
-    let mut all = String::new();
-    for backend in backends() {
-        for family in FAMILIES {
-            all.push_str(&format!(
-                "== {family}-{backend}\n{}",
-                save(ns, backend, family)
-            ));
-        }
-    }
-    all
+    iptables::snapshot(ns).unwrap()
 }
 
 /// Runs `lattice-init args` in `ns`; returns its output and wall time (process start to exit).
