@@ -72,7 +72,8 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
     pub dns_ttl: u32,
 
-    /// How long to wait for a burst of mesh changes to settle before pushing, in milliseconds.
+    /// Least time between two pushes, in milliseconds: a lone mesh change goes out at once,
+    /// changes that follow a push closer than this wait and go out together.
     #[arg(long, env = "LATTICE_DEBOUNCE_MS", default_value_t = 10)]
     pub debounce_ms: u64,
 

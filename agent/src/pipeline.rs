@@ -1,5 +1,6 @@
-//! The one-way flow from a source's mesh snapshots to what the servers hand out: waits out a
-//! short burst of changes, runs the translators once, and publishes the results.
+//! The one-way flow from a source's mesh snapshots to what the servers hand out: runs the
+//! translators on the latest snapshot and publishes the results, at most once per debounce
+//! period, so a burst of changes goes out in few pushes while a lone change goes out at once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -49,17 +50,23 @@ impl Pipeline {
         let mut translator = EnvoyTranslator::default();
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
+        let mut last_push: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 changed = self.mesh.changed() => if changed.is_err() { return },
             }
             let seen_at = Instant::now();
-            // Coalesce a burst: whatever arrives during the debounce goes out in one push.
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(self.debounce) => {}
+            // A rate limit, not a delay: a change goes out at once unless the last push was
+            // less than a debounce period ago; then it waits for the period to end, and
+            // whatever else arrives meanwhile goes out with it in one push.
+            if let Some(ready) = last_push.map(|at| at + self.debounce) {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep_until(ready) => {}
+                }
             }
+            let translating = Instant::now();
             let Some(mesh) = self.mesh.borrow_and_update().clone() else {
                 continue;
             };
@@ -72,6 +79,7 @@ impl Pipeline {
                     .send_replace(Arc::new(translate::dns::name_table(&mesh)));
             }
             self.xds.send_replace(Some(Arc::new(xds)));
+            last_push = Some(tokio::time::Instant::now());
             self.metrics
                 .snapshot_version
                 .set(i64::try_from(mesh.version).unwrap_or(i64::MAX));
@@ -79,13 +87,88 @@ impl Pipeline {
                 version = mesh.version,
                 services = mesh.services.len(),
                 endpoints = mesh.endpoint_count(),
-                translate_ms = seen_at
-                    .elapsed()
-                    .saturating_sub(self.debounce)
-                    .as_secs_f64()
-                    * 1e3,
+                translate_ms = translating.elapsed().as_secs_f64() * 1e3,
                 "serving mesh snapshot"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
+    use crate::metrics::Metrics;
+    use crate::translate::envoy::ResourceType;
+
+    const PERIOD: Duration = Duration::from_millis(100);
+
+    fn publish(state: &mut MeshState, mesh: &crate::source::SnapshotTx, endpoint: &str) -> u64 {
+        let spec = ServiceSpec::new(
+            "/foo/bar/buzz".parse().unwrap(),
+            vec![ServicePort {
+                port: 8080,
+                protocol: Protocol::Http,
+                endpoints: EndpointSet::new(vec![endpoint.parse().unwrap()]),
+            }],
+        );
+        state.upsert(spec).unwrap();
+        let snapshot = state.snapshot();
+        let version = snapshot.version;
+        mesh.send_replace(Some(snapshot));
+        version
+    }
+
+    /// The clock is paused: time moves only when every task waits, so "no time passed" is
+    /// exact and a sleep of the period is the period.
+    #[tokio::test(start_paused = true)]
+    async fn a_lone_change_goes_out_at_once_and_a_burst_is_coalesced() {
+        let (mesh, mesh_rx) = crate::source::channel();
+        let (pipeline, mut out) = Pipeline::new(mesh_rx, PERIOD, Metrics::new().xds.clone());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let pushed = |out: &mut Outputs| {
+            let xds = out.xds.borrow_and_update();
+            let xds = xds.as_ref().expect("a snapshot");
+            (xds.version, xds.of(ResourceType::Endpoint).len())
+        };
+
+        let start = tokio::time::Instant::now();
+        let v1 = publish(&mut state, &mesh, "10.0.0.1:80");
+        out.xds.changed().await.unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO, "the first change waited");
+        assert_eq!(pushed(&mut out), (v1, 1));
+
+        // Long after the last push: at once again.
+        tokio::time::sleep(PERIOD * 3).await;
+        let start = tokio::time::Instant::now();
+        let v2 = publish(&mut state, &mesh, "10.0.0.2:80");
+        out.xds.changed().await.unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO, "a lone change waited");
+        assert_eq!(pushed(&mut out).0, v2);
+
+        // Right after a push, two changes: they wait out the period and go out as one.
+        publish(&mut state, &mesh, "10.0.0.3:80");
+        tokio::task::yield_now().await;
+        let v4 = publish(&mut state, &mesh, "10.0.0.4:80");
+        out.xds.changed().await.unwrap();
+        assert_eq!(
+            start.elapsed(),
+            PERIOD,
+            "the burst did not wait for the period"
+        );
+        assert_eq!(
+            pushed(&mut out).0,
+            v4,
+            "the burst went out in more than one push"
+        );
+
+        shutdown.cancel();
+        task.await.unwrap();
+        assert!(
+            !out.xds.has_changed().unwrap_or(false),
+            "a push after the burst"
+        );
     }
 }

@@ -4,16 +4,15 @@
 //! one to look at what is sent.
 //!
 //! The protocol rules it keeps, as Envoy does:
-//! - SotW: every request of a type carries the last version it accepted and the nonce of the
+//! - SotW: clusters and listeners come whole, endpoints by change (an assignment a response
+//!   does not name stays as it was); every request of a type carries the last version it accepted and the nonce of the
 //!   last response it received of that type; a NACK carries the previous good version and an
 //!   `error_detail`; an EDS request always names the whole current subscription, so the ACK of
 //!   a response that crossed a subscription change carries the change.
 //! - Delta: an ACK or NACK names the response's nonce; subscription changes are separate,
 //!   incremental requests; a removed cluster's endpoints are unsubscribed.
 
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -181,12 +180,6 @@ fn decode<M: Message + Default>(any: &Any, type_url: &str) -> Result<M, String> 
     M::decode(any.value.as_slice()).map_err(|e| format!("cannot decode a {type_url}: {e}"))
 }
 
-fn bytes_hash(bytes: &[u8]) -> u64 {
-    let mut hasher = DefaultHasher::new();
-    bytes.hash(&mut hasher);
-    hasher.finish()
-}
-
 fn lock(view: &Mutex<ClientView>) -> std::sync::MutexGuard<'_, ClientView> {
     view.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -203,7 +196,6 @@ struct SotwType {
 fn apply_sotw(
     v: &mut ClientView,
     response: &DiscoveryResponse,
-    eds_hashes: &mut HashMap<String, u64>,
     now: Instant,
 ) -> Result<Option<Vec<String>>, String> {
     match response.type_url.as_str() {
@@ -217,24 +209,19 @@ fn apply_sotw(
                 return Ok(None);
             }
             v.endpoints.retain(|name, _| clusters.contains(name));
-            eds_hashes.retain(|name, _| clusters.contains(name));
             v.clusters = clusters;
             Ok(Some(v.clusters.iter().cloned().collect()))
         }
         EDS => {
-            // A SotW EDS response re-sends every assignment; decode only those whose bytes
-            // changed, or a hundred clients at 10k clusters measure themselves, not the agent.
-            let held: HashSet<u64> = eds_hashes.values().copied().collect();
-            let mut changed = Vec::new();
-            for any in &response.resources {
-                let hash = bytes_hash(&any.value);
-                if !held.contains(&hash) || any.type_url != EDS {
-                    changed.push((decode::<ClusterLoadAssignment>(any, EDS)?, hash));
-                }
-            }
-            for (cla, hash) in changed {
+            // Endpoints come by change: a response updates the assignments it holds and
+            // leaves the others as they are, as Envoy does.
+            let assignments = response
+                .resources
+                .iter()
+                .map(|any| decode::<ClusterLoadAssignment>(any, EDS))
+                .collect::<Result<Vec<_>, String>>()?;
+            for cla in assignments {
                 let endpoints = endpoints_of(&cla);
-                eds_hashes.insert(cla.cluster_name.clone(), hash);
                 if v.endpoints_of(&cla.cluster_name) != Some(endpoints.as_slice()) {
                     v.endpoints.insert(cla.cluster_name, (endpoints, now));
                 }
@@ -274,7 +261,6 @@ async fn run_sotw(
     let mut types: HashMap<String, SotwType> = HashMap::new();
     // The current EDS subscription; `None` until the first CDS response.
     let mut eds_names: Option<Vec<String>> = None;
-    let mut eds_hashes: HashMap<String, u64> = HashMap::new();
     let request = |state: &SotwType, type_url: &str, names: &[String]| DiscoveryRequest {
         node: Some(node.clone()),
         type_url: type_url.to_string(),
@@ -290,7 +276,7 @@ async fn run_sotw(
             v.responses += 1;
             v.bytes += response.encoded_len() as u64;
             v.last_response = Some(now);
-            let outcome = apply_sotw(&mut v, &response, &mut eds_hashes, now);
+            let outcome = apply_sotw(&mut v, &response, now);
             match outcome {
                 Ok(_) => v.acks += 1,
                 Err(_) => v.nacks += 1,

@@ -96,6 +96,12 @@ impl ResourceType {
         matches!(self, ResourceType::Cluster | ResourceType::Listener)
     }
 
+    /// In SotW, a response of these types must hold every resource the client should have
+    /// (what it leaves out is removed); responses of the others may hold only what changed.
+    pub fn is_state_of_the_world(self) -> bool {
+        self.is_wildcard_by_default()
+    }
+
     pub fn index(self) -> usize {
         self as usize
     }
@@ -103,28 +109,47 @@ impl ResourceType {
 
 /// One encoded Envoy resource. Its version is a hash of its bytes, so equal content has equal
 /// versions, across pushes and across agent restarts (which makes Delta reconnects cheap).
+/// The name is shared (not copied) by every map and every stream that refers to it: at 10k
+/// resources and a hundred proxies, per-stream copies of names would dominate the memory.
 #[derive(Debug, PartialEq)]
 pub struct XdsResource {
-    pub name: String,
-    pub version: String,
+    pub name: Arc<str>,
+    pub version: u64,
     pub body: Any,
 }
 
 impl XdsResource {
-    fn new<M: Message + prost::Name>(name: String, message: M) -> Arc<XdsResource> {
+    fn new<M: Message + prost::Name>(name: impl Into<Arc<str>>, message: M) -> Arc<XdsResource> {
         let body = pack_any(message);
-        let version = format!("{:016x}", fnv1a(&body.value));
+        let version = fnv1a(&body.value);
         Arc::new(XdsResource {
-            name,
+            name: name.into(),
             version,
             body,
         })
     }
+
+    /// The version as it goes on the wire.
+    pub fn version_string(&self) -> String {
+        format_version(self.version)
+    }
+}
+
+/// Versions on the wire are 16 hex digits.
+pub fn format_version(version: u64) -> String {
+    format!("{version:016x}")
+}
+
+/// The inverse of [`format_version`]; `None` for a version this agent did not make.
+pub fn parse_version(version: &str) -> Option<u64> {
+    (version.len() == 16)
+        .then(|| u64::from_str_radix(version, 16).ok())
+        .flatten()
 }
 
 /// FNV-1a: stable across builds and platforms, unlike std's hasher, and fast enough for the
 /// few kilobytes a resource holds.
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
         (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
@@ -132,7 +157,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// All resources of one type, by name. Persistent: a snapshot shares what did not change with
 /// the one before it, and two snapshots are compared by what differs.
-pub type ResourceMap = imbl::OrdMap<String, Arc<XdsResource>>;
+pub type ResourceMap = imbl::OrdMap<Arc<str>, Arc<XdsResource>>;
 
 /// Everything Envoy should have for one mesh snapshot.
 #[derive(Debug, Default)]
@@ -238,8 +263,8 @@ impl EnvoyTranslator {
     fn remove(&mut self, service: &Service) {
         for port in &service.ports {
             let name = cluster_name(service, port.port);
-            self.resources[ResourceType::Cluster.index()].remove(&name);
-            self.resources[ResourceType::Endpoint.index()].remove(&name);
+            self.resources[ResourceType::Cluster.index()].remove(name.as_str());
+            self.resources[ResourceType::Endpoint.index()].remove(name.as_str());
         }
     }
 }
@@ -573,7 +598,7 @@ mod tests {
         let xds = EnvoyTranslator::default()
             .translate(&example(&mut state))
             .xds;
-        let names: Vec<&String> = xds.of(ResourceType::Cluster).keys().collect();
+        let names: Vec<&str> = xds.of(ResourceType::Cluster).keys().map(|k| &**k).collect();
         assert_eq!(
             names,
             [
@@ -754,11 +779,11 @@ mod tests {
                 );
             }
         }
-        let changed: Vec<&String> = first
+        let changed: Vec<&str> = first
             .of(ResourceType::Endpoint)
             .iter()
             .filter(|(name, r)| second.of(ResourceType::Endpoint)[*name].version != r.version)
-            .map(|(name, _)| name)
+            .map(|(name, _)| &**name)
             .collect();
         assert_eq!(changed, ["buzz.bar.foo.system.internal|8080"]);
         // Versions are content hashes: a fresh translator gives the same ones.

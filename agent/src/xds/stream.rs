@@ -8,8 +8,17 @@
 //! - at most one un-ACKed response per type; a newer snapshot waits for the ACK;
 //! - types go out in CDS → EDS → LDS → RDS order, and after a cluster changes its endpoints
 //!   are sent again, because Envoy re-creates the cluster and waits for them;
+//! - SotW: clusters and listeners go out whole (the protocol requires it: what a response
+//!   leaves out is removed), endpoints and routes only where they changed (the protocol allows
+//!   it: Envoy updates only the watched resources a response names), so an endpoint change
+//!   costs one assignment per stream, not the whole mesh;
 //! - the first request of each type is always answered, even with nothing, so Envoy's
 //!   initialisation never waits on us.
+//!
+//! Both flavours keep, per type, what the client holds as far as we know, and look on each push
+//! only at what differs between the last snapshot they reconciled and the current one: a push
+//! costs the change, not the mesh. Names are the snapshot's shared `Arc<str>`s and versions are
+//! numbers, so a stream's memory is a few words per resource it holds.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -20,7 +29,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 
 use imbl::ordmap::DiffItem;
 
-use crate::translate::envoy::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
+use crate::translate::envoy::{
+    ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a, format_version, parse_version,
+};
 
 /// What a stream reports for logs, metrics and `/debug/xds`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,16 +59,172 @@ fn nonce(counter: &mut u64) -> String {
     counter.to_string()
 }
 
+/// A name as the current snapshot spells it (sharing its allocation), or a new one for names
+/// the snapshot does not hold.
+fn intern(current: &ResourceMap, name: &str) -> Arc<str> {
+    current
+        .get_key_value(name)
+        .map_or_else(|| Arc::from(name), |(key, _)| key.clone())
+}
+
 /// Which resources of a type the client wants.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default)]
 struct Interest {
     wildcard: bool,
-    names: BTreeSet<String>,
+    names: HashSet<Arc<str>>,
 }
 
 impl Interest {
     fn wants(&self, name: &str) -> bool {
         self.wildcard || self.names.contains(name)
+    }
+}
+
+/// The resources of one type a client holds (Delta: has ACKed or NACKed; SotW: was sent), by
+/// version, and a digest of them all kept up to date entry by entry, which makes a content
+/// version of the client's whole view without hashing the view.
+#[derive(Debug, Default)]
+struct Held {
+    versions: HashMap<Arc<str>, u64>,
+    digest: u64,
+}
+
+impl Held {
+    fn get(&self, name: &str) -> Option<u64> {
+        self.versions.get(name).copied()
+    }
+
+    fn insert(&mut self, name: Arc<str>, version: u64) {
+        self.digest ^= entry_hash(&name, version);
+        if let Some(old) = self.versions.insert(name.clone(), version) {
+            self.digest ^= entry_hash(&name, old);
+        }
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some((name, old)) = self.versions.remove_entry(name) {
+            self.digest ^= entry_hash(&name, old);
+        }
+    }
+
+    fn version_info(&self) -> String {
+        format_version(self.digest)
+    }
+}
+
+/// One entry's share of the digest: the name's hash and the version, mixed (splitmix64's
+/// finaliser) so that XOR-ing many of them does not cancel out structure.
+fn entry_hash(name: &str, version: u64) -> u64 {
+    let mut x = fnv1a(name.as_bytes()) ^ version.rotate_left(32);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// What a push found for one type.
+#[derive(Default)]
+struct Reconciled {
+    /// Wanted, and not at the version the client holds; sorted by name.
+    changed: Vec<Arc<XdsResource>>,
+    /// Held by the client, but gone from the snapshot or no longer wanted.
+    removed: Vec<Arc<str>>,
+    /// Subscribed by name, but not in the snapshot (and not held).
+    absent: Vec<Arc<str>>,
+}
+
+impl Reconciled {
+    fn is_empty(&self) -> bool {
+        self.changed.is_empty() && self.removed.is_empty() && self.absent.is_empty()
+    }
+}
+
+/// Per type, what both flavours track.
+#[derive(Debug, Default)]
+struct Tracked {
+    /// Has the client asked for this type on this stream.
+    requested: bool,
+    interest: Interest,
+    held: Held,
+    /// Nonce of the response in flight (sent, not yet ACKed or NACKed).
+    pending: Option<String>,
+    /// The resources this type was last reconciled against; the next push looks only at what
+    /// differs from them, plus `dirty`. `None` means look at everything.
+    synced: Option<ResourceMap>,
+    /// Names to look at on the next push whatever the snapshot says (new subscriptions,
+    /// endpoints to re-send).
+    dirty: BTreeSet<Arc<str>>,
+    /// Answer on the next push even with nothing new.
+    force: bool,
+}
+
+impl Tracked {
+    fn reconcile(&mut self, current: &ResourceMap) -> Reconciled {
+        let mut found = Reconciled::default();
+        let dirty = std::mem::take(&mut self.dirty);
+        match self.synced.replace(current.clone()) {
+            // The very same map, nothing to re-check: an ACK, or a snapshot that changed
+            // only other types, costs nothing.
+            Some(synced) if synced.ptr_eq(current) && dirty.is_empty() => {}
+            Some(synced) => {
+                let mut names = dirty;
+                names.extend(synced.diff(current).map(|d| match d {
+                    DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
+                    DiffItem::Update { new: (name, _), .. } => name.clone(),
+                }));
+                for name in &names {
+                    self.look(current, name, &mut found);
+                }
+            }
+            None => {
+                let mut names: HashSet<Arc<str>> = self.held.versions.keys().cloned().collect();
+                if self.interest.wildcard {
+                    names.extend(current.keys().cloned());
+                } else {
+                    names.extend(self.interest.names.iter().cloned());
+                }
+                for name in &names {
+                    self.look(current, name, &mut found);
+                }
+                found.removed.sort();
+                found.absent.sort();
+            }
+        }
+        found.changed.sort_by(|a, b| a.name.cmp(&b.name));
+        found
+    }
+
+    fn look(&self, current: &ResourceMap, name: &Arc<str>, found: &mut Reconciled) {
+        let held = self.held.get(name);
+        match current.get(name) {
+            Some(resource) if self.interest.wants(name) && held != Some(resource.version) => {
+                found.changed.push(resource.clone());
+            }
+            Some(_) if self.interest.wants(name) => {}
+            _ if held.is_some() => found.removed.push(name.clone()),
+            None if self.interest.names.contains(name) => found.absent.push(name.clone()),
+            _ => {}
+        }
+    }
+
+    /// Of the clusters about to be sent, the ones the client already holds at another version:
+    /// Envoy re-creates those and waits for their endpoints again.
+    fn changed_clusters(&self, kind: ResourceType, changed: &[Arc<XdsResource>]) -> Vec<Arc<str>> {
+        if kind != ResourceType::Cluster {
+            return Vec::new();
+        }
+        changed
+            .iter()
+            .filter(|r| self.held.get(&r.name).is_some())
+            .map(|r| r.name.clone())
+            .collect()
+    }
+
+    /// Makes the endpoints of re-created clusters go out again on the next push.
+    fn resend(&mut self, names: Vec<Arc<str>>) {
+        for name in names {
+            self.held.remove(&name);
+            self.dirty.insert(name);
+        }
     }
 }
 
@@ -67,23 +234,11 @@ impl Interest {
 
 #[derive(Debug, Default)]
 struct SotwType {
-    /// Has the client asked for this type on this stream.
-    requested: bool,
-    interest: Interest,
-    /// Nonce of the response in flight (sent, not yet ACKed or NACKed).
-    pending: Option<String>,
+    tracked: Tracked,
     last_nonce: Option<String>,
-    /// Version of the last response sent, and (clusters only: they alone decide what else
-    /// to re-send) the per-resource versions it held.
+    /// Version of the last response sent.
     sent_version: Option<String>,
-    sent: HashMap<String, String>,
     acked_version: Option<String>,
-    /// The resources of this type the last push looked at, for the current interest: while
-    /// the snapshot still holds the very same map, nothing can have changed, so an ACK or a
-    /// snapshot that changed only other types costs nothing instead of a scan of the type.
-    evaluated: Option<ResourceMap>,
-    /// Send even if the content did not change (endpoints after their cluster changed).
-    force: bool,
 }
 
 /// One `StreamAggregatedResources` stream.
@@ -118,7 +273,6 @@ impl SotwStream {
         };
         let state = &mut self.types[kind.index()];
         let mut events = Vec::new();
-        let first = !state.requested;
         if !request.response_nonce.is_empty() {
             if state.last_nonce.as_deref() != Some(request.response_nonce.as_str()) {
                 // Envoy sends a fresh request after it handles our newer response; this one
@@ -129,7 +283,7 @@ impl SotwStream {
                 });
                 return (Vec::new(), events);
             }
-            state.pending = None;
+            state.tracked.pending = None;
             match &request.error_detail {
                 Some(status) => events.push(Event::Nack {
                     kind,
@@ -145,16 +299,13 @@ impl SotwStream {
                 }
             }
         }
-        state.requested = true;
-        let interest = sotw_interest(kind, &request.resource_names);
-        if interest != state.interest {
-            state.interest = interest;
-            state.evaluated = None;
-        }
-        if first {
+        let tracked = &mut state.tracked;
+        if !tracked.requested {
             // Always answer the first request of a type on a stream.
-            state.force = true;
+            tracked.requested = true;
+            tracked.force = true;
         }
+        set_sotw_interest(tracked, kind, &request.resource_names, snapshot.of(kind));
         (self.push(snapshot), events)
     }
 
@@ -166,84 +317,101 @@ impl SotwStream {
     fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<DiscoveryResponse> {
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
-            let state = &mut self.types[kind.index()];
-            if !state.requested || state.pending.is_some() {
+            let tracked = &mut self.types[kind.index()].tracked;
+            if !tracked.requested || tracked.pending.is_some() {
                 continue;
             }
             let current = snapshot.of(kind);
-            if !state.force && state.evaluated.as_ref().is_some_and(|e| e.ptr_eq(current)) {
+            let found = tracked.reconcile(current);
+            let whole = kind.is_state_of_the_world();
+            // Without removals in the protocol, a type sent by change has nothing to say when
+            // its resources only went away (Envoy drops them with their cluster or listener).
+            if found.changed.is_empty() && (found.removed.is_empty() || !whole) && !tracked.force {
                 continue;
             }
-            state.evaluated = Some(current.clone());
-            let resources: Vec<&Arc<XdsResource>> = current
-                .values()
-                .filter(|r| state.interest.wants(&r.name))
-                .collect();
-            let version = content_version(&resources);
-            if !state.force && state.sent_version.as_deref() == Some(version.as_str()) {
-                continue;
+            let resend = tracked.changed_clusters(kind, &found.changed);
+            for name in &found.removed {
+                tracked.held.remove(name);
             }
-            let changed_clusters: Vec<String> = if kind == ResourceType::Cluster {
-                resources
-                    .iter()
-                    .filter(|r| matches!(state.sent.get(&r.name), Some(v) if *v != r.version))
-                    .map(|r| r.name.clone())
+            for resource in &found.changed {
+                tracked.held.insert(resource.name.clone(), resource.version);
+            }
+            let resources = if whole {
+                current
+                    .values()
+                    .filter(|r| tracked.interest.wants(&r.name))
+                    .map(|r| r.body.clone())
                     .collect()
             } else {
-                Vec::new()
+                found.changed.iter().map(|r| r.body.clone()).collect()
             };
+            let version = tracked.held.version_info();
             let nonce = nonce(&mut self.nonces);
             let state = &mut self.types[kind.index()];
-            if kind == ResourceType::Cluster {
-                state.sent = resources
-                    .iter()
-                    .map(|r| (r.name.clone(), r.version.clone()))
-                    .collect();
-            }
-            state.sent_version = Some(version.clone());
-            state.pending = Some(nonce.clone());
+            state.tracked.pending = Some(nonce.clone());
+            state.tracked.force = false;
             state.last_nonce = Some(nonce.clone());
-            state.force = false;
+            state.sent_version = Some(version.clone());
             out.push(DiscoveryResponse {
                 version_info: version,
-                resources: resources.iter().map(|r| r.body.clone()).collect(),
+                resources,
                 type_url: kind.type_url().to_string(),
                 nonce,
                 ..DiscoveryResponse::default()
             });
-            if !changed_clusters.is_empty() {
-                self.types[ResourceType::Endpoint.index()].force = true;
-            }
+            self.types[ResourceType::Endpoint.index()]
+                .tracked
+                .resend(resend);
         }
         out
     }
 }
 
-fn sotw_interest(kind: ResourceType, names: &[String]) -> Interest {
+/// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on
+/// every request (ten thousand names on each endpoint ACK at that scale), so the usual case,
+/// no change, is checked without building anything.
+fn set_sotw_interest(
+    tracked: &mut Tracked,
+    kind: ResourceType,
+    names: &[String],
+    current: &ResourceMap,
+) {
     let wildcard =
         names.iter().any(|n| n == "*") || (names.is_empty() && kind.is_wildcard_by_default());
-    Interest {
-        wildcard,
-        names: names.iter().filter(|n| *n != "*").cloned().collect(),
+    let named = || names.iter().filter(|n| *n != "*");
+    let interest = &mut tracked.interest;
+    // A list with duplicates could pass this check while dropping a name; Envoy sends sets,
+    // and the cost of a miss is only that a dropped name keeps being sent.
+    if wildcard == interest.wildcard
+        && named().count() == interest.names.len()
+        && named().all(|n| interest.names.contains(n.as_str()))
+    {
+        return;
     }
-}
-
-/// The version of a SotW response: a hash of the names and versions it holds, so the same
-/// content always carries the same version.
-fn content_version(resources: &[&Arc<XdsResource>]) -> String {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for r in resources {
-        for b in r
-            .name
-            .bytes()
-            .chain([0])
-            .chain(r.version.bytes())
-            .chain([0])
-        {
-            hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    let fresh: HashSet<Arc<str>> = named()
+        .map(|n| {
+            interest
+                .names
+                .get(n.as_str())
+                .cloned()
+                .unwrap_or_else(|| intern(current, n))
+        })
+        .collect();
+    let added: Vec<Arc<str>> = fresh.difference(&interest.names).cloned().collect();
+    let dropped: Vec<Arc<str>> = interest.names.difference(&fresh).cloned().collect();
+    if wildcard != interest.wildcard {
+        tracked.synced = None;
+    }
+    interest.wildcard = wildcard;
+    interest.names = fresh;
+    for name in dropped {
+        if !interest.wants(&name) {
+            tracked.held.remove(&name);
         }
     }
-    format!("{hash:016x}")
+    // A changed subscription is answered: whole types always, the others when names were added.
+    tracked.force |= kind.is_state_of_the_world() || !added.is_empty();
+    tracked.dirty.extend(added);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -252,61 +420,13 @@ fn content_version(resources: &[&Arc<XdsResource>]) -> String {
 
 #[derive(Debug, Default)]
 struct DeltaType {
-    requested: bool,
-    interest: Interest,
-    /// What the client holds, by our knowledge: name → version.
-    known: HashMap<String, String>,
+    tracked: Tracked,
     /// Explicitly subscribed names we already told the client do not exist.
-    told_absent: HashSet<String>,
-    pending: Option<String>,
+    told_absent: HashSet<Arc<str>>,
     /// Versions sent in the in-flight response; a NACK leaves the client on its old ones.
-    in_flight: HashMap<String, String>,
+    in_flight: Vec<(Arc<str>, u64)>,
     /// The snapshot version of the in-flight response, reported on its ACK or NACK.
     in_flight_version: String,
-    /// The resources this type was last reconciled against; the next push looks only at what
-    /// differs from them, plus `dirty`. `None` means look at everything.
-    synced: Option<ResourceMap>,
-    /// Names to look at on the next push whatever the snapshot says (new subscriptions,
-    /// endpoints to re-send).
-    dirty: BTreeSet<String>,
-    force: bool,
-}
-
-impl DeltaType {
-    /// Of the named resources: the ones to send (wanted, and not at the version the client
-    /// holds), the ones to remove (held but gone), and subscribed ones that do not exist and
-    /// were not yet reported absent.
-    fn delta_of<'a, 's>(
-        &self,
-        current: &'s ResourceMap,
-        names: impl Iterator<Item = &'a String>,
-    ) -> (Vec<&'s Arc<XdsResource>>, Vec<String>, Vec<String>) {
-        let (mut changed, mut removed, mut absent) = (Vec::new(), Vec::new(), Vec::new());
-        let mut seen = HashSet::new();
-        for name in names {
-            if !seen.insert(name.as_str()) {
-                continue;
-            }
-            match current.get(name) {
-                Some(resource)
-                    if self.interest.wants(name)
-                        && self.known.get(name) != Some(&resource.version) =>
-                {
-                    changed.push(resource);
-                }
-                Some(_) => {}
-                None if self.known.contains_key(name) => removed.push(name.clone()),
-                // Explicitly subscribed names that do not exist: say so once, so Envoy does
-                // not wait for them until its fetch timeout.
-                None if self.interest.names.contains(name) && !self.told_absent.contains(name) => {
-                    absent.push(name.clone())
-                }
-                None => {}
-            }
-        }
-        changed.sort_by(|a, b| a.name.cmp(&b.name));
-        (changed, removed, absent)
-    }
 }
 
 /// One `DeltaAggregatedResources` stream.
@@ -321,9 +441,9 @@ impl DeltaStream {
         DeltaStream::default()
     }
 
-    /// The resources (and versions) the client holds of a type, as far as we know.
-    pub fn known(&self, kind: ResourceType) -> &HashMap<String, String> {
-        &self.types[kind.index()].known
+    /// The version of a resource the client holds, as far as we know.
+    pub fn holds(&self, kind: ResourceType, name: &str) -> Option<u64> {
+        self.types[kind.index()].tracked.held.get(name)
     }
 
     pub fn on_request(
@@ -337,61 +457,68 @@ impl DeltaStream {
             };
             return (Vec::new(), vec![event]);
         };
+        let current = snapshot.of(kind);
         let state = &mut self.types[kind.index()];
+        let tracked = &mut state.tracked;
         let mut events = Vec::new();
 
-        if !state.requested {
-            state.requested = true;
-            state.force = true;
+        if !tracked.requested {
+            tracked.requested = true;
+            tracked.force = true;
             // Legacy wildcard: the first request for a wildcard type that names nothing.
-            state.interest.wildcard =
+            tracked.interest.wildcard =
                 request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
-            state.known = request.initial_resource_versions.clone();
-            state.synced = None;
+            // A reconnecting client says what it holds. A version this agent did not make
+            // (another control plane's) matches nothing, so the resource is sent again.
+            for (name, version) in &request.initial_resource_versions {
+                let version = parse_version(version).unwrap_or(u64::MAX);
+                tracked.held.insert(intern(current, name), version);
+            }
+            tracked.synced = None;
         }
         for name in &request.resource_names_subscribe {
             if name == "*" {
-                state.interest.wildcard = true;
-                state.synced = None;
-            } else if state.interest.names.insert(name.clone()) {
-                state.told_absent.remove(name);
-                state.dirty.insert(name.clone());
+                tracked.interest.wildcard = true;
+                tracked.synced = None;
+            } else if !tracked.interest.names.contains(name.as_str()) {
+                let name = intern(current, name);
+                tracked.interest.names.insert(name.clone());
+                state.told_absent.remove(&name);
+                tracked.dirty.insert(name);
             }
         }
         for name in &request.resource_names_unsubscribe {
             if name == "*" {
-                state.interest.wildcard = false;
+                tracked.interest.wildcard = false;
             } else {
-                state.interest.names.remove(name);
-                state.told_absent.remove(name);
+                tracked.interest.names.remove(name.as_str());
+                state.told_absent.remove(name.as_str());
             }
-            if !state.interest.wants(name) {
-                state.known.remove(name);
+            if !tracked.interest.wants(name) {
+                tracked.held.remove(name);
             }
         }
 
         if !request.response_nonce.is_empty() {
-            if state.pending.as_deref() == Some(request.response_nonce.as_str()) {
-                state.pending = None;
-                let sent = std::mem::take(&mut state.in_flight);
+            if tracked.pending.as_deref() == Some(request.response_nonce.as_str()) {
+                tracked.pending = None;
+                let version = std::mem::take(&mut state.in_flight_version);
                 match &request.error_detail {
                     Some(status) => events.push(Event::Nack {
                         kind,
-                        version: std::mem::take(&mut state.in_flight_version),
+                        version,
                         error: status.message.clone(),
                     }),
-                    None => events.push(Event::Ack {
-                        kind,
-                        version: std::mem::take(&mut state.in_flight_version),
-                    }),
+                    None => events.push(Event::Ack { kind, version }),
                 }
                 // Either way the client has seen these versions: after an ACK it holds them,
                 // after a NACK re-sending the same bytes would only be rejected again. Names it
                 // unsubscribed from meanwhile are gone from its view.
-                let interest = &state.interest;
-                state
-                    .known
-                    .extend(sent.into_iter().filter(|(name, _)| interest.wants(name)));
+                for (name, version) in std::mem::take(&mut state.in_flight) {
+                    if tracked.interest.wants(&name) {
+                        tracked.held.insert(name, version);
+                    }
+                }
             } else {
                 events.push(Event::StaleNonce {
                     kind,
@@ -410,67 +537,49 @@ impl DeltaStream {
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
             let state = &mut self.types[kind.index()];
-            if !state.requested || state.pending.is_some() {
+            let tracked = &mut state.tracked;
+            if !tracked.requested || tracked.pending.is_some() {
                 continue;
             }
-            let current = snapshot.of(kind);
-            let (changed, mut removed, absent) = match state.synced.take() {
-                Some(synced) => {
-                    // Only what changed since the last reconciled snapshot, plus names that
-                    // need a look for other reasons: a push costs the change, not the mesh.
-                    let mut names: BTreeSet<String> = std::mem::take(&mut state.dirty);
-                    names.extend(synced.diff(current).map(|d| match d {
-                        DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
-                        DiffItem::Update { new: (name, _), .. } => name.clone(),
-                    }));
-                    state.delta_of(current, names.iter())
-                }
-                None => {
-                    state.dirty.clear();
-                    state.delta_of(
-                        current,
-                        current
-                            .keys()
-                            .chain(state.known.keys())
-                            .chain(state.interest.names.iter()),
-                    )
-                }
-            };
-            state.synced = Some(current.clone());
-            if changed.is_empty() && removed.is_empty() && absent.is_empty() && !state.force {
+            let mut found = tracked.reconcile(snapshot.of(kind));
+            // Explicitly subscribed names that do not exist: say so once, so Envoy does not
+            // wait for them until its fetch timeout.
+            found
+                .absent
+                .retain(|name| !state.told_absent.contains(name));
+            if found.is_empty() && !tracked.force {
                 continue;
             }
-            for name in &removed {
-                state.known.remove(name);
+            let resend = tracked.changed_clusters(kind, &found.changed);
+            for name in &found.removed {
+                tracked.held.remove(name);
             }
-            state.told_absent.extend(absent.iter().cloned());
-            removed.extend(absent);
+            state.told_absent.extend(found.absent.iter().cloned());
+            let mut removed: Vec<String> = found
+                .removed
+                .iter()
+                .chain(&found.absent)
+                .map(|name| name.to_string())
+                .collect();
             removed.sort();
-            let changed_clusters: Vec<String> = if kind == ResourceType::Cluster {
-                changed
-                    .iter()
-                    .filter(|r| state.known.contains_key(&r.name))
-                    .map(|r| r.name.clone())
-                    .collect()
-            } else {
-                Vec::new()
-            };
             let nonce = nonce(&mut self.nonces);
             let state = &mut self.types[kind.index()];
-            state.in_flight = changed
+            state.in_flight = found
+                .changed
                 .iter()
-                .map(|r| (r.name.clone(), r.version.clone()))
+                .map(|r| (r.name.clone(), r.version))
                 .collect();
-            state.pending = Some(nonce.clone());
+            state.tracked.pending = Some(nonce.clone());
+            state.tracked.force = false;
             state.in_flight_version = snapshot.version.to_string();
-            state.force = false;
             out.push(DeltaDiscoveryResponse {
                 system_version_info: snapshot.version.to_string(),
-                resources: changed
+                resources: found
+                    .changed
                     .iter()
                     .map(|r| Resource {
-                        name: r.name.clone(),
-                        version: r.version.clone(),
+                        name: r.name.to_string(),
+                        version: r.version_string(),
                         resource: Some(r.body.clone()),
                         ..Resource::default()
                     })
@@ -480,12 +589,9 @@ impl DeltaStream {
                 nonce,
                 ..DeltaDiscoveryResponse::default()
             });
-            // Envoy re-creates a changed cluster and waits for its endpoints again.
-            let endpoints = &mut self.types[ResourceType::Endpoint.index()];
-            for name in changed_clusters {
-                endpoints.known.remove(&name);
-                endpoints.dirty.insert(name);
-            }
+            self.types[ResourceType::Endpoint.index()]
+                .tracked
+                .resend(resend);
         }
         out
     }
@@ -495,7 +601,9 @@ impl DeltaStream {
 mod tests {
     use std::collections::HashMap;
 
+    use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
     use envoy_types::pb::google::rpc::Status as RpcStatus;
+    use prost::Message;
 
     use super::*;
     use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
@@ -575,6 +683,62 @@ mod tests {
     }
 
     const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
+    const OTHER: &str = "other.foo.system.internal|8080";
+
+    /// The cluster names of the assignments in a SotW EDS response.
+    fn assignments(response: &DiscoveryResponse) -> Vec<String> {
+        response
+            .resources
+            .iter()
+            .map(|any| {
+                ClusterLoadAssignment::decode(any.value.as_slice())
+                    .unwrap()
+                    .cluster_name
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sotw_sends_endpoints_by_change_and_clusters_whole() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = SotwStream::new();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        stream.on_request(&ack(&out[0], &[]), &snap);
+        let (out, _) = stream.on_request(&sotw(EDS, &[BUZZ, OTHER], "", ""), &snap);
+        assert_eq!(
+            assignments(&out[0]),
+            [BUZZ, OTHER],
+            "first answer: all of them"
+        );
+        let eds1 = out[0].clone();
+        stream.on_request(&ack(&eds1, &[BUZZ, OTHER]), &snap);
+
+        // One endpoint changes: one assignment goes out, under a new version.
+        let snap2 = world.set("/foo/other", Protocol::Http, &["10.0.0.3:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        assert_eq!(out.len(), 1);
+        assert_eq!(assignments(&out[0]), [OTHER]);
+        assert_ne!(out[0].version_info, eds1.version_info);
+
+        // The version is the content of the client's whole view: back to the same endpoints,
+        // back to the same version.
+        stream.on_request(&ack(&out[0], &[BUZZ, OTHER]), &snap2);
+        let snap3 = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let out = stream.on_snapshot(&snap3);
+        assert_eq!(assignments(&out[0]), [OTHER]);
+        assert_eq!(out[0].version_info, eds1.version_info);
+        stream.on_request(&ack(&out[0], &[BUZZ, OTHER]), &snap3);
+
+        // A new service: clusters go out whole, old ones included; its endpoints are not sent
+        // before the client asks for them.
+        let snap4 = world.set("/foo/third", Protocol::Http, &["10.0.0.4:8080"]);
+        let out = stream.on_snapshot(&snap4);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].type_url, CDS);
+        assert_eq!(out[0].resources.len(), 3);
+    }
 
     #[test]
     fn sotw_first_request_is_answered_even_when_empty() {
@@ -682,18 +846,23 @@ mod tests {
             &snap,
         );
         assert_eq!(out.len(), 1, "a new subscription is answered");
-        assert_eq!(out[0].resources.len(), 2);
-        let (out, _) = stream.on_request(&ack(&out[0], &[BUZZ]), &snap);
         assert_eq!(
-            out[0].resources.len(),
-            1,
-            "unsubscribed names leave the response"
+            assignments(&out[0]),
+            ["other.foo.system.internal|8080"],
+            "endpoints go out by change: only the new name"
         );
+        // Dropping a name needs no answer; the dropped name is no longer pushed.
+        let (out, _) = stream.on_request(&ack(&out[0], &[BUZZ]), &snap);
+        assert!(out.is_empty(), "{out:?}");
+        let snap2 = world.set("/foo/other", Protocol::Http, &["10.0.0.3:8080"]);
+        assert!(stream.on_snapshot(&snap2).is_empty());
     }
 
     #[test]
     fn sotw_pushes_in_cds_eds_lds_rds_order_and_resends_endpoints_after_a_cluster_change() {
         let mut world = World::new();
+        // Another HTTP service keeps the route configuration alive (and changing) throughout.
+        world.set("/foo/web", Protocol::Http, &["10.0.0.8:8080"]);
         let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
         let mut stream = SotwStream::new();
         let mut last: HashMap<&str, DiscoveryResponse> = HashMap::new();
@@ -813,7 +982,7 @@ mod tests {
         let clusters = snap.of(ResourceType::Cluster);
         let mut request = delta(CDS, &[], &[], "");
         request.initial_resource_versions = HashMap::from([
-            (BUZZ.to_string(), clusters[BUZZ].version.clone()),
+            (BUZZ.to_string(), clusters[BUZZ].version_string()),
             (
                 "other.foo.system.internal|8080".to_string(),
                 "stale".to_string(),
@@ -859,7 +1028,7 @@ mod tests {
         assert!(matches!(&events[..], [Event::StaleNonce { .. }]));
         stream.on_request(&delta(EDS, &[], &[], &pending), &snap);
         assert!(
-            !stream.known(ResourceType::Endpoint).contains_key(BUZZ),
+            stream.holds(ResourceType::Endpoint, BUZZ).is_none(),
             "the unsubscribe in the stale-nonce request must stick"
         );
     }
@@ -897,7 +1066,7 @@ mod tests {
         assert_eq!(names(&out[0]), [BUZZ]);
         assert_eq!(
             out[0].resources[0].version,
-            snap3.of(ResourceType::Endpoint)[BUZZ].version,
+            snap3.of(ResourceType::Endpoint)[BUZZ].version_string(),
             "the latest version, not an intermediate one"
         );
         stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap3);
