@@ -4,7 +4,7 @@
 //! as the upstream) between lattice and unbound, both with warm caches.
 //!
 //! The lattice server is `dns/examples/bench_server.rs` (one thread, one UDP socket), built in
-//! release mode. Everything listens on 127.0.0.1 only.
+//! release mode (debug for a smoke run). Everything listens on 127.0.0.1 only.
 
 use std::fmt::Write as _;
 use std::net::UdpSocket;
@@ -22,10 +22,15 @@ const CLIENT_CORE: &str = "1";
 /// Runs the benchmark and returns its figures; `smoke` runs each phase for one second.
 pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let seconds = if smoke { 1 } else { 10 };
-    let work = WorkDir::new()?;
+    let work = crate::WorkDir::new("dns")?;
     let dir = work.path();
     write_files(dir)?;
-    let bench_server = build_bench_server()?;
+    // Release for a measurement; debug for a smoke run, which only checks the bench works.
+    let bench_server = crate::built_executable(
+        &["-p", "lattice-dns", "--example", "bench_server"],
+        !smoke,
+        "bench_server",
+    )?;
 
     let knot_port = free_port()?;
     let knot = Server::start(
@@ -121,34 +126,56 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
             "seconds_per_phase": seconds,
             "server_core": SERVER_CORE,
             "dnsperf_core": CLIENT_CORE,
-            "lattice": "dns/examples/bench_server.rs (release, current-thread runtime, one SO_REUSEPORT socket)",
+            "lattice": format!(
+                "dns/examples/bench_server.rs ({}, current-thread runtime, one SO_REUSEPORT socket)",
+                if smoke { "debug" } else { "release" }
+            ),
             "unbound": "num-threads 1, module-config iterator, local-data for the mesh, forward-zone to knot",
             "knot": "udp-workers 1, zone files for the mesh and the forwarded zone",
+            "versions": {
+                "unbound": crate::version_of("unbound", &["-V"]),
+                "knot": crate::version_of("knotd", &["-V"]),
+                "dnsperf": crate::version_of("dnsperf", &["-h"]),
+            },
         }),
     );
     drop((lattice, unbound, knot));
+    print_table(&results, &format!("mesh_names_latency_at_{rate}_qps"));
     Ok(Value::Object(results))
 }
 
-/// A temporary directory removed on drop.
-struct WorkDir(PathBuf);
-
-impl WorkDir {
-    fn new() -> anyhow::Result<Self> {
-        let path = std::env::temp_dir().join(format!("lattice-bench-dns-{}", std::process::id()));
-        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(Self(path))
+/// The figures as a table: per server, saturated qps for mesh and forwarded names and the
+/// latency of mesh names at the common rate; then the ratios.
+fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
+    let num = |v: &Value, digits: usize| v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"));
+    println!(
+        "{:<8} {:>10} {:>14} {:>13} {:>13} {:>13}",
+        "dns", "mesh qps", "forwarded qps", "mesh p50 ms", "mesh p99 ms", "mesh p999 ms"
+    );
+    for server in ["lattice", "unbound", "knot"] {
+        let latency = &results[latency_key][server];
+        println!(
+            "{:<8} {:>10} {:>14} {:>13} {:>13} {:>13}",
+            server,
+            num(&results["mesh_names_saturated"][server]["qps"], 0),
+            num(&results["forwarded_names_saturated"][server]["qps"], 0),
+            num(&latency["p50_ms"], 3),
+            num(&latency["p99_ms"], 3),
+            num(&latency["p999_ms"], 3),
+        );
     }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    let ratios = &results["ratios"];
+    println!(
+        "lattice vs unbound: mesh qps {}×, forwarded qps {}×, mesh p99 {}×; vs knot: mesh qps {}×, mesh p99 {}× (latency at {})",
+        num(&ratios["mesh_qps_lattice_over_unbound"], 2),
+        num(&ratios["forwarded_qps_lattice_over_unbound"], 2),
+        num(&ratios["p99_latency_lattice_over_unbound"], 2),
+        num(&ratios["mesh_qps_lattice_over_knot"], 2),
+        num(&ratios["p99_latency_lattice_over_knot"], 2),
+        latency_key
+            .trim_start_matches("mesh_names_latency_at_")
+            .replace('_', " "),
+    );
 }
 
 /// A server under test, pinned to the server core, killed on drop.
@@ -270,39 +297,6 @@ fn unbound_config(dir: &Path, port: u16, upstream_port: u16) -> anyhow::Result<P
     let path = dir.join("unbound.conf");
     std::fs::write(&path, text)?;
     Ok(path)
-}
-
-/// The `dns/examples/bench_server` binary, built in release mode.
-fn build_bench_server() -> anyhow::Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut command = Command::new(cargo);
-    command.args([
-        "build",
-        "--release",
-        "-p",
-        "lattice-dns",
-        "--example",
-        "bench_server",
-        "--message-format=json",
-    ]);
-    // From `cargo xtask`, the workspace is xtask's parent; otherwise the current directory.
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dns/Cargo.toml");
-    if manifest.exists() {
-        command.arg("--manifest-path").arg(manifest);
-    }
-    let output = command
-        .stderr(Stdio::inherit())
-        .output()
-        .context("running cargo build for the DNS bench server")?;
-    if !output.status.success() {
-        bail!("building dns/examples/bench_server failed");
-    }
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .find(|path| path.ends_with("bench_server"))
-        .context("cargo did not report the bench_server executable")
 }
 
 fn dnsperf_command(port: u16, queries: &Path) -> Command {

@@ -7,18 +7,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use lattice_e2e::node::{self, Backend, ClientPod, MeshFile, MeshService, Node};
-
-/// Set by SIGINT/SIGTERM; checked between steps so the guards get to clean up.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: nix::libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
 
 const BUZZ: &str = "buzz.bar.foo.system.internal";
 const DB: &str = "db.foo.system.internal";
@@ -55,19 +47,7 @@ pub fn run() -> anyhow::Result<()> {
         std::env::set_var("LATTICE_BIN_DIR", target.join("debug"));
         std::env::set_var("LATTICE_ENVOY", &envoy);
     }
-    let handler = nix::sys::signal::SigAction::new(
-        nix::sys::signal::SigHandler::Handler(on_signal),
-        nix::sys::signal::SaFlags::empty(),
-        nix::sys::signal::SigSet::empty(),
-    );
-    for signal in [
-        nix::sys::signal::Signal::SIGINT,
-        nix::sys::signal::Signal::SIGTERM,
-    ] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { nix::sys::signal::sigaction(signal, &handler) }
-            .with_context(|| format!("installing a {signal} handler"))?;
-    }
+    super::catch_interrupts()?;
 
     let names = std::cell::RefCell::new(Vec::new());
     let result = demo(&names);
@@ -223,7 +203,7 @@ fn wait_endpoints(client: &ClientPod, backends: &[&Backend]) -> anyhow::Result<(
         "Envoy's endpoints for buzz",
         Duration::from_secs(30),
         || {
-            if INTERRUPTED.load(Ordering::SeqCst) {
+            if super::interrupted() {
                 // Ends the wait at once; checkpoint() then reports the interruption.
                 return Ok(());
             }
@@ -248,7 +228,7 @@ fn show_endpoints(client: &ClientPod) -> anyhow::Result<()> {
 }
 
 fn checkpoint() -> anyhow::Result<()> {
-    if INTERRUPTED.load(Ordering::SeqCst) {
+    if super::interrupted() {
         bail!("interrupted; cleaning up");
     }
     Ok(())

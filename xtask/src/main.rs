@@ -3,6 +3,7 @@
 //! the benchmarks side by side with their peers.
 
 mod bench_dns;
+mod bench_init;
 mod bench_kube;
 mod bench_xds;
 mod demo;
@@ -10,7 +11,8 @@ mod manifests;
 mod scale_test;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
@@ -52,13 +54,13 @@ enum Task {
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
-    /// Run the benchmarks (DNS vs unbound and knot; Kubernetes source and xDS at scale) and write
-    /// JSON under target/bench/.
+    /// Run the benchmarks (DNS vs unbound and knot; Kubernetes source and xDS at scale;
+    /// lattice-init apply, re-run and cleanup) and write JSON under target/bench/.
     Bench {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube, xds); all when empty.
+        /// Only these parts (dns, kube, xds, init); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -96,11 +98,44 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Task::Bench { smoke, only } => bench(smoke, &only),
+        Task::Bench { smoke, only } => {
+            setup()?;
+            bench_parts(smoke, &only)
+        }
         Task::Demo => demo::run(),
         Task::Fuzz { seconds } => fuzz(seconds),
         Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
     }
+}
+
+/// Set by SIGINT/SIGTERM once [`catch_interrupts`] ran; long tasks check it between steps so
+/// their drop guards (network namespaces, processes) get to clean up.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: nix::libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// From now on SIGINT and SIGTERM only set [`interrupted`] instead of ending xtask.
+fn catch_interrupts() -> anyhow::Result<()> {
+    let handler = nix::sys::signal::SigAction::new(
+        nix::sys::signal::SigHandler::Handler(on_signal),
+        nix::sys::signal::SaFlags::empty(),
+        nix::sys::signal::SigSet::empty(),
+    );
+    for signal in [
+        nix::sys::signal::Signal::SIGINT,
+        nix::sys::signal::Signal::SIGTERM,
+    ] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { nix::sys::signal::sigaction(signal, &handler) }
+            .with_context(|| format!("installing a {signal} handler"))?;
+    }
+    Ok(())
+}
+
+fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
 }
 
 fn workspace_root() -> PathBuf {
@@ -208,25 +243,117 @@ fn fuzz(seconds: u64) -> anyhow::Result<()> {
         .arg(format!("-max_total_time={seconds}")))
 }
 
-fn bench(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    setup()?;
+/// Builds `cargo build <args> [--release]` in the workspace and returns the path of the
+/// executable `name` that cargo reports (wherever CARGO_TARGET_DIR puts it).
+fn built_executable(args: &[&str], release: bool, name: &str) -> anyhow::Result<PathBuf> {
+    let mut command = Command::new(cargo());
+    command
+        .current_dir(workspace_root())
+        .arg("build")
+        .args(args)
+        .arg("--message-format=json");
+    if release {
+        command.arg("--release");
+    }
+    let shown = format!("{command:?}");
+    eprintln!("xtask: {shown}");
+    let output = command
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {shown}"))?;
+    if !output.status.success() {
+        bail!("{shown} failed: {}", output.status);
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .find(|path| path.file_name().is_some_and(|file| file == name))
+        .with_context(|| format!("{shown} reported no executable {name}"))
+}
+
+/// The version line a program prints for `args` (the first line that says "version", else
+/// the first line), or "unknown".
+fn version_of(program: &str, args: &[&str]) -> String {
+    let Ok(output) = Command::new(program).args(args).output() else {
+        return "unknown".into();
+    };
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut lines = text.lines().map(str::trim).filter(|line| !line.is_empty());
+    let first = lines.clone().next();
+    lines
+        .find(|line| line.to_lowercase().contains("version"))
+        .or(first)
+        .unwrap_or("unknown")
+        .to_string()
+}
+
+/// A scratch directory for a benchmark (`lattice-bench-<label>-<pid>` under the temporary
+/// directory), removed on drop.
+struct WorkDir(PathBuf);
+
+impl WorkDir {
+    fn new(label: &str) -> anyhow::Result<Self> {
+        let path =
+            std::env::temp_dir().join(format!("lattice-bench-{label}-{}", std::process::id()));
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A benchmark part: `smoke` → its figures.
+type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
+
+/// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
+fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
+    let runners: [(&str, BenchPart); 4] = [
+        ("dns", bench_dns::run),
+        ("kube", bench_kube::run),
+        ("xds", bench_xds::run),
+        ("init", bench_init::run),
+    ];
+    if let Some(unknown) = only
+        .iter()
+        .find(|o| !runners.iter().any(|(part, _)| part == o))
+    {
+        bail!("unknown benchmark part {unknown:?}; the parts are dns, kube, xds, init");
+    }
     let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     let mut results = serde_json::Map::new();
+    let kernel = Command::new("uname")
+        .arg("-r")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        .unwrap_or_default();
     results.insert(
         "machine".to_string(),
         serde_json::json!({
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "kernel": kernel,
             "smoke": smoke,
         }),
     );
-    if wanted("dns") {
-        results.insert("dns".to_string(), bench_dns::run(smoke)?);
-    }
-    if wanted("kube") {
-        results.insert("kube".to_string(), bench_kube::run(smoke)?);
-    }
-    if wanted("xds") {
-        results.insert("xds".to_string(), bench_xds::run(smoke)?);
+    for (part, run) in runners.into_iter().filter(|(part, _)| wanted(part)) {
+        let started = std::time::Instant::now();
+        let mut report = run(smoke).with_context(|| format!("the {part} benchmark failed"))?;
+        let seconds = started.elapsed().as_secs_f64();
+        eprintln!("xtask: bench {part} took {seconds:.1} s");
+        report["bench_seconds"] = serde_json::json!(seconds);
+        results.insert(part.to_string(), report);
     }
     let dir = workspace_root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
