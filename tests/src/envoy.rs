@@ -82,11 +82,22 @@ pub struct Envoy {
 impl Envoy {
     /// Starts Envoy on a bootstrap pointing at `xds`, with a fresh admin port on loopback.
     pub fn start(node_id: &str, xds: SocketAddr, mode: AdsMode) -> Envoy {
+        Envoy::start_edited(node_id, xds, mode, |_| {})
+    }
+
+    /// Like [`Envoy::start`], with the bootstrap changed by `edit` first.
+    pub fn start_edited(
+        node_id: &str,
+        xds: SocketAddr,
+        mode: AdsMode,
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> Envoy {
         let admin_port = free_port();
         let dir = tempfile::tempdir().expect("temp dir for Envoy");
         let path = dir.path().join("bootstrap.json");
-        std::fs::write(&path, bootstrap(node_id, xds, mode, admin_port).to_string())
-            .expect("write bootstrap");
+        let mut bootstrap = bootstrap(node_id, xds, mode, admin_port);
+        edit(&mut bootstrap);
+        std::fs::write(&path, bootstrap.to_string()).expect("write bootstrap");
         Envoy::start_with_bootstrap(&path, SocketAddr::from(([127, 0, 0, 1], admin_port)), dir)
     }
 
@@ -169,6 +180,11 @@ impl Envoy {
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// The Envoy process's id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 }
 
