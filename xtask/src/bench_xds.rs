@@ -1,9 +1,11 @@
 //! `cargo xtask bench` for xDS at scale: runs the ignored test of `tests/tests/xds_scale.rs`
-//! (the real agent fed through the fake API server, synthetic ADS clients half SotW and half
-//! Delta) and returns the figures it prints: initial sync, change-to-all-clients latency,
-//! bytes per change per client, the agent's RSS and CPU, at a 100-service baseline and at
-//! 10k services (sizes overridable from the environment, see `run`). A smoke run uses 10 vs
-//! 100 services, 10 clients, 20 changes and a debug build.
+//! (the real agent fed through the fake API server and then through a mesh file, synthetic
+//! ADS clients half SotW and half Delta, one real Envoy) and returns the figures it prints:
+//! initial sync, change-to-all-clients latency, bytes per change per client, the agent's RSS
+//! and CPU, Envoy's own latency and RSS, at a 100-service baseline and at 10k services (sizes
+//! overridable from the environment, see `run`; `LATTICE_BENCH_SOURCES=kube` or `=file` runs
+//! one source, `LATTICE_BENCH_ENVOY=sotw` or `=none` changes or drops the Envoy). A smoke run
+//! uses 10 vs 100 services, 10 clients, 20 changes and a debug build.
 
 use crate::scale_test::ScaleTest;
 
@@ -35,10 +37,42 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
     Ok(report)
 }
 
+/// Column widths of the tables: the run's name, then the figures.
+const WIDTHS: [usize; 10] = [14, 8, 7, 10, 9, 9, 12, 12, 8, 10];
+
+/// One table line: the first cell left-aligned, the others right-aligned.
+fn print_row(cells: &[String]) {
+    let line: Vec<String> = cells
+        .iter()
+        .zip(WIDTHS)
+        .enumerate()
+        .map(|(k, (cell, width))| {
+            if k == 0 {
+                format!("{cell:<width$}")
+            } else {
+                format!("{cell:>width$}")
+            }
+        })
+        .collect();
+    println!("{}", line.join(" "));
+}
+
 fn print_table(report: &serde_json::Value) {
     let ms = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
-    println!(
-        "{:<10} {:>8} {:>7} {:>10} {:>9} {:>9} {:>12} {:>12} {:>8} {:>10}",
+    let header =
+        |cells: &[&str]| print_row(&cells.iter().map(|c| c.to_string()).collect::<Vec<_>>());
+    // The Kubernetes source's runs are at the top of the report, the mesh file's under
+    // "mesh_file"; a source left out by LATTICE_BENCH_SOURCES has none.
+    let sections = [("kube", report), ("file", &report["mesh_file"])];
+    let runs = || {
+        sections.iter().flat_map(|(source, section)| {
+            ["baseline", "full"]
+                .into_iter()
+                .map(move |run| (format!("{source} {run}"), &section[run]))
+                .filter(|(_, r)| !r.is_null())
+        })
+    };
+    header(&[
         "xds",
         "services",
         "clients",
@@ -48,15 +82,13 @@ fn print_table(report: &serde_json::Value) {
         "sotw B/chg",
         "delta B/chg",
         "RSS MiB",
-        "cpu ms/chg"
-    );
-    for run in ["baseline", "full"] {
-        let r = &report[run];
-        println!(
-            "{:<10} {:>8} {:>7} {:>10} {:>9} {:>9} {:>12} {:>12} {:>8} {:>10}",
+        "cpu ms/chg",
+    ]);
+    for (run, r) in runs() {
+        print_row(&[
             run,
-            r["services"].as_u64().unwrap_or(0),
-            r["clients"].as_u64().unwrap_or(0),
+            r["services"].to_string(),
+            r["clients"].to_string(),
             ms(&r["initial_sync_ms"]),
             ms(&r["change_to_all_clients_ms"]["p50"]),
             ms(&r["change_to_all_clients_ms"]["p99"]),
@@ -64,10 +96,43 @@ fn print_table(report: &serde_json::Value) {
             ms(&r["bytes_per_change_per_client"]["delta_mean"]),
             ms(&r["agent_rss_mib"]["after_changes"]),
             ms(&r["agent_cpu_ms_per_change"]),
-        );
+        ]);
     }
-    println!(
-        "cost of one change, full vs baseline: {}",
-        report["cost_ratio_full_vs_baseline"]
-    );
+    // The real Envoy's own figures (already counted in the sync and p50/p99 above).
+    header(&[
+        "envoy",
+        "services",
+        "ads",
+        "sync ms",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "poll p50 ms",
+        "RSS MiB",
+    ]);
+    for (run, r) in runs() {
+        let envoy = &r["envoy"];
+        if envoy.is_null() {
+            continue;
+        }
+        print_row(&[
+            run,
+            r["services"].to_string(),
+            envoy["mode"].as_str().unwrap_or("-").to_string(),
+            ms(&envoy["initial_sync_ms"]),
+            ms(&envoy["change_ms"]["p50"]),
+            ms(&envoy["change_ms"]["p99"]),
+            ms(&envoy["change_ms"]["max"]),
+            ms(&envoy["admin_poll_ms"]["p50"]),
+            ms(&envoy["rss_mib"]["after_changes"]),
+        ]);
+    }
+    for (source, section) in sections {
+        if !section["full"].is_null() {
+            println!(
+                "cost of one change, full vs baseline ({source}): {}",
+                section["cost_ratio_full_vs_baseline"]
+            );
+        }
+    }
 }
