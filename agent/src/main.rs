@@ -165,7 +165,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         tonic::transport::Server::builder()
             .add_service(AggregatedDiscoveryServiceServer::new(xds))
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(xds_listener),
+                // No Nagle: a small push (one endpoint change) would otherwise wait for the
+                // proxy's delayed ACK of the previous segment, tens of milliseconds.
+                tonic::transport::server::TcpIncoming::from(xds_listener).with_nodelay(Some(true)),
                 token.cancelled_owned(),
             )
             .await?;

@@ -121,6 +121,12 @@ fn entry_hash(name: &str, version: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The most resource bytes a response carries when the protocol lets us split it (every Delta
+/// response, SotW endpoints and routes): the rest follows after the ACK. Besides pacing a large
+/// first sync, this bounds the memory a stream keeps, because the gRPC encoder holds on to a
+/// buffer the size of the largest message its stream ever sent.
+const RESPONSE_BUDGET: usize = 256 << 10;
+
 /// What a push found for one type.
 #[derive(Default)]
 struct Reconciled {
@@ -219,6 +225,21 @@ impl Tracked {
             .collect()
     }
 
+    /// Keeps in `changed` the first resources up to [`RESPONSE_BUDGET`] bytes (at least one)
+    /// and leaves the rest for the next push, after this response's ACK.
+    fn limit(&mut self, changed: &mut Vec<Arc<XdsResource>>) {
+        let mut bytes = 0;
+        let keep = changed
+            .iter()
+            .position(|r| {
+                bytes += r.body.value.len();
+                bytes > RESPONSE_BUDGET
+            })
+            .map_or(changed.len(), |at| at.max(1));
+        self.dirty
+            .extend(changed.drain(keep..).map(|r| r.name.clone()));
+    }
+
     /// Makes the endpoints of re-created clusters go out again on the next push.
     fn resend(&mut self, names: Vec<Arc<str>>) {
         for name in names {
@@ -239,6 +260,8 @@ struct SotwType {
     /// Version of the last response sent.
     sent_version: Option<String>,
     acked_version: Option<String>,
+    /// Of the names of the last request (see [`fingerprint`]).
+    names_fingerprint: Option<(u64, usize)>,
 }
 
 /// One `StreamAggregatedResources` stream.
@@ -299,13 +322,12 @@ impl SotwStream {
                 }
             }
         }
-        let tracked = &mut state.tracked;
-        if !tracked.requested {
+        if !state.tracked.requested {
             // Always answer the first request of a type on a stream.
-            tracked.requested = true;
-            tracked.force = true;
+            state.tracked.requested = true;
+            state.tracked.force = true;
         }
-        set_sotw_interest(tracked, kind, &request.resource_names, snapshot.of(kind));
+        set_sotw_interest(state, kind, &request.resource_names, snapshot.of(kind));
         (self.push(snapshot), events)
     }
 
@@ -322,8 +344,11 @@ impl SotwStream {
                 continue;
             }
             let current = snapshot.of(kind);
-            let found = tracked.reconcile(current);
+            let mut found = tracked.reconcile(current);
             let whole = kind.is_state_of_the_world();
+            if !whole {
+                tracked.limit(&mut found.changed);
+            }
             // Without removals in the protocol, a type sent by change has nothing to say when
             // its resources only went away (Envoy drops them with their cluster or listener).
             if found.changed.is_empty() && (found.removed.is_empty() || !whole) && !tracked.force {
@@ -367,15 +392,42 @@ impl SotwStream {
     }
 }
 
+/// A cheap, order-independent fingerprint of a list of names: the sum of a fast per-name
+/// hash, and the count.
+fn fingerprint(names: &[String]) -> (u64, usize) {
+    let sum = names.iter().fold(0u64, |sum, name| {
+        let bytes = name.as_bytes();
+        let mut h = (bytes.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            let word = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+            h = (h ^ word)
+                .wrapping_mul(0xff51_afd7_ed55_8ccd)
+                .rotate_left(29);
+        }
+        for &b in chunks.remainder() {
+            h = (h ^ u64::from(b)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        }
+        sum.wrapping_add(h ^ (h >> 32))
+    });
+    (sum, names.len())
+}
+
 /// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on
 /// every request (ten thousand names on each endpoint ACK at that scale), so the usual case,
-/// no change, is checked without building anything.
+/// the same list as last time, is recognised by its fingerprint without a lookup per name.
 fn set_sotw_interest(
-    tracked: &mut Tracked,
+    state: &mut SotwType,
     kind: ResourceType,
     names: &[String],
     current: &ResourceMap,
 ) {
+    let fingerprint = fingerprint(names);
+    if state.names_fingerprint == Some(fingerprint) {
+        return;
+    }
+    state.names_fingerprint = Some(fingerprint);
+    let tracked = &mut state.tracked;
     let wildcard =
         names.iter().any(|n| n == "*") || (names.is_empty() && kind.is_wildcard_by_default());
     let named = || names.iter().filter(|n| *n != "*");
@@ -547,6 +599,7 @@ impl DeltaStream {
             found
                 .absent
                 .retain(|name| !state.told_absent.contains(name));
+            tracked.limit(&mut found.changed);
             if found.is_empty() && !tracked.force {
                 continue;
             }
@@ -599,7 +652,7 @@ impl DeltaStream {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::collections::{BTreeSet, HashMap};
 
     use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
     use envoy_types::pb::google::rpc::Status as RpcStatus;
@@ -920,6 +973,78 @@ mod tests {
 
     fn names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
         response.resources.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    /// A mesh whose endpoints add up to more than one response's budget.
+    fn big_world() -> (World, XdsSnapshot) {
+        let mut world = World::new();
+        let endpoints: Vec<String> = (0..200)
+            .map(|i| format!("10.1.{}.{}:8080", i / 250, i % 250))
+            .collect();
+        let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+        for k in 0..150 {
+            world.set(&format!("/big/s{k}"), Protocol::Http, &endpoints);
+        }
+        let snap = world.snapshot();
+        let total: usize = snap
+            .of(ResourceType::Endpoint)
+            .values()
+            .map(|r| r.body.value.len())
+            .sum();
+        assert!(
+            total > 2 * RESPONSE_BUDGET,
+            "the mesh is too small: {total} bytes"
+        );
+        (world, snap)
+    }
+
+    #[test]
+    fn delta_splits_a_large_response_and_sends_the_rest_after_the_ack() {
+        let (_world, snap) = big_world();
+        let mut stream = DeltaStream::new();
+        let (mut out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap);
+        let mut got = BTreeSet::new();
+        while let Some(response) = out.pop() {
+            let bytes: usize = response
+                .resources
+                .iter()
+                .map(|r| r.resource.as_ref().unwrap().value.len())
+                .sum();
+            assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
+            assert!(!response.resources.is_empty());
+            got.extend(names(&response).into_iter().map(str::to_string));
+            (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap);
+        }
+        let all: BTreeSet<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        assert_eq!(got, all);
+    }
+
+    #[test]
+    fn sotw_splits_large_endpoint_responses_and_sends_the_rest_after_the_ack() {
+        let (_world, snap) = big_world();
+        let names: Vec<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut stream = SotwStream::new();
+        let (mut out, _) = stream.on_request(&sotw(EDS, &names, "", ""), &snap);
+        let mut got = BTreeSet::new();
+        let mut responses = 0;
+        while let Some(response) = out.pop() {
+            responses += 1;
+            let bytes: usize = response.resources.iter().map(|r| r.value.len()).sum();
+            assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
+            got.extend(assignments(&response));
+            (out, _) = stream.on_request(&ack(&response, &names), &snap);
+        }
+        assert!(responses > 2);
+        assert_eq!(got.len(), names.len());
     }
 
     #[test]
