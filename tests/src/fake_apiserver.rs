@@ -511,6 +511,9 @@ async fn accept(listener: std::net::TcpListener, store: Arc<Mutex<Store>>) {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                // As the real API server (Go sets TCP_NODELAY by default): a watch event is
+                // one small write, which Nagle would hold for the client's delayed ACK.
+                let _ = stream.set_nodelay(true);
                 let store = store.clone();
                 connections.spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
