@@ -70,7 +70,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     for server in [&lattice, &unbound, &knot] {
         mesh.insert(
             server.name.into(),
-            dnsperf(server.port, &mesh_queries, seconds, None)?,
+            dnsperf(server, &mesh_queries, seconds, None)?,
         );
     }
     let mut forwarded = serde_json::Map::new();
@@ -79,7 +79,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         dnsperf_once(server.port, &forwarded_queries)?;
         forwarded.insert(
             server.name.into(),
-            dnsperf(server.port, &forwarded_queries, seconds, None)?,
+            dnsperf(server, &forwarded_queries, seconds, None)?,
         );
     }
     // Latency compared at the same offered load: half of the slowest server's saturation rate,
@@ -93,7 +93,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     for server in [&lattice, &unbound, &knot] {
         latency.insert(
             server.name.into(),
-            dnsperf(server.port, &mesh_queries, seconds.min(5), Some(rate))?,
+            dnsperf(server, &mesh_queries, seconds.min(5), Some(rate))?,
         );
     }
     let ratio = |section: &serde_json::Map<String, Value>, a: &str, b: &str, key: &str| {
@@ -108,6 +108,10 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         json!({
             "mesh_qps_lattice_over_unbound": ratio(&mesh, "lattice", "unbound", "qps"),
             "mesh_qps_lattice_over_knot": ratio(&mesh, "lattice", "knot", "qps"),
+            "mesh_queries_per_cpu_second_lattice_over_unbound":
+                ratio(&mesh, "lattice", "unbound", "queries_per_server_cpu_second"),
+            "mesh_queries_per_cpu_second_lattice_over_knot":
+                ratio(&mesh, "lattice", "knot", "queries_per_server_cpu_second"),
             "forwarded_qps_lattice_over_unbound": ratio(&forwarded, "lattice", "unbound", "qps"),
             "p99_latency_lattice_over_unbound": ratio(&latency, "lattice", "unbound", "p99_ms"),
             "p99_latency_lattice_over_knot": ratio(&latency, "lattice", "knot", "p99_ms"),
@@ -148,29 +152,50 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
 /// latency of mesh names at the common rate; then the ratios.
 fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
     let num = |v: &Value, digits: usize| v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"));
+    let header = [
+        "mesh qps",
+        "server CPU %",
+        "mesh q/CPU-s",
+        "forwarded qps",
+        "mesh p50 ms",
+        "mesh p99 ms",
+        "mesh p999 ms",
+    ];
     println!(
-        "{:<8} {:>10} {:>14} {:>13} {:>13} {:>13}",
-        "dns", "mesh qps", "forwarded qps", "mesh p50 ms", "mesh p99 ms", "mesh p999 ms"
+        "{:<8} {}",
+        "dns",
+        header.map(|h| format!("{h:>13}")).join(" ")
     );
     for server in ["lattice", "unbound", "knot"] {
+        let mesh = &results["mesh_names_saturated"][server];
         let latency = &results[latency_key][server];
-        println!(
-            "{:<8} {:>10} {:>14} {:>13} {:>13} {:>13}",
-            server,
-            num(&results["mesh_names_saturated"][server]["qps"], 0),
+        let cells = [
+            num(&mesh["qps"], 0),
+            num(&mesh["server_cpu_percent"], 0),
+            num(&mesh["queries_per_server_cpu_second"], 0),
             num(&results["forwarded_names_saturated"][server]["qps"], 0),
             num(&latency["p50_ms"], 3),
             num(&latency["p99_ms"], 3),
             num(&latency["p999_ms"], 3),
+        ];
+        println!(
+            "{server:<8} {}",
+            cells.map(|c| format!("{c:>13}")).join(" ")
         );
     }
     let ratios = &results["ratios"];
     println!(
-        "lattice vs unbound: mesh qps {}×, forwarded qps {}×, mesh p99 {}×; vs knot: mesh qps {}×, mesh p99 {}× (latency at {})",
+        "lattice vs unbound: mesh qps {}× (per server CPU-second {}×), forwarded qps {}×, mesh p99 {}×; \
+         vs knot: mesh qps {}× (per server CPU-second {}×), mesh p99 {}× (latency at {})",
         num(&ratios["mesh_qps_lattice_over_unbound"], 2),
+        num(
+            &ratios["mesh_queries_per_cpu_second_lattice_over_unbound"],
+            2
+        ),
         num(&ratios["forwarded_qps_lattice_over_unbound"], 2),
         num(&ratios["p99_latency_lattice_over_unbound"], 2),
         num(&ratios["mesh_qps_lattice_over_knot"], 2),
+        num(&ratios["mesh_queries_per_cpu_second_lattice_over_knot"], 2),
         num(&ratios["p99_latency_lattice_over_knot"], 2),
         latency_key
             .trim_start_matches("mesh_names_latency_at_")
@@ -329,17 +354,41 @@ fn dnsperf_once(port: u16, queries: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One dnsperf run: saturating (`rate` None) or at a fixed rate with per-query latencies
-/// (`-v`), from which the percentiles come.
-fn dnsperf(port: u16, queries: &Path, seconds: u64, rate: Option<u64>) -> anyhow::Result<Value> {
+/// CPU time a process has used so far, in seconds: the run time of all its threads, from
+/// `/proc/<pid>/task/*/schedstat` (nanoseconds).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut nanos = 0u64;
+    for task in tasks.flatten() {
+        let schedstat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+        nanos += schedstat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(nanos as f64 / 1e9)
+}
+
+/// One dnsperf run against `server`: saturating (`rate` None) or at a fixed rate with
+/// per-query latencies (`-v`), from which the percentiles come. Also how busy the server's
+/// core was: if well under 100% while saturating, dnsperf on its one core was the limit, and
+/// the queries answered per CPU-second of the server compare the servers' efficiency.
+fn dnsperf(
+    server: &Server,
+    queries: &Path,
+    seconds: u64,
+    rate: Option<u64>,
+) -> anyhow::Result<Value> {
+    let port = server.port;
     let mut command = dnsperf_command(port, queries);
     command.args(["-l", &seconds.to_string()]);
     if let Some(rate) = rate {
         command.args(["-Q", &rate.to_string(), "-v"]);
     }
+    let cpu_before = cpu_seconds(server.child.id());
     let output = command
         .output()
         .context("running dnsperf (apt install dnsperf)")?;
+    let server_cpu = cpu_seconds(server.child.id())
+        .zip(cpu_before)
+        .map(|(after, before)| after - before);
     let text = String::from_utf8_lossy(&output.stdout);
     anyhow::ensure!(
         output.status.success(),
@@ -354,11 +403,19 @@ fn dnsperf(port: u16, queries: &Path, seconds: u64, rate: Option<u64>) -> anyhow
             .parse()
             .ok()
     };
+    let completed = field("Queries completed");
+    // The load lasts dnsperf's run time; the wait for lost queries after it is idle.
+    let run_time = field("Run time (s)").unwrap_or(seconds as f64);
     let mut result = json!({
         "qps": field("Queries per second"),
         "avg_latency_ms": field("Average Latency (s)").map(|s| s * 1000.0),
-        "queries_completed": field("Queries completed"),
+        "queries_completed": completed,
         "queries_lost": field("Queries lost"),
+        "server_cpu_percent": server_cpu.map(|cpu| cpu / run_time * 100.0),
+        "queries_per_server_cpu_second": completed
+            .zip(server_cpu)
+            .filter(|(_, cpu)| *cpu > 0.0)
+            .map(|(queries, cpu)| queries / cpu),
     });
     if rate.is_some() {
         let mut latencies: Vec<f64> = text
