@@ -30,7 +30,7 @@ pub fn run() -> anyhow::Result<()> {
         );
     }
     let root = super::workspace_root();
-    super::run(Command::new(super::cargo()).current_dir(&root).args([
+    super::run(super::cargo().current_dir(&root).args([
         "build",
         "-p",
         "lattice-agent",

@@ -220,17 +220,32 @@ fn setup() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string())
+/// A `cargo` command for the workspace's own builds. `cargo xtask` runs under `cargo run`, which
+/// puts xtask's `CARGO_MANIFEST_DIR` and `CARGO_PKG_*` in the environment; a build script that
+/// reads one of them (ring's reads `CARGO_MANIFEST_DIR`) would then see its environment change
+/// between these builds and a plain `cargo build`, and rebuild half the dependency tree each
+/// time. Without them, both share the same artifacts.
+fn cargo() -> Command {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string()));
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || name == "CARGO_MANIFEST_DIR"
+            || name == "CARGO_MANIFEST_PATH"
+        {
+            command.env_remove(name.as_ref());
+        }
+    }
+    command
 }
 
 /// Builds every binary (the end-to-end tests run the real ones), then runs every test.
 fn test(extra: &[String]) -> anyhow::Result<()> {
     let root = workspace_root();
-    run(Command::new(cargo())
+    run(cargo()
         .current_dir(&root)
         .args(["build", "--workspace", "--bins"]))?;
-    let mut test = Command::new(cargo());
+    let mut test = cargo();
     test.current_dir(&root)
         .args(["test", "--workspace", "--no-fail-fast"])
         .env("LATTICE_ENVOY", Path::new(ENVOY_VENV).join("bin/envoy"));
@@ -244,10 +259,10 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
 /// stable toolchain these machines have accept them.
 fn fuzz(seconds: u64) -> anyhow::Result<()> {
     if !have("cargo-fuzz") {
-        run(Command::new(cargo()).args(["install", "--locked", "cargo-fuzz"]))?;
+        run(cargo().args(["install", "--locked", "cargo-fuzz"]))?;
     }
     let dir = workspace_root().join("dns/fuzz");
-    run(Command::new(cargo())
+    run(cargo()
         .current_dir(&dir)
         .env("RUSTC_BOOTSTRAP", "1")
         .args(["fuzz", "run", "query", "--"])
@@ -257,7 +272,7 @@ fn fuzz(seconds: u64) -> anyhow::Result<()> {
 /// Builds `cargo build <args> [--release]` in the workspace and returns the path of the
 /// executable `name` that cargo reports (wherever CARGO_TARGET_DIR puts it).
 fn built_executable(args: &[&str], release: bool, name: &str) -> anyhow::Result<PathBuf> {
-    let mut command = Command::new(cargo());
+    let mut command = cargo();
     command
         .current_dir(workspace_root())
         .arg("build")

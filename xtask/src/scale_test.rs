@@ -2,8 +2,6 @@
 //! or debug for a smoke run), run the test against it, and read the JSON report it prints
 //! after a marker.
 
-use std::process::Command;
-
 use anyhow::{Context, bail};
 
 pub struct ScaleTest<'a> {
@@ -21,9 +19,8 @@ impl ScaleTest<'_> {
         smoke: bool,
         envs: impl IntoIterator<Item = (String, String)>,
     ) -> anyhow::Result<serde_json::Value> {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let profile: &[&str] = if smoke { &[] } else { &["--release"] };
-        let status = Command::new(&cargo)
+        let status = crate::cargo()
             .args(["build", "-p", "lattice-agent", "--bins"])
             .args(profile)
             .status()
@@ -32,7 +29,7 @@ impl ScaleTest<'_> {
             bail!("cargo build -p lattice-agent failed: {status}");
         }
         // `cargo test --release` runs from target/release, so the test finds the release agent.
-        let output = Command::new(&cargo)
+        let output = crate::cargo()
             .args(["test", "-p", "lattice-e2e", "--test", self.file])
             .args(profile)
             .args(["--", "--ignored", "--exact", "--nocapture", self.test])
