@@ -370,6 +370,8 @@ fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
         serde_json::json!({
             "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "kernel": kernel,
+            // The real Envoy the xDS benchmark runs beside its synthetic clients.
+            "envoy": version_of(&lattice_e2e::envoy::binary().to_string_lossy(), &["--version"]),
             "smoke": smoke,
         }),
     );
