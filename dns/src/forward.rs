@@ -49,6 +49,13 @@ impl Forwarder {
         }
     }
 
+    /// The cached answer to `request`'s question, if there is a live one: no I/O, so the
+    /// server answers it in line instead of in a task of its own.
+    pub(crate) fn cached(&self, request: &Message) -> Option<Message> {
+        let key = CacheKey::of(request)?;
+        self.cache.as_ref()?.get(&key)
+    }
+
     /// The upstream answer to `request`'s question, or `None` if no upstream answered.
     pub(crate) async fn resolve(&self, request: &Message) -> Option<(Message, Served)> {
         let key = CacheKey::of(request)?;

@@ -276,6 +276,17 @@ async fn serve_udp(
                 }
                 Outcome::Drop => context.metrics.dropped(),
                 Outcome::Forward(request) => {
+                    if let Some(answer) = context.forwarder.cached(&request) {
+                        context
+                            .metrics
+                            .reply(answer.metadata.response_code, Served::Cached);
+                        send_udp(
+                            &socket,
+                            &query::relay(&request, answer, Transport::Udp),
+                            peer,
+                        );
+                        continue;
+                    }
                     let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
                         context
                             .metrics
