@@ -184,6 +184,35 @@ fn lock(view: &Mutex<ClientView>) -> std::sync::MutexGuard<'_, ClientView> {
     view.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Records a response of `encoded_len` bytes in the view and applies it; `Err` is the NACK's
+/// message.
+fn receive<T>(
+    view: &Mutex<ClientView>,
+    encoded_len: usize,
+    apply: impl FnOnce(&mut ClientView, Instant) -> Result<T, String>,
+) -> Result<T, String> {
+    let now = Instant::now();
+    let mut v = lock(view);
+    v.responses += 1;
+    v.bytes += encoded_len as u64;
+    v.last_response = Some(now);
+    let outcome = apply(&mut v, now);
+    match outcome {
+        Ok(_) => v.acks += 1,
+        Err(_) => v.nacks += 1,
+    }
+    outcome
+}
+
+/// The `error_detail` of a NACK.
+fn rejection(message: String) -> RpcStatus {
+    RpcStatus {
+        code: tonic::Code::InvalidArgument as i32,
+        message,
+        ..RpcStatus::default()
+    }
+}
+
 /// Per type on a SotW stream: the last version accepted and the last nonce received.
 #[derive(Default)]
 struct SotwType {
@@ -270,38 +299,24 @@ async fn run_sotw(
         ..DiscoveryRequest::default()
     };
     while let Some(response) = stream.message().await? {
-        let now = Instant::now();
-        let outcome = {
-            let mut v = lock(&view);
-            v.responses += 1;
-            v.bytes += response.encoded_len() as u64;
-            v.last_response = Some(now);
-            let outcome = apply_sotw(&mut v, &response, now);
-            match outcome {
-                Ok(_) => v.acks += 1,
-                Err(_) => v.nacks += 1,
-            }
-            outcome
-        };
+        let outcome = receive(&view, response.encoded_len(), |v, now| {
+            apply_sotw(v, &response, now)
+        });
         let state = types.entry(response.type_url.clone()).or_default();
         state.nonce = response.nonce.clone();
         let names = match response.type_url.as_str() {
             EDS => eds_names.clone().unwrap_or_default(),
             _ => Vec::new(),
         };
+        // An ACK carries the response's version, a NACK the last one accepted.
+        if outcome.is_ok() {
+            state.version = response.version_info.clone();
+        }
         let mut ack = request(state, &response.type_url, &names);
         let subscribe = match outcome {
-            Ok(subscribe) => {
-                state.version = response.version_info.clone();
-                ack.version_info = state.version.clone();
-                subscribe
-            }
+            Ok(subscribe) => subscribe,
             Err(message) => {
-                ack.error_detail = Some(RpcStatus {
-                    code: tonic::Code::InvalidArgument as i32,
-                    message,
-                    ..RpcStatus::default()
-                });
+                ack.error_detail = Some(rejection(message));
                 None
             }
         };
@@ -405,19 +420,9 @@ async fn run_delta(
         .await?
         .into_inner();
     while let Some(response) = stream.message().await? {
-        let now = Instant::now();
-        let outcome = {
-            let mut v = lock(&view);
-            v.responses += 1;
-            v.bytes += response.encoded_len() as u64;
-            v.last_response = Some(now);
-            let outcome = apply_delta(&mut v, &response, now);
-            match outcome {
-                Ok(_) => v.acks += 1,
-                Err(_) => v.nacks += 1,
-            }
-            outcome
-        };
+        let outcome = receive(&view, response.encoded_len(), |v, now| {
+            apply_delta(v, &response, now)
+        });
         let mut ack = DeltaDiscoveryRequest {
             node: Some(node.clone()),
             type_url: response.type_url.clone(),
@@ -427,11 +432,7 @@ async fn run_delta(
         let (subscribe, unsubscribe) = match outcome {
             Ok(changes) => changes,
             Err(message) => {
-                ack.error_detail = Some(RpcStatus {
-                    code: tonic::Code::InvalidArgument as i32,
-                    message,
-                    ..RpcStatus::default()
-                });
+                ack.error_detail = Some(rejection(message));
                 (Vec::new(), Vec::new())
             }
         };

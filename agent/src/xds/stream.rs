@@ -624,9 +624,10 @@ impl DeltaStream {
                 .collect();
             state.tracked.pending = Some(nonce.clone());
             state.tracked.force = false;
-            state.in_flight_version = snapshot.version.to_string();
+            let version = snapshot.version.to_string();
+            state.in_flight_version = version.clone();
             out.push(DeltaDiscoveryResponse {
-                system_version_info: snapshot.version.to_string(),
+                system_version_info: version,
                 resources: found
                     .changed
                     .iter()
