@@ -5,6 +5,7 @@
 //! subscriptions have `initial_fetch_timeout: 0s`, which Envoy defines as "wait indefinitely
 //! for the first response" (the default, 15s, would let Envoy go live on a partial config).
 
+use lattice_contract::ENVOY_ADMIN_PORT;
 use serde_json::{Value, json};
 
 use crate::config::{BootstrapConfig, XdsHost, XdsMode};
@@ -15,7 +16,6 @@ pub const NODE_CLUSTER: &str = "lattice";
 pub const XDS_CLUSTER: &str = "lattice-xds";
 /// Envoy admin: loopback only, so nothing outside the pod reaches it.
 pub const ADMIN_ADDRESS: &str = "127.0.0.1";
-pub const ADMIN_PORT: u16 = 15000;
 
 /// The bootstrap for `config`, ready to serialize.
 pub fn bootstrap(config: &BootstrapConfig) -> Value {
@@ -38,7 +38,7 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
             "cluster": NODE_CLUSTER,
         },
         "admin": {
-            "address": socket_address(ADMIN_ADDRESS, ADMIN_PORT),
+            "address": socket_address(ADMIN_ADDRESS, ENVOY_ADMIN_PORT),
         },
         "dynamic_resources": {
             "ads_config": {

@@ -3,18 +3,16 @@
 //! system, so every refusal for bad input happens before any change.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
-use ipnet::IpNet;
+use lattice_contract::{
+    DEFAULT_TRAP_CIDR, ENVOY_OUTBOUND_PORT, ENVOY_UID, TrapCidrError, TrapCidrs, XDS_PORT,
+};
 
-/// The shortest IPv4 trapped block accepted: anything wider would capture real networks.
-pub const MIN_PREFIX_V4: u8 = 8;
-/// The shortest IPv6 trapped block accepted.
-pub const MIN_PREFIX_V6: u8 = 32;
-/// The agent's xDS port on the node, used when only `HOST_IP` is known.
-pub const DEFAULT_XDS_PORT: u16 = 15010;
+pub use lattice_contract::TrapCidr;
+
 /// `(uid_t)-1`: the kernel's "no id", never a real owner.
 const NO_ID: u32 = u32::MAX;
 
@@ -27,22 +25,23 @@ const NO_ID: u32 = u32::MAX;
 #[derive(Debug, Parser)]
 #[command(name = "lattice-init", version)]
 pub struct Args {
-    /// Trapped block(s) to capture. Repeat the flag or give a comma list; at most one IPv4 and one
-    /// IPv6 block each is typical. An IPv6 block adds the matching ip6tables rules.
+    /// Trapped block(s) to capture: one IPv4 block (the one lattice-agent resolves mesh names
+    /// into, so give both the same value), and optionally one IPv6 block, which adds the
+    /// matching ip6tables rules. Repeat the flag or give a comma list.
     #[arg(
         long,
         env = "LATTICE_TRAP_CIDR",
         value_delimiter = ',',
-        default_value = "240.240.0.0/16"
+        default_value = DEFAULT_TRAP_CIDR
     )]
     pub trap_cidr: Vec<String>,
 
     /// Port of Envoy's outbound capture listener.
-    #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = 15001)]
+    #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = ENVOY_OUTBOUND_PORT)]
     pub envoy_port: u16,
 
     /// UID Envoy runs as; its traffic is never captured.
-    #[arg(long, env = "LATTICE_ENVOY_UID", default_value_t = 1337)]
+    #[arg(long, env = "LATTICE_ENVOY_UID", default_value_t = ENVOY_UID)]
     pub envoy_uid: u32,
 
     /// More UIDs whose traffic is never captured (repeat or comma list).
@@ -122,73 +121,6 @@ pub enum Action {
     DryRun,
     Cleanup,
     CheckConfig,
-}
-
-/// A validated trapped block: canonical (no host bits), not too wide, no loopback inside.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct TrapCidr(IpNet);
-
-impl TrapCidr {
-    pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let text = text.trim();
-        let net: IpNet = text.parse().map_err(|_| ConfigError::CidrSyntax {
-            value: text.to_owned(),
-        })?;
-        let min = match net {
-            IpNet::V4(_) => MIN_PREFIX_V4,
-            IpNet::V6(_) => MIN_PREFIX_V6,
-        };
-        if net.prefix_len() < min {
-            return Err(ConfigError::CidrTooWide {
-                value: text.to_owned(),
-                min,
-            });
-        }
-        if net.trunc() != net {
-            return Err(ConfigError::CidrHostBits {
-                value: text.to_owned(),
-                network: net.trunc().to_string(),
-            });
-        }
-        let loopback = match net {
-            IpNet::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            IpNet::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
-        };
-        if net.contains(&loopback) {
-            return Err(ConfigError::CidrLoopback {
-                value: text.to_owned(),
-            });
-        }
-        Ok(Self(net))
-    }
-
-    pub fn net(&self) -> IpNet {
-        self.0
-    }
-
-    pub fn is_ipv6(&self) -> bool {
-        matches!(self.0, IpNet::V6(_))
-    }
-
-    /// The block's first host address (`240.240.0.1`): the shared service address, and the
-    /// address `--validate` dials. A single-address block is its own first host.
-    pub fn first_host(&self) -> IpAddr {
-        match self.0 {
-            IpNet::V4(net) if net.prefix_len() < 32 => {
-                IpAddr::V4(Ipv4Addr::from(u32::from(net.network()) + 1))
-            }
-            IpNet::V6(net) if net.prefix_len() < 128 => {
-                IpAddr::V6(Ipv6Addr::from(u128::from(net.network()) + 1))
-            }
-            net => net.addr(),
-        }
-    }
-}
-
-impl fmt::Display for TrapCidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
 }
 
 /// Where the DNS redirect sends queries. A loopback target becomes a REDIRECT (port only), any
@@ -293,24 +225,8 @@ pub struct InitConfig {
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
-    #[error(
-        "--trap-cidr {value:?} is not a CIDR block; give one like 240.240.0.0/16 or fd00:240::/64"
-    )]
-    CidrSyntax { value: String },
-    #[error("--trap-cidr {value} has host bits set; give the network address: {network}")]
-    CidrHostBits { value: String, network: String },
-    #[error(
-        "--trap-cidr {value} is too wide to trap safely (shortest accepted prefix: /{min}); use a small unrouted block such as 240.240.0.0/16"
-    )]
-    CidrTooWide { value: String, min: u8 },
-    #[error(
-        "--trap-cidr {value} contains the loopback address; choose a block outside 127.0.0.0/8 and ::1"
-    )]
-    CidrLoopback { value: String },
-    #[error("--trap-cidr blocks {first} and {second} overlap; give each block once")]
-    CidrOverlap { first: String, second: String },
-    #[error("--trap-cidr is empty; give at least one block, e.g. 240.240.0.0/16")]
-    NoCidr,
+    #[error(transparent)]
+    Trap(#[from] TrapCidrError),
     #[error(
         "--envoy-port 0 is not a usable port; give Envoy's capture listener port (1-65535), default 15001"
     )]
@@ -372,7 +288,7 @@ impl InitConfig {
                     })?;
                 Some(XdsAddress {
                     host: XdsHost::Ip(ip),
-                    port: DEFAULT_XDS_PORT,
+                    port: XDS_PORT,
                 })
             }
             (None, None) => None,
@@ -418,27 +334,7 @@ impl InitConfig {
 }
 
 fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
-    let mut trap = args
-        .trap_cidr
-        .iter()
-        .filter(|text| !text.trim().is_empty())
-        .map(|text| TrapCidr::parse(text))
-        .collect::<Result<Vec<_>, _>>()?;
-    trap.sort();
-    trap.dedup();
-    if trap.is_empty() {
-        return Err(ConfigError::NoCidr);
-    }
-    for (i, first) in trap.iter().enumerate() {
-        for second in &trap[i + 1..] {
-            if first.net().contains(&second.net()) || second.net().contains(&first.net()) {
-                return Err(ConfigError::CidrOverlap {
-                    first: first.to_string(),
-                    second: second.to_string(),
-                });
-            }
-        }
-    }
+    let trap = TrapCidrs::parse(&args.trap_cidr)?.blocks().to_vec();
     if args.envoy_port == 0 {
         return Err(ConfigError::EnvoyPort);
     }
@@ -533,9 +429,9 @@ mod tests {
     fn trap_cidr_takes_repeats_and_comma_lists() {
         let config = parse(&[
             "--trap-cidr",
-            "240.240.0.0/16,fd00:240::/64",
+            "fd00:240::/64",
             "--trap-cidr",
-            "241.0.0.0/24",
+            "240.240.0.0/16",
         ])
         .unwrap();
         let blocks: Vec<String> = config
@@ -544,33 +440,8 @@ mod tests {
             .iter()
             .map(ToString::to_string)
             .collect();
-        assert_eq!(blocks, ["240.240.0.0/16", "241.0.0.0/24", "fd00:240::/64"]);
+        assert_eq!(blocks, ["240.240.0.0/16", "fd00:240::/64"]);
         assert!(config.capture.has_ipv6());
-    }
-
-    #[test]
-    fn first_host_is_network_plus_one() {
-        assert_eq!(
-            TrapCidr::parse("240.240.0.0/16")
-                .unwrap()
-                .first_host()
-                .to_string(),
-            "240.240.0.1"
-        );
-        assert_eq!(
-            TrapCidr::parse("fd00:240::/64")
-                .unwrap()
-                .first_host()
-                .to_string(),
-            "fd00:240::1"
-        );
-        assert_eq!(
-            TrapCidr::parse("240.1.2.3/32")
-                .unwrap()
-                .first_host()
-                .to_string(),
-            "240.1.2.3"
-        );
     }
 
     #[test]

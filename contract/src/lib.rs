@@ -1,0 +1,33 @@
+//! The contract between the parts of the node agent: `lattice-agent`, `lattice-init` and the
+//! DNS server, and the manifests and docs that configure them. Each value here is one that two
+//! parts must agree on; a part that needs one takes it from here instead of writing it again.
+
+mod trap;
+
+use std::net::Ipv4Addr;
+
+pub use trap::{TrapCidr, TrapCidrError, TrapCidrs};
+
+/// The DNS zone mesh names live under: service `/foo/bar/buzz` is `buzz.bar.foo.system.internal`.
+pub const ZONE: &str = "system.internal";
+
+/// The trapped block when `--trap-cidr` is not given. Class E: never routed anywhere, so a
+/// connection that escapes capture fails instead of leaking to a real network.
+pub const DEFAULT_TRAP_CIDR: &str = "240.240.0.0/16";
+
+/// Envoy's outbound capture listener in the pod; iptables redirects the trapped block to it.
+pub const ENVOY_OUTBOUND_PORT: u16 = 15001;
+/// Envoy's admin interface in the pod, on loopback only.
+pub const ENVOY_ADMIN_PORT: u16 = 15000;
+/// The UID Envoy runs as; its own connections are never captured.
+pub const ENVOY_UID: u32 = 1337;
+
+/// The agent's xDS (gRPC ADS) server on the node.
+pub const XDS_PORT: u16 = 15010;
+/// The agent's admin server (`/healthz`, `/readyz`, `/metrics`, `/debug/…`), on loopback.
+pub const ADMIN_PORT: u16 = 15020;
+/// The agent's DNS server for local runs (on 127.0.0.1); in a cluster it serves port 53.
+pub const LOCAL_DNS_PORT: u16 = 15053;
+/// The link-local address the agent adds to the node for its DNS server in a cluster; pods use
+/// it as their nameserver.
+pub const NODE_LOCAL_DNS: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
