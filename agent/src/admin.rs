@@ -12,15 +12,18 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::mesh::MeshRx;
 use crate::metrics::Metrics;
-use crate::source::SnapshotRx;
+use crate::readiness::Readiness;
 use crate::xds::ProxyRegistry;
 
+/// What the admin server reads: the agent's state, never a lock on the data path.
 #[derive(Clone)]
-struct AdminState {
-    mesh: SnapshotRx,
-    metrics: Arc<Metrics>,
-    proxies: ProxyRegistry,
+pub struct AdminState {
+    pub mesh: MeshRx,
+    pub metrics: Arc<Metrics>,
+    pub proxies: ProxyRegistry,
+    pub readiness: Readiness,
 }
 
 pub struct AdminServer {
@@ -29,12 +32,7 @@ pub struct AdminServer {
 }
 
 impl AdminServer {
-    pub async fn bind(
-        addr: SocketAddr,
-        mesh: SnapshotRx,
-        metrics: Arc<Metrics>,
-        proxies: ProxyRegistry,
-    ) -> std::io::Result<AdminServer> {
+    pub async fn bind(addr: SocketAddr, state: AdminState) -> std::io::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await?;
         let router = Router::new()
             .route("/healthz", get(|| async { "ok\n" }))
@@ -42,11 +40,7 @@ impl AdminServer {
             .route("/metrics", get(metrics_text))
             .route("/debug/mesh", get(debug_mesh))
             .route("/debug/xds", get(debug_xds))
-            .with_state(AdminState {
-                mesh,
-                metrics,
-                proxies,
-            });
+            .with_state(state);
         Ok(AdminServer { listener, router })
     }
 
@@ -61,16 +55,19 @@ impl AdminServer {
     }
 }
 
-/// Ready once the source has published its first complete snapshot.
+/// Ready once every component is: the servers bound, and the Envoy resources and DNS names of
+/// the first complete mesh snapshot published.
 async fn readyz(State(state): State<AdminState>) -> Response {
-    match state.mesh.borrow().as_ref() {
-        Some(snapshot) => format!("ready: mesh version {}\n", snapshot.version).into_response(),
-        None => (
+    let pending = state.readiness.pending();
+    if !pending.is_empty() {
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: mesh not synced yet\n",
+            format!("not ready: waiting for {}\n", pending.join(", ")),
         )
-            .into_response(),
+            .into_response();
     }
+    let version = state.mesh.borrow().as_ref().map(|mesh| mesh.version);
+    format!("ready: mesh version {}\n", version.unwrap_or_default()).into_response()
 }
 
 async fn metrics_text(State(state): State<AdminState>) -> Response {

@@ -1,14 +1,14 @@
 //! The agent's configuration: one struct, read from flags and `LATTICE_*` environment
-//! variables, with the defaults of DESIGN.md, logged once at start-up.
+//! variables, with the defaults of `docs/architecture.md`, logged once at start-up.
 
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
-use crate::mesh::TrapCidr;
+use lattice_contract::{ADMIN_PORT, DEFAULT_TRAP_CIDR, LOCAL_DNS_PORT, TrapCidrs, XDS_PORT};
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -41,21 +41,22 @@ pub struct AgentConfig {
     pub namespaces: Vec<String>,
 
     /// Address of the gRPC ADS server the node's Envoys connect to.
-    #[arg(long, env = "LATTICE_XDS_ADDR", default_value = "0.0.0.0:15010")]
+    #[arg(long, env = "LATTICE_XDS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::UNSPECIFIED, XDS_PORT)))]
     pub xds_addr: SocketAddr,
 
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53.
-    #[arg(long, env = "LATTICE_DNS_ADDR", default_value = "127.0.0.1:15053")]
+    #[arg(long, env = "LATTICE_DNS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)))]
     pub dns_addr: SocketAddr,
 
     /// Address of the admin server: /healthz /readyz /metrics /debug/mesh /debug/xds.
-    #[arg(long, env = "LATTICE_ADMIN_ADDR", default_value = "127.0.0.1:15020")]
+    #[arg(long, env = "LATTICE_ADMIN_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, ADMIN_PORT)))]
     pub admin_addr: SocketAddr,
 
-    /// The trapped IPv4 block mesh names resolve into; pods send it to Envoy.
-    #[arg(long, env = "LATTICE_TRAP_CIDR", default_value = "240.240.0.0/16", value_parser = parse_trap)]
-    #[serde(serialize_with = "display")]
-    pub trap_cidr: TrapCidr,
+    /// The trapped IPv4 block mesh names resolve into, which pods send to Envoy; optionally an
+    /// IPv6 block after a comma, accepted for lattice-init's sake (no mesh name resolves into
+    /// it). Give lattice-init the same value.
+    #[arg(long, env = "LATTICE_TRAP_CIDR", default_value = DEFAULT_TRAP_CIDR, value_name = "CIDR[,CIDR]", value_parser = parse_trap)]
+    pub trap_cidr: TrapCidrs,
 
     /// Upstream DNS servers for every name outside the mesh (repeat or comma-separate; port 53
     /// unless given). Default: the nameservers of /etc/resolv.conf.
@@ -92,9 +93,9 @@ impl AgentConfig {
     }
 }
 
-fn parse_trap(s: &str) -> Result<TrapCidr, String> {
+fn parse_trap(s: &str) -> Result<TrapCidrs, String> {
     s.parse()
-        .map_err(|e: crate::mesh::AddressError| e.to_string())
+        .map_err(|e: lattice_contract::TrapCidrError| e.to_string())
 }
 
 fn parse_upstream(s: &str) -> Result<SocketAddr, String> {
@@ -104,10 +105,6 @@ fn parse_upstream(s: &str) -> Result<SocketAddr, String> {
     s.parse::<std::net::IpAddr>()
         .map(|ip| SocketAddr::new(ip, 53))
         .map_err(|_| format!("{s:?} is not an IP address or IP:port"))
-}
-
-fn display<T: std::fmt::Display, S: serde::Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(value)
 }
 
 #[cfg(test)]

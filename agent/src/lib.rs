@@ -1,15 +1,21 @@
 //! Lattice node agent: watches the mesh (a mesh file or Kubernetes), translates it to Envoy
 //! resources and DNS names, and serves them to the Envoys and pods on this node.
 //!
-//! Data flows one way: [`source`] → [`mesh`] snapshot → [`pipeline`] ([`translate`]) →
-//! [`xds`] and DNS servers, with [`admin`] reading alongside.
+//! Data flows one way, and the module tree reads in its order: [`source`] → [`mesh`] snapshot
+//! → [`translate`] → the [`xds`] server and the DNS server (`lattice_dns`). Each stage imports
+//! the snapshot it reads and the type it hands on, never a stage before it: a source builds the
+//! mesh model and knows nothing of translators; a translator reads the mesh and produces what a
+//! server serves, and knows nothing of sources; the xDS server knows neither the mesh nor the
+//! translators. Beside the flow: [`config`], [`admin`] (which reads the mesh and the servers'
+//! state), [`metrics`], [`readiness`] and [`node_local_address`]. `tests/layers.rs` holds the
+//! rule.
 
 pub mod admin;
 pub mod config;
 pub mod mesh;
 pub mod metrics;
-pub mod node_dns;
-pub mod pipeline;
+pub mod node_local_address;
+pub mod readiness;
 pub mod source;
 pub mod translate;
 pub mod xds;

@@ -8,12 +8,14 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
-use lattice_agent::admin::AdminServer;
+use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::config::{AgentConfig, LogFormat};
+use lattice_agent::mesh;
 use lattice_agent::metrics::Metrics;
-use lattice_agent::node_dns::NodeLocalAddress;
-use lattice_agent::pipeline::Pipeline;
+use lattice_agent::node_local_address::{self, NodeLocalAddress};
+use lattice_agent::readiness::Readiness;
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
+use lattice_agent::translate::pipeline::Pipeline;
 use lattice_agent::xds::{ProxyRegistry, XdsServer};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
@@ -69,7 +71,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
 
     let source = match &config.mesh_file {
-        Some(path) => Source::File(FileSource::load(path, config.trap_cidr)?),
+        Some(path) => Source::File(FileSource::load(path, config.trap_cidr.clone())?),
         None => {
             let client = kube::Client::try_default().await.context(
                 "cannot configure the Kubernetes client (no in-cluster config and no usable \
@@ -78,7 +80,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             Source::Kubernetes(client)
         }
     };
-    lattice_agent::node_dns::check_dns_addr(config.dns_addr, config.node_local_dns)?;
+    node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {
         println!("configuration is valid");
         return Ok(());
@@ -87,9 +89,16 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let metrics = Metrics::new();
     let proxies = ProxyRegistry::default();
-    let (mesh_tx, mesh_rx) = source::channel();
-    let (pipeline, outputs) =
-        Pipeline::new(mesh_rx.clone(), config.debounce(), metrics.xds.clone());
+    let readiness = Readiness::new();
+    let xds_ready = readiness.register("xds server");
+    let dns_ready = readiness.register("dns server");
+    let (mesh_tx, mesh_rx) = mesh::channel();
+    let (pipeline, published) = Pipeline::new(
+        mesh_rx.clone(),
+        config.debounce(),
+        metrics.xds.clone(),
+        &readiness,
+    );
 
     // Bind everything before serving anything.
     let xds_listener = tokio::net::TcpListener::bind(config.xds_addr)
@@ -108,8 +117,14 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     };
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
-    let dns = DnsServer::bind(dns_config, outputs.names, metrics.dns.clone()).await?;
-    let admin = AdminServer::bind(config.admin_addr, mesh_rx, metrics.clone(), proxies.clone())
+    let dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
+    let admin_state = AdminState {
+        mesh: mesh_rx,
+        metrics: metrics.clone(),
+        proxies: proxies.clone(),
+        readiness,
+    };
+    let admin = AdminServer::bind(config.admin_addr, admin_state)
         .await
         .with_context(|| {
             format!(
@@ -136,7 +151,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Source::Kubernetes(client) => {
             let kube_config = KubeSourceConfig {
                 namespaces: config.namespaces.clone(),
-                trap: config.trap_cidr,
+                trap: config.trap_cidr.clone(),
             };
             tasks.spawn(async move {
                 source::kube::run(client, kube_config, mesh_tx, token).await?;
@@ -151,6 +166,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     });
     let token = shutdown.clone();
     tasks.spawn(async move {
+        drop(dns_ready);
         dns.run(token).await?;
         Ok("dns server")
     });
@@ -159,9 +175,15 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         admin.run(token).await?;
         Ok("admin server")
     });
-    let xds = XdsServer::new(outputs.xds, metrics.xds.clone(), proxies, shutdown.clone());
+    let xds = XdsServer::new(
+        published.xds,
+        metrics.xds.clone(),
+        proxies,
+        shutdown.clone(),
+    );
     let token = shutdown.clone();
     tasks.spawn(async move {
+        drop(xds_ready);
         tonic::transport::Server::builder()
             .add_service(AggregatedDiscoveryServiceServer::new(xds))
             .serve_with_incoming_shutdown(

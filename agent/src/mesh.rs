@@ -1,8 +1,9 @@
 //! The mesh model: what every source produces and every translator reads.
 //!
 //! Sources describe services as [`ServiceSpec`]s (path, ports, endpoints) and hand them to a
-//! [`MeshState`], which assigns each service its address from the trapped block and publishes an
-//! immutable [`MeshSnapshot`]. Nothing in here knows about Kubernetes, files, Envoy or DNS.
+//! [`MeshState`], which assigns each service its address from the trapped block and takes an
+//! immutable [`MeshSnapshot`], published on the one [`channel`] every consumer reads. Nothing in
+//! here knows about Kubernetes, files, Envoy or DNS.
 
 mod address;
 mod path;
@@ -11,14 +12,14 @@ use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Instant;
 
+use lattice_contract::TrapCidrs;
 use serde::Serialize;
+use tokio::sync::watch;
 
-pub use address::{AddressBook, AddressError, TrapCidr};
+pub use address::{AddressBook, AddressError};
 pub use path::{MeshPath, PathError};
-
-/// The DNS zone mesh names live under.
-pub const ZONE: &str = "system.internal";
 
 /// How a service port speaks, which decides how Envoy routes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -194,8 +195,16 @@ pub type ServiceMap = imbl::OrdMap<MeshPath, Arc<Service>>;
 pub struct MeshSnapshot {
     /// Increases by one with every published change.
     pub version: u64,
-    pub trap: TrapCidr,
+    /// Increases by one with every change to the mesh's shape: a service came or went, or
+    /// changed its name, address or ports. Endpoint changes leave it alone, so a translator
+    /// whose output depends on the shape only (the DNS names, the capture listener) can skip
+    /// them without comparing services.
+    pub shape_version: u64,
+    pub trap: TrapCidrs,
     pub services: ServiceMap,
+    /// When the source took this snapshot: where the push latency of what it changed starts.
+    #[serde(skip)]
+    pub taken_at: Instant,
 }
 
 impl MeshSnapshot {
@@ -212,21 +221,27 @@ impl MeshSnapshot {
 ///
 /// Applying is incremental (one service at a time), so a single Kubernetes event costs one
 /// service's work, and the address book keeps addresses stable across changes.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct MeshState {
     addresses: AddressBook,
     services: ServiceMap,
     version: u64,
-    dirty: bool,
+    shape_version: u64,
+    /// Something changed since the last snapshot.
+    changed: bool,
+    /// The shape changed since the last snapshot.
+    reshaped: bool,
 }
 
 impl MeshState {
-    pub fn new(trap: TrapCidr) -> Self {
+    pub fn new(trap: TrapCidrs) -> Self {
         MeshState {
             addresses: AddressBook::new(trap),
             services: ServiceMap::new(),
             version: 0,
-            dirty: true,
+            shape_version: 0,
+            changed: true,
+            reshaped: true,
         }
     }
 
@@ -236,7 +251,8 @@ impl MeshState {
         let address = self
             .addresses
             .assign(&spec.path, spec.needs_own_address())?;
-        if let Some(existing) = self.services.get(&spec.path)
+        let existing = self.services.get(&spec.path);
+        if let Some(existing) = existing
             && existing.address == address
             && existing.ports == spec.ports
         {
@@ -248,8 +264,9 @@ impl MeshState {
             address,
             ports: spec.ports,
         };
+        self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));
-        self.dirty = true;
+        self.changed = true;
         Ok(true)
     }
 
@@ -257,19 +274,15 @@ impl MeshState {
     pub fn remove(&mut self, path: &MeshPath) -> bool {
         self.addresses.release(path);
         let existed = self.services.remove(path).is_some();
-        self.dirty |= existed;
+        self.changed |= existed;
+        self.reshaped |= existed;
         existed
     }
 
     /// Makes the mesh exactly `specs` (the file source's whole-world view), touching only the
     /// services that differ. All-or-nothing: if any address cannot be assigned, nothing changes.
     pub fn replace_all(&mut self, specs: Vec<ServiceSpec>) -> Result<(), AddressError> {
-        let mut next = MeshState {
-            addresses: self.addresses.clone(),
-            services: self.services.clone(),
-            version: self.version,
-            dirty: self.dirty,
-        };
+        let mut next = self.clone();
         let keep: std::collections::BTreeSet<&MeshPath> = specs.iter().map(|s| &s.path).collect();
         let gone: Vec<MeshPath> = next
             .services
@@ -288,22 +301,34 @@ impl MeshState {
         Ok(())
     }
 
-    pub fn contains(&self, path: &MeshPath) -> bool {
-        self.services.contains_key(path)
-    }
-
     /// A snapshot of the current state, with a new version if anything changed since the last.
     pub fn snapshot(&mut self) -> Arc<MeshSnapshot> {
-        if self.dirty {
+        if self.changed {
             self.version += 1;
-            self.dirty = false;
+            self.changed = false;
+        }
+        if self.reshaped {
+            self.shape_version += 1;
+            self.reshaped = false;
         }
         Arc::new(MeshSnapshot {
             version: self.version,
-            trap: self.addresses.trap(),
+            shape_version: self.shape_version,
+            trap: self.addresses.trap().clone(),
             services: self.services.clone(),
+            taken_at: Instant::now(),
         })
     }
+}
+
+pub type MeshTx = watch::Sender<Option<Arc<MeshSnapshot>>>;
+pub type MeshRx = watch::Receiver<Option<Arc<MeshSnapshot>>>;
+
+/// The one channel from the sources to every consumer (the translators and the admin server).
+/// Only complete, consistent snapshots are published on it; `None` means "nothing synced yet",
+/// which keeps `/readyz` false.
+pub fn channel() -> (MeshTx, MeshRx) {
+    watch::channel(None)
 }
 
 #[cfg(test)]
@@ -321,7 +346,7 @@ mod tests {
         )
     }
 
-    fn trap() -> TrapCidr {
+    fn trap() -> TrapCidrs {
         "240.240.0.0/16".parse().unwrap()
     }
 
@@ -416,6 +441,38 @@ mod tests {
             third
                 .services
                 .contains_key(&"/a/http".parse::<MeshPath>().unwrap())
+        );
+    }
+
+    #[test]
+    fn shape_version_moves_with_names_addresses_and_ports_not_endpoints() {
+        let mut state = MeshState::new(trap());
+        state.upsert(spec("/a/web", Protocol::Http)).unwrap();
+        let first = state.snapshot();
+
+        let mut moved = spec("/a/web", Protocol::Http);
+        moved.ports[0].endpoints = EndpointSet::new(vec!["10.0.0.2:8080".parse().unwrap()]);
+        state.upsert(moved).unwrap();
+        let endpoints = state.snapshot();
+        assert_eq!(endpoints.version, first.version + 1);
+        assert_eq!(
+            endpoints.shape_version, first.shape_version,
+            "endpoints only"
+        );
+
+        state.upsert(spec("/a/web", Protocol::Tcp)).unwrap();
+        let protocol = state.snapshot();
+        assert_eq!(protocol.shape_version, endpoints.shape_version + 1);
+        state.upsert(spec("/a/other", Protocol::Http)).unwrap();
+        let added = state.snapshot();
+        assert_eq!(added.shape_version, protocol.shape_version + 1);
+        state.remove(&"/a/other".parse().unwrap());
+        let removed = state.snapshot();
+        assert_eq!(removed.shape_version, added.shape_version + 1);
+        assert_eq!(
+            state.snapshot().shape_version,
+            removed.shape_version,
+            "nothing changed"
         );
     }
 

@@ -1,6 +1,21 @@
-//! The xDS side: the per-stream ADS state machines and the gRPC server that drives them.
+//! The xDS side: the snapshot of Envoy resources it serves, the per-stream ADS state machines
+//! (state of the world and Delta) and the gRPC server that drives them.
+//!
+//! It knows nothing of the mesh model or of where the resources come from: the Envoy
+//! translator produces an [`XdsSnapshot`] and publishes it on the [`snapshot::channel`].
 
+mod delta;
+pub mod metrics;
 pub mod server;
-pub mod stream;
+pub mod snapshot;
+mod sotw;
+mod stream;
+#[cfg(test)]
+mod testing;
 
+pub use delta::DeltaStream;
+pub use metrics::XdsMetrics;
 pub use server::{ProxyRegistry, XdsServer};
+pub use snapshot::{ResourceMap, ResourceType, XdsResource, XdsRx, XdsSnapshot, XdsTx};
+pub use sotw::SotwStream;
+pub use stream::{Ads, Event, Push};

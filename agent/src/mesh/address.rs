@@ -1,75 +1,27 @@
-//! The trapped block and who holds which address in it.
+//! Who holds which address in the trapped block. The block itself, and its rules, are part of
+//! the contract every part shares ([`TrapCidrs`]).
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
 use std::net::Ipv4Addr;
-use std::str::FromStr;
 
 use ipnet::Ipv4Net;
-use serde::Serialize;
+use lattice_contract::TrapCidrs;
 
 use super::{MeshPath, ServiceAddress};
 
-/// The IPv4 block whose traffic pods hand to Envoy. The first host address is shared by all
-/// HTTP services; the rest are handed out to services that need their own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(into = "String")]
-pub struct TrapCidr(Ipv4Net);
-
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AddressError {
-    #[error("trapped CIDR {0:?} is not an IPv4 block like 240.240.0.0/16")]
-    Cidr(String),
-    #[error(
-        "trapped CIDR {0} is too wide or too narrow: use a prefix between /8 and /30 (so it \
-         holds a shared address and at least one more)"
-    )]
-    Prefix(Ipv4Net),
     #[error(
         "no free address left in the trapped block {trap} for service {path}: widen --trap-cidr"
     )]
     Exhausted { trap: Ipv4Net, path: MeshPath },
 }
 
-impl TrapCidr {
-    pub fn net(self) -> Ipv4Net {
-        self.0
-    }
-
-    /// The address every all-HTTP service resolves to: the block's first host.
-    pub fn shared(self) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.0.network()) + 1)
-    }
-
-    /// Host addresses after the shared one, as offsets from the network address.
-    fn own_offsets(self) -> std::ops::Range<u32> {
-        let size = 1u32 << (32 - self.0.prefix_len());
-        2..size - 1
-    }
-}
-
-impl FromStr for TrapCidr {
-    type Err = AddressError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let net: Ipv4Net = s.parse().map_err(|_| AddressError::Cidr(s.to_string()))?;
-        if !(8..=30).contains(&net.prefix_len()) {
-            return Err(AddressError::Prefix(net));
-        }
-        Ok(TrapCidr(net.trunc()))
-    }
-}
-
-impl fmt::Display for TrapCidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl From<TrapCidr> for String {
-    fn from(trap: TrapCidr) -> String {
-        trap.to_string()
-    }
+/// Host addresses after the shared one, as offsets from the block's network address: the
+/// addresses a service of its own may get (never the network, shared or broadcast address).
+fn own_offsets(trap: &TrapCidrs) -> std::ops::Range<u32> {
+    let size = 1u32 << (32 - trap.ipv4().prefix_len());
+    2..size - 1
 }
 
 /// Assigns own addresses to services that need them, stable for as long as the service keeps
@@ -78,24 +30,24 @@ impl From<TrapCidr> for String {
 /// different service.
 #[derive(Clone, Debug)]
 pub struct AddressBook {
-    trap: TrapCidr,
+    trap: TrapCidrs,
     held: HashMap<MeshPath, u32>,
     used: BTreeSet<u32>,
     cursor: u32,
 }
 
 impl AddressBook {
-    pub fn new(trap: TrapCidr) -> Self {
+    pub fn new(trap: TrapCidrs) -> Self {
         AddressBook {
+            cursor: own_offsets(&trap).start,
             trap,
             held: HashMap::new(),
             used: BTreeSet::new(),
-            cursor: trap.own_offsets().start,
         }
     }
 
-    pub fn trap(&self) -> TrapCidr {
-        self.trap
+    pub fn trap(&self) -> &TrapCidrs {
+        &self.trap
     }
 
     /// The address for `path`: the shared one, or its own (kept if it already has one).
@@ -112,7 +64,7 @@ impl AddressBook {
             return Ok(ServiceAddress::Own(self.ip(offset)));
         }
         let offset = self.next_free().ok_or_else(|| AddressError::Exhausted {
-            trap: self.trap.net(),
+            trap: self.trap.ipv4(),
             path: path.clone(),
         })?;
         self.used.insert(offset);
@@ -128,7 +80,7 @@ impl AddressBook {
     }
 
     fn next_free(&self) -> Option<u32> {
-        let range = self.trap.own_offsets();
+        let range = own_offsets(&self.trap);
         let start = self.cursor.clamp(range.start, range.end);
         (start..range.end)
             .chain(range.start..start)
@@ -136,7 +88,7 @@ impl AddressBook {
     }
 
     fn ip(&self, offset: u32) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.trap.net().network()) + offset)
+        Ipv4Addr::from(u32::from(self.trap.ipv4().network()) + offset)
     }
 }
 
@@ -145,35 +97,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_and_bounds_the_block() {
-        let trap: TrapCidr = "240.240.0.0/16".parse().unwrap();
-        assert_eq!(trap.shared(), Ipv4Addr::new(240, 240, 0, 1));
-        assert_eq!(
-            "240.240.7.9/16".parse::<TrapCidr>().unwrap(),
-            trap,
-            "host bits are dropped"
-        );
-        assert!(matches!(
-            "240.0.0.0/4".parse::<TrapCidr>(),
-            Err(AddressError::Prefix(_))
-        ));
-        assert!(matches!(
-            "240.240.0.0/31".parse::<TrapCidr>(),
-            Err(AddressError::Prefix(_))
-        ));
-        assert!(matches!(
-            "nonsense".parse::<TrapCidr>(),
-            Err(AddressError::Cidr(_))
-        ));
-        assert!(matches!(
-            "fd00::/64".parse::<TrapCidr>(),
-            Err(AddressError::Cidr(_))
-        ));
-    }
-
-    #[test]
     fn never_hands_out_network_shared_or_broadcast() {
-        let trap: TrapCidr = "10.1.2.0/29".parse().unwrap();
+        let trap: TrapCidrs = "10.1.2.0/29".parse().unwrap();
         let mut book = AddressBook::new(trap);
         let mut got = Vec::new();
         for i in 0..5 {

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use super::ZONE;
+use lattice_contract::ZONE;
 
 /// A service's place in the mesh: `/`-separated DNS labels, most general first.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

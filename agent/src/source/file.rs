@@ -14,9 +14,10 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::SnapshotTx;
+use lattice_contract::TrapCidrs;
+
 use crate::mesh::{
-    AddressError, MeshPath, MeshState, Protocol, ServicePort, ServiceSpec, TrapCidr,
+    AddressError, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol, ServicePort, ServiceSpec,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -28,8 +29,6 @@ pub enum MeshFileError {
     },
     #[error("mesh file {path} is not valid: {message}")]
     Syntax { path: PathBuf, message: String },
-    #[error("mesh file {path}: {message}")]
-    Invalid { path: PathBuf, message: String },
     #[error("mesh file {path}: {source}")]
     Addresses { path: PathBuf, source: AddressError },
     #[error("cannot watch mesh file {path} for changes: {source}")]
@@ -179,7 +178,7 @@ pub struct FileSource {
 
 impl FileSource {
     /// Loads the file and builds the first mesh. Fails on any error, naming the file.
-    pub fn load(path: &Path, trap: TrapCidr) -> Result<FileSource, MeshFileError> {
+    pub fn load(path: &Path, trap: TrapCidrs) -> Result<FileSource, MeshFileError> {
         let specs = load(path)?;
         let mut state = MeshState::new(trap);
         state
@@ -197,7 +196,7 @@ impl FileSource {
     /// Publishes the loaded mesh, then every good edit, until shutdown.
     pub async fn run(
         mut self,
-        tx: SnapshotTx,
+        tx: MeshTx,
         shutdown: CancellationToken,
     ) -> Result<(), MeshFileError> {
         let snapshot = self.state.snapshot();
@@ -275,7 +274,7 @@ impl FileSource {
         }
     }
 
-    fn apply(&mut self, text: &str) -> Result<Arc<crate::mesh::MeshSnapshot>, MeshFileError> {
+    fn apply(&mut self, text: &str) -> Result<Arc<MeshSnapshot>, MeshFileError> {
         let specs = parse(text).map_err(|message| MeshFileError::Syntax {
             path: self.path.clone(),
             message,

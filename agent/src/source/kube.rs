@@ -21,7 +21,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::mesh::{AddressError, PathError, TrapCidr};
+use lattice_contract::TrapCidrs;
+
+use crate::mesh::{AddressError, MeshSnapshot, MeshTx, PathError};
 
 pub use index::MeshIndex;
 pub use mapping::{PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
@@ -31,7 +33,7 @@ use mapping::{MappedService, MappedSlice, ObjectKey};
 pub struct KubeSourceConfig {
     /// Namespaces to watch; empty means the whole cluster.
     pub namespaces: Vec<String>,
-    pub trap: TrapCidr,
+    pub trap: TrapCidrs,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,14 +125,15 @@ impl Change {
     }
 }
 
-type Tagged = (usize, Result<Change, watcher::Error>);
+/// One event of one watch: the watch's index in [`WatchSet`], and what it saw.
+type WatchEvent = (usize, Result<Change, watcher::Error>);
 
 /// Watches the cluster (or the configured namespaces) and publishes mesh snapshots on `tx`
 /// until `shutdown` is cancelled.
 pub async fn run(
     client: kube::Client,
     config: KubeSourceConfig,
-    tx: super::SnapshotTx,
+    tx: MeshTx,
     shutdown: CancellationToken,
 ) -> Result<(), KubeSourceError> {
     let mut namespaces: Vec<Option<String>> = if config.namespaces.is_empty() {
@@ -142,7 +145,7 @@ pub async fn run(
     namespaces.sort();
     namespaces.dedup();
     let mut scopes = Vec::new();
-    let mut streams: Vec<Pin<Box<dyn Stream<Item = Tagged> + Send>>> = Vec::new();
+    let mut streams: Vec<Pin<Box<dyn Stream<Item = WatchEvent> + Send>>> = Vec::new();
     for namespace in &namespaces {
         let id = scopes.len();
         scopes.push(WatchScope {
@@ -178,8 +181,14 @@ pub async fn run(
         "watching Kubernetes services and endpointslices{}",
         if config.namespaces.is_empty() { " cluster-wide" } else { "" }
     );
-    let driver = Driver::new(config.trap, scopes);
-    drive(futures::stream::select_all(streams), driver, &tx, &shutdown).await
+    let watches = WatchSet::new(config.trap, scopes);
+    follow(
+        futures::stream::select_all(streams),
+        watches,
+        &tx,
+        &shutdown,
+    )
+    .await
 }
 
 fn api<K>(client: &kube::Client, namespace: &Option<String>) -> Api<K>
@@ -194,10 +203,10 @@ where
 }
 
 /// Applies events as they come, a ready batch at a time, and publishes after each batch.
-async fn drive(
-    events: impl Stream<Item = Tagged> + Unpin,
-    mut driver: Driver,
-    tx: &super::SnapshotTx,
+async fn follow(
+    events: impl Stream<Item = WatchEvent> + Unpin,
+    mut watches: WatchSet,
+    tx: &MeshTx,
     shutdown: &CancellationToken,
 ) -> Result<(), KubeSourceError> {
     let mut batches = events.ready_chunks(1024);
@@ -210,16 +219,17 @@ async fn drive(
             return Err(KubeSourceError::WatchEnded);
         };
         for (watch, result) in batch {
-            driver.handle(watch, result);
+            watches.handle(watch, result);
         }
-        if let Some(snapshot) = driver.publishable() {
+        if let Some(snapshot) = watches.publishable() {
             tx.send_replace(Some(snapshot));
         }
     }
 }
 
-/// The I/O-free half of the source: watch events in, snapshots out.
-struct Driver {
+/// Every watch of the source, how far each one's list has come, and the index they feed: the
+/// I/O-free half of the source, watch events in, snapshots out.
+struct WatchSet {
     index: MeshIndex,
     scopes: Vec<WatchScope>,
     /// Per watch: the objects of a list in progress, applied at once when it completes.
@@ -230,10 +240,10 @@ struct Driver {
     ready: bool,
 }
 
-impl Driver {
-    fn new(trap: TrapCidr, scopes: Vec<WatchScope>) -> Self {
+impl WatchSet {
+    fn new(trap: TrapCidrs, scopes: Vec<WatchScope>) -> Self {
         let n = scopes.len();
-        Driver {
+        WatchSet {
             index: MeshIndex::new(trap),
             scopes,
             pending: (0..n).map(|_| None).collect(),
@@ -300,7 +310,7 @@ impl Driver {
 
     /// The snapshot to publish now: none before every initial list is complete, and none
     /// when nothing changed.
-    fn publishable(&mut self) -> Option<std::sync::Arc<crate::mesh::MeshSnapshot>> {
+    fn publishable(&mut self) -> Option<std::sync::Arc<MeshSnapshot>> {
         if !self.ready {
             if !self.listed.iter().all(|l| *l) {
                 return None;

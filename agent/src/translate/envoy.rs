@@ -1,4 +1,5 @@
-//! Mesh snapshot → Envoy v3 resources (clusters, endpoints, the outbound listener, routes).
+//! Mesh snapshot → Envoy v3 resources (clusters, endpoints, the outbound listener, routes), as
+//! the [`XdsSnapshot`] the xDS server hands out.
 //!
 //! Pure functions of the snapshot. [`EnvoyTranslator`] adds one thing on top: it remembers
 //! what it built last time and reuses it for services that did not change, so the cost of a
@@ -38,142 +39,16 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_optio
 };
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use envoy_types::util::pack_any;
+use imbl::ordmap::DiffItem;
+use lattice_contract::ENVOY_OUTBOUND_PORT;
 use prost::Message;
 
 use crate::mesh::{MeshSnapshot, Service, ServiceAddress, ServiceMap, ServicePort};
-use imbl::ordmap::DiffItem;
+use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
-/// The one listener every captured connection lands on.
+/// The one listener every captured connection lands on, on
+/// [`lattice_contract::ENVOY_OUTBOUND_PORT`], where iptables in the pod sends the trapped block.
 pub const OUTBOUND_LISTENER: &str = "lattice-outbound";
-/// The port that listener binds; iptables in the pod redirects the trapped block to it.
-pub const OUTBOUND_PORT: u16 = 15001;
-
-/// The four resource types, in the order Envoy must receive them (CDS → EDS → LDS → RDS), so a
-/// listener never points at a cluster or route that does not exist yet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ResourceType {
-    Cluster = 0,
-    Endpoint = 1,
-    Listener = 2,
-    Route = 3,
-}
-
-impl ResourceType {
-    pub const ALL: [ResourceType; 4] = [
-        ResourceType::Cluster,
-        ResourceType::Endpoint,
-        ResourceType::Listener,
-        ResourceType::Route,
-    ];
-
-    pub fn type_url(self) -> &'static str {
-        match self {
-            ResourceType::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
-            ResourceType::Endpoint => {
-                "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-            }
-            ResourceType::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
-            ResourceType::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
-        }
-    }
-
-    pub fn from_type_url(url: &str) -> Option<ResourceType> {
-        ResourceType::ALL.into_iter().find(|t| t.type_url() == url)
-    }
-
-    /// Short name for logs and metrics.
-    pub fn short(self) -> &'static str {
-        match self {
-            ResourceType::Cluster => "cds",
-            ResourceType::Endpoint => "eds",
-            ResourceType::Listener => "lds",
-            ResourceType::Route => "rds",
-        }
-    }
-
-    /// Clusters and listeners are fetched as a whole (wildcard); endpoints and routes by name.
-    pub fn is_wildcard_by_default(self) -> bool {
-        matches!(self, ResourceType::Cluster | ResourceType::Listener)
-    }
-
-    /// In SotW, a response of these types must hold every resource the client should have
-    /// (what it leaves out is removed); responses of the others may hold only what changed.
-    pub fn is_state_of_the_world(self) -> bool {
-        self.is_wildcard_by_default()
-    }
-
-    pub fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// One encoded Envoy resource. Its version is a hash of its bytes, so equal content has equal
-/// versions, across pushes and across agent restarts (which makes Delta reconnects cheap).
-/// The name is shared (not copied) by every map and every stream that refers to it: at 10k
-/// resources and a hundred proxies, per-stream copies of names would dominate the memory.
-#[derive(Debug, PartialEq)]
-pub struct XdsResource {
-    pub name: Arc<str>,
-    pub version: u64,
-    pub body: Any,
-}
-
-impl XdsResource {
-    fn new<M: Message + prost::Name>(name: impl Into<Arc<str>>, message: M) -> Arc<XdsResource> {
-        let body = pack_any(message);
-        let version = fnv1a(&body.value);
-        Arc::new(XdsResource {
-            name: name.into(),
-            version,
-            body,
-        })
-    }
-
-    /// The version as it goes on the wire.
-    pub fn version_string(&self) -> String {
-        format_version(self.version)
-    }
-}
-
-/// Versions on the wire are 16 hex digits.
-pub fn format_version(version: u64) -> String {
-    format!("{version:016x}")
-}
-
-/// The inverse of [`format_version`]; `None` for a version this agent did not make.
-pub fn parse_version(version: &str) -> Option<u64> {
-    (version.len() == 16)
-        .then(|| u64::from_str_radix(version, 16).ok())
-        .flatten()
-}
-
-/// FNV-1a: stable across builds and platforms, unlike std's hasher, and fast enough for the
-/// few kilobytes a resource holds.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
-        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// All resources of one type, by name. Persistent: a snapshot shares what did not change with
-/// the one before it, and two snapshots are compared by what differs.
-pub type ResourceMap = imbl::OrdMap<Arc<str>, Arc<XdsResource>>;
-
-/// Everything Envoy should have for one mesh snapshot.
-#[derive(Debug, Default)]
-pub struct XdsSnapshot {
-    /// The mesh snapshot version this was built from.
-    pub version: u64,
-    pub resources: [ResourceMap; 4],
-    /// When the mesh change behind it was first seen, for the push-latency histogram.
-    pub seen_at: Option<std::time::Instant>,
-}
-
-impl XdsSnapshot {
-    pub fn of(&self, kind: ResourceType) -> &ResourceMap {
-        &self.resources[kind.index()]
-    }
-}
 
 /// `buzz.bar.foo.system.internal|8080`: readable in Envoy's stats and admin pages.
 pub fn cluster_name(service: &Service, port: u16) -> String {
@@ -190,27 +65,17 @@ pub fn route_name(port: u16) -> String {
 #[derive(Default)]
 pub struct EnvoyTranslator {
     mesh: Option<ServiceMap>,
+    /// The mesh shape the listener and the routes were built for.
+    shape_version: Option<u64>,
     resources: [ResourceMap; 4],
 }
 
-/// One translation, and whether any service came, went or changed shape (its name, address or
-/// ports: what DNS, the listener and the routes depend on).
-pub struct Translation {
-    pub xds: XdsSnapshot,
-    pub shape_changed: bool,
-}
-
 impl EnvoyTranslator {
-    pub fn translate(&mut self, mesh: &MeshSnapshot) -> Translation {
+    pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
-        let mut shape_changed =
-            previous.is_empty() && self.resources[ResourceType::Listener.index()].is_empty();
         for change in previous.diff(&mesh.services) {
             match change {
-                DiffItem::Add(_, service) => {
-                    self.insert(service, true);
-                    shape_changed = true;
-                }
+                DiffItem::Add(_, service) => self.insert(service, true),
                 DiffItem::Update {
                     old: (_, old),
                     new: (_, new),
@@ -220,15 +85,12 @@ impl EnvoyTranslator {
                         self.remove(old);
                     }
                     self.insert(new, !same_shape);
-                    shape_changed |= !same_shape;
                 }
-                DiffItem::Remove(_, service) => {
-                    self.remove(service);
-                    shape_changed = true;
-                }
+                DiffItem::Remove(_, service) => self.remove(service),
             }
         }
-        if shape_changed {
+        // The listener and the routes depend on names, addresses and ports only.
+        if self.shape_version != Some(mesh.shape_version) {
             let listener = outbound_listener(mesh);
             self.resources[ResourceType::Listener.index()] =
                 ResourceMap::unit(listener.name.clone(), listener);
@@ -236,15 +98,13 @@ impl EnvoyTranslator {
                 .into_iter()
                 .map(|r| (r.name.clone(), r))
                 .collect();
+            self.shape_version = Some(mesh.shape_version);
         }
         self.mesh = Some(mesh.services.clone());
-        Translation {
-            xds: XdsSnapshot {
-                version: mesh.version,
-                resources: self.resources.clone(),
-                seen_at: None,
-            },
-            shape_changed,
+        XdsSnapshot {
+            version: mesh.version,
+            resources: self.resources.clone(),
+            changed_at: mesh.taken_at,
         }
     }
 
@@ -460,13 +320,13 @@ pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
         // address, which is never assigned, so it is never hit and nothing is passed through.
         chains.push(http_chain(
             "unassigned".to_string(),
-            mesh.trap.net().network(),
+            mesh.trap.ipv4().network(),
             1,
         ));
     }
     let listener = Listener {
         name: OUTBOUND_LISTENER.to_string(),
-        address: Some(socket_address("0.0.0.0".to_string(), OUTBOUND_PORT)),
+        address: Some(socket_address("0.0.0.0".to_string(), ENVOY_OUTBOUND_PORT)),
         traffic_direction: TrafficDirection::Outbound as i32,
         listener_filters: vec![ListenerFilter {
             name: "envoy.filters.listener.original_dst".to_string(),
@@ -595,9 +455,7 @@ mod tests {
     #[test]
     fn one_eds_cluster_and_assignment_per_service_port() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default()
-            .translate(&example(&mut state))
-            .xds;
+        let xds = EnvoyTranslator::default().translate(&example(&mut state));
         let names: Vec<&str> = xds.of(ResourceType::Cluster).keys().map(|k| &**k).collect();
         assert_eq!(
             names,
@@ -664,9 +522,7 @@ mod tests {
     #[test]
     fn listener_picks_chains_by_destination_and_has_no_default() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default()
-            .translate(&example(&mut state))
-            .xds;
+        let xds = EnvoyTranslator::default().translate(&example(&mut state));
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(
             listener.listener_filters[0].name,
@@ -727,9 +583,7 @@ mod tests {
     #[test]
     fn an_empty_mesh_still_yields_a_valid_listener() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default()
-            .translate(&mesh(&mut state, vec![]))
-            .xds;
+        let xds = EnvoyTranslator::default().translate(&mesh(&mut state, vec![]));
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(listener.filter_chains.len(), 1);
         let m = listener.filter_chains[0]
@@ -747,26 +601,24 @@ mod tests {
     fn an_endpoint_change_reuses_everything_but_its_assignment() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         let mut translator = EnvoyTranslator::default();
-        let first = translator.translate(&example(&mut state)).xds;
-        let second = translator
-            .translate(&mesh(
-                &mut state,
-                vec![
-                    (
-                        "/foo/bar/buzz",
-                        vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
-                    ),
-                    (
-                        "/foo/greeter",
-                        vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
-                    ),
-                    (
-                        "/foo/db",
-                        vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
-                    ),
-                ],
-            ))
-            .xds;
+        let first = translator.translate(&example(&mut state));
+        let second = translator.translate(&mesh(
+            &mut state,
+            vec![
+                (
+                    "/foo/bar/buzz",
+                    vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
+                ),
+                (
+                    "/foo/greeter",
+                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                ),
+                (
+                    "/foo/db",
+                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                ),
+            ],
+        ));
         for kind in [
             ResourceType::Cluster,
             ResourceType::Listener,
@@ -787,7 +639,7 @@ mod tests {
             .collect();
         assert_eq!(changed, ["buzz.bar.foo.system.internal|8080"]);
         // Versions are content hashes: a fresh translator gives the same ones.
-        let fresh = EnvoyTranslator::default().translate(&state.snapshot()).xds;
+        let fresh = EnvoyTranslator::default().translate(&state.snapshot());
         for kind in ResourceType::ALL {
             for (name, resource) in second.of(kind) {
                 assert_eq!(resource.version, fresh.of(kind)[name].version);
@@ -800,15 +652,13 @@ mod tests {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         let mut translator = EnvoyTranslator::default();
         translator.translate(&example(&mut state));
-        let after = translator
-            .translate(&mesh(
-                &mut state,
-                vec![(
-                    "/foo/db",
-                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
-                )],
-            ))
-            .xds;
+        let after = translator.translate(&mesh(
+            &mut state,
+            vec![(
+                "/foo/db",
+                vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+            )],
+        ));
         assert_eq!(after.of(ResourceType::Cluster).len(), 1);
         assert_eq!(after.of(ResourceType::Endpoint).len(), 1);
         assert!(after.of(ResourceType::Route).is_empty());

@@ -1,5 +1,5 @@
 //! The ADS gRPC service: one task per stream, driving a [`SotwStream`] or [`DeltaStream`] from
-//! the proxy's requests and the published [`XdsSnapshot`]s.
+//! the proxy's requests and the published [`XdsSnapshot`]s, and recording what happened.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -7,25 +7,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
 use futures::Stream;
 use serde::Serialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::stream::{DeltaStream, Event, SotwStream};
-use crate::metrics::{TypeLabel, XdsMetrics};
-use crate::translate::envoy::{ResourceType, XdsSnapshot};
-
-/// The published Envoy resources; `None` until the first mesh snapshot, so no proxy is ever
-/// answered from an empty or partial mesh.
-pub type XdsRx = watch::Receiver<Option<Arc<XdsSnapshot>>>;
+use super::delta::DeltaStream;
+use super::metrics::XdsMetrics;
+use super::snapshot::{XdsRx, XdsSnapshot};
+use super::sotw::SotwStream;
+use super::stream::{Ads, Event, Push};
 
 /// One connected proxy, as `/debug/xds` shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -74,65 +71,6 @@ impl ProxyRegistry {
     }
 }
 
-/// The two ADS flavours, seen the same way by the stream loop.
-trait Ads: Default + Send + 'static {
-    type Request: Send + 'static;
-    type Response: Send + 'static;
-    const MODE: &'static str;
-    fn node(request: &Self::Request) -> Option<&Node>;
-    fn type_url(response: &Self::Response) -> &str;
-    fn on_request(
-        &mut self,
-        request: &Self::Request,
-        snapshot: &XdsSnapshot,
-    ) -> (Vec<Self::Response>, Vec<Event>);
-    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Self::Response>;
-}
-
-impl Ads for SotwStream {
-    type Request = DiscoveryRequest;
-    type Response = DiscoveryResponse;
-    const MODE: &'static str = "sotw";
-    fn node(request: &DiscoveryRequest) -> Option<&Node> {
-        request.node.as_ref()
-    }
-    fn type_url(response: &DiscoveryResponse) -> &str {
-        &response.type_url
-    }
-    fn on_request(
-        &mut self,
-        request: &DiscoveryRequest,
-        snapshot: &XdsSnapshot,
-    ) -> (Vec<DiscoveryResponse>, Vec<Event>) {
-        SotwStream::on_request(self, request, snapshot)
-    }
-    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<DiscoveryResponse> {
-        SotwStream::on_snapshot(self, snapshot)
-    }
-}
-
-impl Ads for DeltaStream {
-    type Request = DeltaDiscoveryRequest;
-    type Response = DeltaDiscoveryResponse;
-    const MODE: &'static str = "delta";
-    fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
-        request.node.as_ref()
-    }
-    fn type_url(response: &DeltaDiscoveryResponse) -> &str {
-        &response.type_url
-    }
-    fn on_request(
-        &mut self,
-        request: &DeltaDiscoveryRequest,
-        snapshot: &XdsSnapshot,
-    ) -> (Vec<DeltaDiscoveryResponse>, Vec<Event>) {
-        DeltaStream::on_request(self, request, snapshot)
-    }
-    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<DeltaDiscoveryResponse> {
-        DeltaStream::on_snapshot(self, snapshot)
-    }
-}
-
 /// The ADS service (both `StreamAggregatedResources` and `DeltaAggregatedResources`).
 #[derive(Clone)]
 pub struct XdsServer {
@@ -162,10 +100,7 @@ impl XdsServer {
     fn open<A: Ads>(
         &self,
         inbound: Streaming<A::Request>,
-    ) -> ReceiverStream<Result<A::Response, Status>>
-    where
-        A::Request: prost::Message + Default,
-    {
+    ) -> ReceiverStream<Result<A::Response, Status>> {
         let (tx, rx) = mpsc::channel(16);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let stream = StreamTask::<A> {
@@ -220,12 +155,9 @@ struct StreamTask<A: Ads> {
     node_id: String,
 }
 
-impl<A: Ads> StreamTask<A>
-where
-    A::Request: prost::Message + Default,
-{
+impl<A: Ads> StreamTask<A> {
     async fn run(mut self) {
-        self.metrics.connected_proxies.inc();
+        self.metrics.stream_opened();
         self.proxies.insert(
             self.id,
             ProxyStatus {
@@ -240,7 +172,7 @@ where
         let reason = self.serve().await;
         tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
         self.proxies.remove(self.id);
-        self.metrics.connected_proxies.dec();
+        self.metrics.stream_closed();
     }
 
     async fn serve(&mut self) -> String {
@@ -256,7 +188,7 @@ where
             }
         };
         loop {
-            let responses = tokio::select! {
+            let pushes = tokio::select! {
                 message = self.inbound.message() => match message {
                     Ok(Some(request)) => self.on_request(&request, &snapshot),
                     Ok(None) => return "proxy closed the stream".into(),
@@ -273,30 +205,21 @@ where
                 },
                 () = self.shutdown.cancelled() => return "agent shutting down".into(),
             };
-            for response in responses {
-                let kind = ResourceType::from_type_url(A::type_url(&response));
-                if self.tx.send(Ok(response)).await.is_err() {
+            for push in pushes {
+                if self.tx.send(Ok(push.response)).await.is_err() {
                     return "proxy went away".into();
                 }
-                if let Some(kind) = kind {
-                    self.metrics
-                        .pushes
-                        .get_or_create(&TypeLabel {
-                            r#type: kind.short(),
-                        })
-                        .inc();
-                    tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), version = snapshot.version, "pushed");
-                }
-                if let Some(seen) = snapshot.seen_at {
-                    self.metrics
-                        .push_latency
-                        .observe(seen.elapsed().as_secs_f64());
-                }
+                self.metrics.pushed(push.kind, snapshot.changed_at);
+                tracing::debug!(stream = self.id, node = %self.node_id, kind = push.kind.short(), version = snapshot.version, "pushed");
             }
         }
     }
 
-    fn on_request(&mut self, request: &A::Request, snapshot: &XdsSnapshot) -> Vec<A::Response> {
+    fn on_request(
+        &mut self,
+        request: &A::Request,
+        snapshot: &XdsSnapshot,
+    ) -> Vec<Push<A::Response>> {
         if self.node_id.is_empty()
             && let Some(node) = A::node(request)
         {
@@ -305,7 +228,7 @@ where
             self.proxies.update(self.id, |p| p.node_id = node_id);
             tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, "proxy connected");
         }
-        let (responses, events) = self.state.on_request(request, snapshot);
+        let (pushes, events) = self.state.on_request(request, snapshot);
         for event in events {
             match event {
                 Event::Ack { kind, version } => {
@@ -318,12 +241,7 @@ where
                     version,
                     error,
                 } => {
-                    self.metrics
-                        .nacks
-                        .get_or_create(&TypeLabel {
-                            r#type: kind.short(),
-                        })
-                        .inc();
+                    self.metrics.nacked(kind);
                     self.proxies.update(self.id, |p| p.nacks += 1);
                     tracing::warn!(stream = self.id, node = %self.node_id, kind = kind.short(), %version, %error, "proxy rejected config (NACK); keeping its last good version");
                 }
@@ -335,6 +253,6 @@ where
                 }
             }
         }
-        responses
+        pushes
     }
 }

@@ -6,18 +6,14 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-#[cfg(test)]
-use k8s_openapi::api::core::v1::Service;
-#[cfg(test)]
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
-use crate::mesh::{
-    EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec, TrapCidr,
-};
+use lattice_contract::TrapCidrs;
+
+use crate::mesh::{EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec};
 
 /// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
 type Claim = (Option<Timestamp>, ObjectKey);
@@ -36,7 +32,7 @@ pub struct MeshIndex {
 }
 
 impl MeshIndex {
-    pub fn new(trap: TrapCidr) -> Self {
+    pub fn new(trap: TrapCidrs) -> Self {
         MeshIndex {
             services: HashMap::new(),
             slices: HashMap::new(),
@@ -46,12 +42,6 @@ impl MeshIndex {
             mesh: MeshState::new(trap),
             changed: true,
         }
-    }
-
-    #[cfg(test)]
-    pub fn apply_service(&mut self, service: &Service) {
-        let (key, mapped) = super::mapping::service_entry(service);
-        self.apply_mapped_service(key, mapped);
     }
 
     pub fn apply_mapped_service(&mut self, key: ObjectKey, mapped: MappedService) {
@@ -72,12 +62,6 @@ impl MeshIndex {
 
     pub fn delete_service(&mut self, key: ObjectKey) {
         self.set_service(key, None);
-    }
-
-    #[cfg(test)]
-    pub fn apply_slice(&mut self, slice: &EndpointSlice) {
-        let (key, mapped) = super::mapping::slice_entry(slice);
-        self.apply_mapped_slice(key, mapped);
     }
 
     pub fn apply_mapped_slice(&mut self, key: ObjectKey, mapped: MappedSlice) {

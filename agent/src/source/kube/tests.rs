@@ -1,4 +1,4 @@
-//! The source without I/O: fake objects applied to the index and the driver, assertions on
+//! The source without I/O: fake objects applied to the index and the watch set, assertions on
 //! the snapshots they publish.
 
 use std::net::SocketAddr;
@@ -11,7 +11,25 @@ use serde_json::{Value, json};
 use super::*;
 use crate::mesh::{MeshSnapshot, Protocol};
 
-fn trap() -> TrapCidr {
+/// Whole objects straight into the index, as the watch streams hand them over mapped.
+trait ApplyObjects {
+    fn apply_service(&mut self, service: &Service);
+    fn apply_slice(&mut self, slice: &EndpointSlice);
+}
+
+impl ApplyObjects for MeshIndex {
+    fn apply_service(&mut self, service: &Service) {
+        let (key, mapped) = mapping::service_entry(service);
+        self.apply_mapped_service(key, mapped);
+    }
+
+    fn apply_slice(&mut self, slice: &EndpointSlice) {
+        let (key, mapped) = mapping::slice_entry(slice);
+        self.apply_mapped_slice(key, mapped);
+    }
+}
+
+fn trap() -> TrapCidrs {
     "240.240.0.0/16".parse().unwrap()
 }
 
@@ -340,9 +358,9 @@ fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher:
 
 #[test]
 fn nothing_is_published_until_both_initial_lists_complete() {
-    let mut driver = Driver::new(trap(), scopes(&[None]));
-    driver.handle(0, svc_change(watcher::Event::Init));
-    driver.handle(
+    let mut watches = WatchSet::new(trap(), scopes(&[None]));
+    watches.handle(0, svc_change(watcher::Event::Init));
+    watches.handle(
         0,
         svc_change(watcher::Event::InitApply(service(
             "a",
@@ -350,13 +368,13 @@ fn nothing_is_published_until_both_initial_lists_complete() {
             json!([{"name": "http", "port": 80}]),
         ))),
     );
-    driver.handle(0, svc_change(watcher::Event::InitDone));
+    watches.handle(0, svc_change(watcher::Event::InitDone));
     assert!(
-        driver.publishable().is_none(),
+        watches.publishable().is_none(),
         "services without their slices must not be published"
     );
-    driver.handle(1, slice_change(watcher::Event::Init));
-    driver.handle(
+    watches.handle(1, slice_change(watcher::Event::Init));
+    watches.handle(
         1,
         slice_change(watcher::Event::InitApply(slice(
             "a",
@@ -366,9 +384,9 @@ fn nothing_is_published_until_both_initial_lists_complete() {
             ready(&["10.0.0.1"]),
         ))),
     );
-    assert!(driver.publishable().is_none());
-    driver.handle(1, slice_change(watcher::Event::InitDone));
-    let first = driver.publishable().expect("ready after both lists");
+    assert!(watches.publishable().is_none());
+    watches.handle(1, slice_change(watcher::Event::InitDone));
+    let first = watches.publishable().expect("ready after both lists");
     assert_eq!(
         view(&first),
         vec![(
@@ -377,7 +395,7 @@ fn nothing_is_published_until_both_initial_lists_complete() {
         )]
     );
     // An empty cluster is ready too.
-    let mut empty = Driver::new(trap(), scopes(&[None]));
+    let mut empty = WatchSet::new(trap(), scopes(&[None]));
     for watch in [0, 1] {
         empty.handle(
             watch,
@@ -401,15 +419,15 @@ fn nothing_is_published_until_both_initial_lists_complete() {
 
 #[test]
 fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
-    let mut driver = Driver::new(trap(), scopes(&[Some("a"), Some("b")]));
+    let mut watches = WatchSet::new(trap(), scopes(&[Some("a"), Some("b")]));
     let http = json!([{"name": "http", "port": 80}]);
     for (watch, ns) in [(0, "a"), (2, "b")] {
-        driver.handle(watch, svc_change(watcher::Event::Init));
-        driver.handle(
+        watches.handle(watch, svc_change(watcher::Event::Init));
+        watches.handle(
             watch,
             svc_change(watcher::Event::InitApply(service(ns, "keep", http.clone()))),
         );
-        driver.handle(
+        watches.handle(
             watch,
             svc_change(watcher::Event::InitApply(service(
                 ns,
@@ -417,15 +435,15 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
                 http.clone(),
             ))),
         );
-        driver.handle(watch, svc_change(watcher::Event::InitDone));
-        driver.handle(watch + 1, slice_change(watcher::Event::Init));
-        driver.handle(watch + 1, slice_change(watcher::Event::InitDone));
+        watches.handle(watch, svc_change(watcher::Event::InitDone));
+        watches.handle(watch + 1, slice_change(watcher::Event::Init));
+        watches.handle(watch + 1, slice_change(watcher::Event::InitDone));
     }
-    let before = driver.publishable().unwrap();
+    let before = watches.publishable().unwrap();
     assert_eq!(before.services.len(), 4);
     // Namespace a re-lists (say after a 410): in the middle, the old state still stands.
-    driver.handle(0, svc_change(watcher::Event::Init));
-    driver.handle(
+    watches.handle(0, svc_change(watcher::Event::Init));
+    watches.handle(
         0,
         svc_change(watcher::Event::InitApply(service(
             "a",
@@ -433,28 +451,28 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
             http.clone(),
         ))),
     );
-    driver.handle(
+    watches.handle(
         0,
         svc_change(watcher::Event::InitApply(service("a", "new", http.clone()))),
     );
-    assert!(driver.publishable().is_none());
-    driver.handle(0, svc_change(watcher::Event::InitDone));
-    let after = driver.publishable().unwrap();
+    assert!(watches.publishable().is_none());
+    watches.handle(0, svc_change(watcher::Event::InitDone));
+    let after = watches.publishable().unwrap();
     let paths: Vec<String> = after.services.keys().map(|p| p.to_string()).collect();
     assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/vanish"]);
     // Unchanged services are shared with the previous snapshot, not rebuilt.
     let keep: crate::mesh::MeshPath = "/b/keep".parse().unwrap();
     assert!(Arc::ptr_eq(&before.services[&keep], &after.services[&keep]));
     // Deletes and applies after the list.
-    driver.handle(
+    watches.handle(
         2,
         svc_change(watcher::Event::Delete(service("b", "vanish", http.clone()))),
     );
-    driver.handle(
+    watches.handle(
         2,
         svc_change(watcher::Event::Apply(service("b", "late", http))),
     );
-    let last = driver.publishable().unwrap();
+    let last = watches.publishable().unwrap();
     let paths: Vec<String> = last.services.keys().map(|p| p.to_string()).collect();
     assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/late"]);
     assert!(last.version > after.version);

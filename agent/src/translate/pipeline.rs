@@ -1,6 +1,7 @@
-//! The one-way flow from a source's mesh snapshots to what the servers hand out: runs the
-//! translators on the latest snapshot and publishes the results, at most once per debounce
+//! The one-way flow from the mesh snapshots to what the servers hand out: runs the
+//! translators on the latest snapshot and publishes their results, at most once per debounce
 //! period, so a burst of changes goes out in few pushes while a lone change goes out at once.
+//! Each translator decides from the snapshot alone what it must rebuild.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,28 +10,37 @@ use lattice_dns::NameTable;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::XdsMetrics;
-use crate::source::SnapshotRx;
-use crate::translate;
-use crate::translate::envoy::{EnvoyTranslator, XdsSnapshot};
-use crate::xds::server::XdsRx;
+use super::dns::DnsTranslator;
+use super::envoy::EnvoyTranslator;
+use crate::mesh::MeshRx;
+use crate::readiness::{Readiness, ReadyToken};
+use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
 
-pub struct Outputs {
+/// What the pipeline publishes, for the servers to read.
+pub struct Published {
     pub xds: XdsRx,
     pub names: watch::Receiver<Arc<NameTable>>,
 }
 
 pub struct Pipeline {
-    mesh: SnapshotRx,
+    mesh: MeshRx,
     debounce: Duration,
-    xds: watch::Sender<Option<Arc<XdsSnapshot>>>,
+    xds: XdsTx,
     names: watch::Sender<Arc<NameTable>>,
     metrics: XdsMetrics,
+    /// Held until the first translation of each kind is published.
+    xds_ready: Option<ReadyToken>,
+    names_ready: Option<ReadyToken>,
 }
 
 impl Pipeline {
-    pub fn new(mesh: SnapshotRx, debounce: Duration, metrics: XdsMetrics) -> (Pipeline, Outputs) {
-        let (xds, xds_rx) = watch::channel(None);
+    pub fn new(
+        mesh: MeshRx,
+        debounce: Duration,
+        metrics: XdsMetrics,
+        readiness: &Readiness,
+    ) -> (Pipeline, Published) {
+        let (xds, xds_rx) = xds::snapshot::channel();
         let (names, names_rx) = watch::channel(Arc::new(NameTable::new(Vec::new())));
         let pipeline = Pipeline {
             mesh,
@@ -38,16 +48,19 @@ impl Pipeline {
             xds,
             names,
             metrics,
+            xds_ready: Some(readiness.register("envoy resources")),
+            names_ready: Some(readiness.register("dns names")),
         };
-        let outputs = Outputs {
+        let published = Published {
             xds: xds_rx,
             names: names_rx,
         };
-        (pipeline, outputs)
+        (pipeline, published)
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let mut translator = EnvoyTranslator::default();
+        let mut envoy = EnvoyTranslator::default();
+        let mut dns = DnsTranslator::default();
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
         let mut last_push: Option<tokio::time::Instant> = None;
@@ -56,7 +69,6 @@ impl Pipeline {
                 () = shutdown.cancelled() => return,
                 changed = self.mesh.changed() => if changed.is_err() { return },
             }
-            let seen_at = Instant::now();
             // A rate limit, not a delay: a change goes out at once unless the last push was
             // less than a debounce period ago; then it waits for the period to end, and
             // whatever else arrives meanwhile goes out with it in one push.
@@ -70,19 +82,15 @@ impl Pipeline {
             let Some(mesh) = self.mesh.borrow_and_update().clone() else {
                 continue;
             };
-            let translation = translator.translate(&mesh);
-            let mut xds = translation.xds;
-            xds.seen_at = Some(seen_at);
-            // Names and addresses change only with the shape of the mesh, not its endpoints.
-            if translation.shape_changed {
-                self.names
-                    .send_replace(Arc::new(translate::dns::name_table(&mesh)));
+            let xds = envoy.translate(&mesh);
+            if let Some(names) = dns.translate(&mesh) {
+                self.names.send_replace(Arc::new(names));
+                self.names_ready.take();
             }
             self.xds.send_replace(Some(Arc::new(xds)));
+            self.xds_ready.take();
             last_push = Some(tokio::time::Instant::now());
-            self.metrics
-                .snapshot_version
-                .set(i64::try_from(mesh.version).unwrap_or(i64::MAX));
+            self.metrics.serving(mesh.version);
             tracing::info!(
                 version = mesh.version,
                 services = mesh.services.len(),
@@ -97,13 +105,13 @@ impl Pipeline {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
+    use crate::mesh::{self, EndpointSet, MeshState, MeshTx, Protocol, ServicePort, ServiceSpec};
     use crate::metrics::Metrics;
-    use crate::translate::envoy::ResourceType;
+    use crate::xds::ResourceType;
 
     const PERIOD: Duration = Duration::from_millis(100);
 
-    fn publish(state: &mut MeshState, mesh: &crate::source::SnapshotTx, endpoint: &str) -> u64 {
+    fn publish(state: &mut MeshState, mesh: &MeshTx, endpoint: &str) -> u64 {
         let spec = ServiceSpec::new(
             "/foo/bar/buzz".parse().unwrap(),
             vec![ServicePort {
@@ -123,12 +131,15 @@ mod tests {
     /// exact and a sleep of the period is the period.
     #[tokio::test(start_paused = true)]
     async fn a_lone_change_goes_out_at_once_and_a_burst_is_coalesced() {
-        let (mesh, mesh_rx) = crate::source::channel();
-        let (pipeline, mut out) = Pipeline::new(mesh_rx, PERIOD, Metrics::new().xds.clone());
+        let (mesh, mesh_rx) = mesh::channel();
+        let readiness = Readiness::new();
+        let (pipeline, mut out) =
+            Pipeline::new(mesh_rx, PERIOD, Metrics::new().xds.clone(), &readiness);
+        assert_eq!(readiness.pending(), ["dns names", "envoy resources"]);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let pushed = |out: &mut Outputs| {
+        let pushed = |out: &mut Published| {
             let xds = out.xds.borrow_and_update();
             let xds = xds.as_ref().expect("a snapshot");
             (xds.version, xds.of(ResourceType::Endpoint).len())
@@ -139,6 +150,11 @@ mod tests {
         out.xds.changed().await.unwrap();
         assert_eq!(start.elapsed(), Duration::ZERO, "the first change waited");
         assert_eq!(pushed(&mut out), (v1, 1));
+        assert!(
+            readiness.pending().is_empty(),
+            "not ready after the first snapshot: {:?}",
+            readiness.pending()
+        );
 
         // Long after the last push: at once again.
         tokio::time::sleep(PERIOD * 3).await;

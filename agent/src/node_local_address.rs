@@ -1,20 +1,17 @@
-//! The node-local DNS address: a link-local address (default `169.254.20.10`) that the agent
-//! adds to the node with netlink before its DNS server binds, and removes on shutdown, as
-//! NodeLocal DNSCache does. Pods reach it through their `dnsConfig`; being link-local, it is the
+//! The node-local DNS address: a link-local address (the manifests use
+//! [`lattice_contract::NODE_LOCAL_DNS`]) that the agent adds to the node with netlink before its
+//! DNS server binds, and removes on shutdown, as NodeLocal DNSCache does. Pods reach it through their `dnsConfig`; being link-local, it is the
 //! same on every node and never routed off the node.
 //!
 //! The address goes on a dummy link of our own ([`LINK_NAME`]), so removing the link removes
 //! everything we added. Where dummy links are unavailable (no `dummy` kernel module, some
 //! sandboxes), it goes on `lo` instead and only the address is removed.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 use futures::TryStreamExt;
 use rtnetlink::{Handle, LinkDummy, LinkUnspec};
 use tracing::{info, warn};
-
-/// The address NodeLocal DNSCache uses too; pods' `dnsConfig` in the manifests points at it.
-pub const DEFAULT_ADDRESS: IpAddr = IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10));
 
 /// The dummy link the address lives on; ours by name, so a leftover one (after a crash) is reused.
 pub const LINK_NAME: &str = "lattice-dns0";
@@ -22,7 +19,7 @@ pub const LINK_NAME: &str = "lattice-dns0";
 const LOOPBACK: &str = "lo";
 
 #[derive(Debug, thiserror::Error)]
-pub enum NodeDnsError {
+pub enum NodeLocalAddressError {
     #[error(
         "cannot open a netlink socket ({0}); adding the node-local DNS address needs \
          CAP_NET_ADMIN, or drop --node-local-dns"
@@ -53,10 +50,13 @@ pub enum NodeDnsError {
 
 /// Checks that the DNS server will listen on the node-local address, so `--check-config`
 /// catches manifests where the two drifted apart.
-pub fn check_dns_addr(dns_addr: SocketAddr, address: Option<IpAddr>) -> Result<(), NodeDnsError> {
+pub fn check_dns_addr(
+    dns_addr: SocketAddr,
+    address: Option<IpAddr>,
+) -> Result<(), NodeLocalAddressError> {
     match address {
         Some(address) if dns_addr.ip() != address && !dns_addr.ip().is_unspecified() => {
-            Err(NodeDnsError::Mismatch { dns_addr, address })
+            Err(NodeLocalAddressError::Mismatch { dns_addr, address })
         }
         _ => Ok(()),
     }
@@ -76,10 +76,10 @@ impl NodeLocalAddress {
     /// Adds `address` (as a host route: /32 or /128) to [`LINK_NAME`], created if needed, or to
     /// `lo` where dummy links are unavailable. Idempotent: an address or link left behind by an
     /// agent that was killed is taken over.
-    pub async fn install(address: IpAddr) -> Result<NodeLocalAddress, NodeDnsError> {
+    pub async fn install(address: IpAddr) -> Result<NodeLocalAddress, NodeLocalAddressError> {
         let handle = connect()?;
         let netlink = |action| {
-            move |source| NodeDnsError::Netlink {
+            move |source| NodeLocalAddressError::Netlink {
                 action,
                 address,
                 source,
@@ -100,7 +100,7 @@ impl NodeLocalAddress {
                     let index = link_index(&handle, LINK_NAME)
                         .await
                         .map_err(netlink("look up the new dummy link"))?
-                        .ok_or(NodeDnsError::LinkGone(LINK_NAME))?;
+                        .ok_or(NodeLocalAddressError::LinkGone(LINK_NAME))?;
                     (LINK_NAME, index)
                 }
                 Err(error) if is_permission_denied(&error) => {
@@ -114,7 +114,7 @@ impl NodeLocalAddress {
                     let index = link_index(&handle, LOOPBACK)
                         .await
                         .map_err(netlink("look up lo"))?
-                        .ok_or(NodeDnsError::LinkGone(LOOPBACK))?;
+                        .ok_or(NodeLocalAddressError::LinkGone(LOOPBACK))?;
                     (LOOPBACK, index)
                 }
             },
@@ -143,17 +143,8 @@ impl NodeLocalAddress {
         Ok(installed)
     }
 
-    pub fn address(&self) -> IpAddr {
-        self.address
-    }
-
-    /// The link the address is on: [`LINK_NAME`] or `lo`.
-    pub fn link(&self) -> &'static str {
-        self.link
-    }
-
     /// Removes the address (and our dummy link). Call it after the DNS server has stopped.
-    pub async fn remove(mut self) -> Result<(), NodeDnsError> {
+    pub async fn remove(mut self) -> Result<(), NodeLocalAddressError> {
         self.installed = false;
         uninstall(self.address, self.link, self.link_index).await?;
         info!(address = %self.address, link = self.link, "node-local DNS address removed");
@@ -176,7 +167,7 @@ impl Drop for NodeLocalAddress {
                     let runtime = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
-                        .map_err(NodeDnsError::Connect)?;
+                        .map_err(NodeLocalAddressError::Connect)?;
                     runtime.block_on(uninstall(address, link, index))
                 })
                 .join()
@@ -189,17 +180,22 @@ impl Drop for NodeLocalAddress {
     }
 }
 
-fn connect() -> Result<Handle, NodeDnsError> {
-    let (connection, handle, _) = rtnetlink::new_connection().map_err(NodeDnsError::Connect)?;
+fn connect() -> Result<Handle, NodeLocalAddressError> {
+    let (connection, handle, _) =
+        rtnetlink::new_connection().map_err(NodeLocalAddressError::Connect)?;
     // The connection task ends when the last handle is dropped.
     tokio::spawn(connection);
     Ok(handle)
 }
 
-async fn uninstall(address: IpAddr, link: &'static str, index: u32) -> Result<(), NodeDnsError> {
+async fn uninstall(
+    address: IpAddr,
+    link: &'static str,
+    index: u32,
+) -> Result<(), NodeLocalAddressError> {
     let handle = connect()?;
     let netlink = |action| {
-        move |source| NodeDnsError::Netlink {
+        move |source| NodeLocalAddressError::Netlink {
             action,
             address,
             source,
@@ -284,7 +280,11 @@ mod errno_value {
 
 #[cfg(test)]
 mod tests {
+    use lattice_contract::NODE_LOCAL_DNS;
+
     use super::*;
+
+    const DEFAULT_ADDRESS: IpAddr = IpAddr::V4(NODE_LOCAL_DNS);
 
     #[test]
     fn dns_must_listen_on_the_node_local_address() {

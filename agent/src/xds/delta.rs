@@ -1,0 +1,414 @@
+//! The incremental ADS machine (`DeltaAggregatedResources`): subscriptions change by name,
+//! responses carry only what changed and what was removed, each resource with its own version
+//! (see [`super::stream`] for the rules both flavours keep).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
+};
+
+use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
+use super::stream::{Ads, Event, Push, TypeState, intern, nonce};
+
+#[derive(Debug, Default)]
+struct DeltaTypeState {
+    /// What both flavours keep.
+    common: TypeState,
+    /// Explicitly subscribed names we already told the client do not exist.
+    told_absent: HashSet<Arc<str>>,
+    /// Versions sent in the in-flight response; a NACK leaves the client on its old ones.
+    in_flight: Vec<(Arc<str>, u64)>,
+    /// The snapshot version of the in-flight response, reported on its ACK or NACK.
+    in_flight_version: String,
+}
+
+/// One `DeltaAggregatedResources` stream.
+#[derive(Debug, Default)]
+pub struct DeltaStream {
+    types: [DeltaTypeState; 4],
+    nonces: u64,
+}
+
+impl Ads for DeltaStream {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const MODE: &'static str = "delta";
+
+    fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
+        request.node.as_ref()
+    }
+
+    fn on_request(
+        &mut self,
+        request: &DeltaDiscoveryRequest,
+        snapshot: &XdsSnapshot,
+    ) -> (Vec<Push<DeltaDiscoveryResponse>>, Vec<Event>) {
+        let Some(kind) = ResourceType::from_type_url(&request.type_url) else {
+            let event = Event::UnknownType {
+                type_url: request.type_url.clone(),
+            };
+            return (Vec::new(), vec![event]);
+        };
+        let current = snapshot.of(kind);
+        let state = &mut self.types[kind.index()];
+        let common = &mut state.common;
+        let mut events = Vec::new();
+
+        if !common.requested {
+            common.requested = true;
+            common.must_answer = true;
+            // Legacy wildcard: the first request for a wildcard type that names nothing.
+            common.interest.wildcard =
+                request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
+            // A reconnecting client says what it holds. A version this agent did not make
+            // (another control plane's) matches nothing, so the resource is sent again.
+            for (name, version) in &request.initial_resource_versions {
+                let version = parse_version(version).unwrap_or(u64::MAX);
+                common.client.insert(intern(current, name), version);
+            }
+            common.baseline = None;
+        }
+        for name in &request.resource_names_subscribe {
+            if name == "*" {
+                common.interest.wildcard = true;
+                common.baseline = None;
+            } else if !common.interest.names.contains(name.as_str()) {
+                let name = intern(current, name);
+                common.interest.names.insert(name.clone());
+                state.told_absent.remove(&name);
+                common.dirty.insert(name);
+            }
+        }
+        for name in &request.resource_names_unsubscribe {
+            if name == "*" {
+                common.interest.wildcard = false;
+            } else {
+                common.interest.names.remove(name.as_str());
+                state.told_absent.remove(name.as_str());
+            }
+            if !common.interest.wants(name) {
+                common.client.remove(name);
+            }
+        }
+
+        if !request.response_nonce.is_empty() {
+            if common.pending.as_deref() == Some(request.response_nonce.as_str()) {
+                common.pending = None;
+                let version = std::mem::take(&mut state.in_flight_version);
+                match &request.error_detail {
+                    Some(status) => events.push(Event::Nack {
+                        kind,
+                        version,
+                        error: status.message.clone(),
+                    }),
+                    None => events.push(Event::Ack { kind, version }),
+                }
+                // Either way the client has seen these versions: after an ACK it holds them,
+                // after a NACK re-sending the same bytes would only be rejected again. Names it
+                // unsubscribed from meanwhile are gone from its view.
+                for (name, version) in std::mem::take(&mut state.in_flight) {
+                    if common.interest.wants(&name) {
+                        common.client.insert(name, version);
+                    }
+                }
+            } else {
+                events.push(Event::StaleNonce {
+                    kind,
+                    nonce: request.response_nonce.clone(),
+                });
+            }
+        }
+        (self.push(snapshot), events)
+    }
+
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
+        self.push(snapshot)
+    }
+}
+
+impl DeltaStream {
+    fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
+        let mut out = Vec::new();
+        for kind in ResourceType::ALL {
+            let state = &mut self.types[kind.index()];
+            let common = &mut state.common;
+            if !common.requested || common.pending.is_some() {
+                continue;
+            }
+            let mut found = common.diff(snapshot.of(kind));
+            // Explicitly subscribed names that do not exist: say so once, so Envoy does not
+            // wait for them until its fetch timeout.
+            found
+                .absent
+                .retain(|name| !state.told_absent.contains(name));
+            common.limit(&mut found.changed);
+            if found.is_empty() && !common.must_answer {
+                continue;
+            }
+            let resend = common.changed_clusters(kind, &found.changed);
+            for name in &found.removed {
+                common.client.remove(name);
+            }
+            state.told_absent.extend(found.absent.iter().cloned());
+            let mut removed: Vec<String> = found
+                .removed
+                .iter()
+                .chain(&found.absent)
+                .map(|name| name.to_string())
+                .collect();
+            removed.sort();
+            let nonce = nonce(&mut self.nonces);
+            let state = &mut self.types[kind.index()];
+            state.in_flight = found
+                .changed
+                .iter()
+                .map(|r| (r.name.clone(), r.version))
+                .collect();
+            state.common.pending = Some(nonce.clone());
+            state.common.must_answer = false;
+            let version = snapshot.version.to_string();
+            state.in_flight_version = version.clone();
+            out.push(Push {
+                kind,
+                response: DeltaDiscoveryResponse {
+                    system_version_info: version,
+                    resources: found
+                        .changed
+                        .iter()
+                        .map(|r| Resource {
+                            name: r.name.to_string(),
+                            version: r.version_string(),
+                            resource: Some(r.body.clone()),
+                            ..Resource::default()
+                        })
+                        .collect(),
+                    type_url: kind.type_url().to_string(),
+                    removed_resources: removed,
+                    nonce,
+                    ..DeltaDiscoveryResponse::default()
+                },
+            });
+            self.types[ResourceType::Endpoint.index()]
+                .common
+                .resend(resend);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeSet, HashMap};
+
+    use envoy_types::pb::google::rpc::Status as RpcStatus;
+
+    use super::*;
+    use crate::mesh::Protocol;
+    use crate::xds::stream::RESPONSE_BUDGET;
+    use crate::xds::testing::{BUZZ, CDS, EDS, Tested, World, big_world};
+
+    fn delta(
+        type_url: &str,
+        subscribe: &[&str],
+        unsubscribe: &[&str],
+        nonce: &str,
+    ) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            type_url: type_url.to_string(),
+            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            resource_names_unsubscribe: unsubscribe.iter().map(|s| s.to_string()).collect(),
+            response_nonce: nonce.to_string(),
+            ..DeltaDiscoveryRequest::default()
+        }
+    }
+
+    fn names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
+        response.resources.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    #[test]
+    fn delta_splits_a_large_response_and_sends_the_rest_after_the_ack() {
+        let (_world, snap) = big_world();
+        let mut stream = Tested::<DeltaStream>::default();
+        let (mut out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap);
+        let mut got = BTreeSet::new();
+        while let Some(response) = out.pop() {
+            let bytes: usize = response
+                .resources
+                .iter()
+                .map(|r| r.resource.as_ref().unwrap().value.len())
+                .sum();
+            assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
+            assert!(!response.resources.is_empty());
+            got.extend(names(&response).into_iter().map(str::to_string));
+            (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap);
+        }
+        let all: BTreeSet<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        assert_eq!(got, all);
+    }
+
+    #[test]
+    fn delta_sends_only_changes_and_removals() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        assert_eq!(out[0].resources.len(), 2, "legacy wildcard gets everything");
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap);
+
+        // An endpoint change touches no cluster: nothing for CDS.
+        let snap2 = world.set(
+            "/foo/bar/buzz",
+            Protocol::Http,
+            &["10.0.0.1:8080", "10.0.0.5:8080"],
+        );
+        assert!(stream.on_snapshot(&snap2).is_empty());
+
+        // A new service is sent alone; a removed one is named in removed_resources.
+        let snap3 = world.set("/foo/third", Protocol::Http, &["10.0.0.3:8080"]);
+        let out = stream.on_snapshot(&snap3);
+        assert_eq!(names(&out[0]), ["third.foo.system.internal|8080"]);
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap3);
+        let snap4 = world.remove("/foo/other");
+        let out = stream.on_snapshot(&snap4);
+        assert!(out[0].resources.is_empty());
+        assert_eq!(out[0].removed_resources, ["other.foo.system.internal|8080"]);
+    }
+
+    #[test]
+    fn delta_honours_subscriptions_and_reports_absent_names() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ, "missing|1"], &[], ""), &snap);
+        assert_eq!(names(&out[0]), [BUZZ]);
+        assert_eq!(out[0].removed_resources, ["missing|1"]);
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap);
+
+        // Unsubscribed names are no longer pushed when they change.
+        stream.on_request(&delta(EDS, &[], &[BUZZ], ""), &snap);
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.7:8080"]);
+        assert!(stream.on_snapshot(&snap2).is_empty());
+
+        // Explicit wildcard subscription brings in everything not yet known.
+        let (out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap2);
+        let mut got = names(&out[0]);
+        got.sort();
+        assert_eq!(got, [BUZZ, "other.foo.system.internal|8080"]);
+    }
+
+    #[test]
+    fn delta_reconnect_uses_initial_resource_versions() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let clusters = snap.of(ResourceType::Cluster);
+        let mut request = delta(CDS, &[], &[], "");
+        request.initial_resource_versions = HashMap::from([
+            (BUZZ.to_string(), clusters[BUZZ].version_string()),
+            (
+                "other.foo.system.internal|8080".to_string(),
+                "stale".to_string(),
+            ),
+            ("gone|1".to_string(), "v".to_string()),
+        ]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert_eq!(
+            names(&out[0]),
+            ["other.foo.system.internal|8080"],
+            "only what differs"
+        );
+        assert_eq!(out[0].removed_resources, ["gone|1"]);
+    }
+
+    #[test]
+    fn delta_nack_is_not_looped_and_stale_nonce_still_updates_subscriptions() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        let mut rejected = delta(CDS, &[], &[], &out[0].nonce);
+        rejected.error_detail = Some(RpcStatus {
+            code: 3,
+            message: "no".to_string(),
+            details: Vec::new(),
+        });
+        let (again, events) = stream.on_request(&rejected, &snap);
+        assert!(
+            again.is_empty(),
+            "the same resources must not be re-sent after a NACK"
+        );
+        assert!(matches!(&events[..], [Event::Nack { .. }]));
+        assert!(stream.on_snapshot(&snap).is_empty());
+
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        let pending = out[0].nonce.clone();
+        // A request with an old nonce still changes subscriptions (delta requests are
+        // incremental), but does not ACK the pending response.
+        let (out, events) = stream.on_request(&delta(EDS, &[], &[BUZZ], "stale"), &snap);
+        assert!(out.is_empty());
+        assert!(matches!(&events[..], [Event::StaleNonce { .. }]));
+        stream.on_request(&delta(EDS, &[], &[], &pending), &snap);
+        assert!(
+            stream.machine.types[ResourceType::Endpoint.index()]
+                .common
+                .client
+                .get(BUZZ)
+                .is_none(),
+            "the unsubscribe in the stale-nonce request must stick"
+        );
+    }
+
+    #[test]
+    fn delta_resends_endpoints_of_a_changed_cluster() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], ""), &snap);
+        stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap);
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap);
+
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Grpc, &["10.0.0.1:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(urls, [CDS, EDS]);
+        assert_eq!(names(&out[1]), [BUZZ]);
+    }
+
+    #[test]
+    fn delta_changes_made_while_a_response_is_in_flight_go_out_after_its_ack() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(EDS, &[BUZZ], &[], ""), &snap);
+        let pending = out[0].nonce.clone();
+        // Two changes while the first response is un-ACKed: nothing goes out yet.
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.2:8080"]);
+        assert!(stream.on_snapshot(&snap2).is_empty());
+        let snap3 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.3:8080"]);
+        assert!(stream.on_snapshot(&snap3).is_empty());
+        let (out, _) = stream.on_request(&delta(EDS, &[], &[], &pending), &snap3);
+        assert_eq!(names(&out[0]), [BUZZ]);
+        assert_eq!(
+            out[0].resources[0].version,
+            snap3.of(ResourceType::Endpoint)[BUZZ].version_string(),
+            "the latest version, not an intermediate one"
+        );
+        stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap3);
+        assert!(
+            stream.on_snapshot(&snap3).is_empty(),
+            "nothing left to send"
+        );
+    }
+}

@@ -1,0 +1,151 @@
+//! What the xDS server hands out: the four resource types, encoded resources with content
+//! versions, the snapshot of all of them for one mesh version, and the channel it is published
+//! on. The Envoy translator produces these; the stream state machines only read them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::util::pack_any;
+use prost::Message;
+use tokio::sync::watch;
+
+/// The four resource types, in the order Envoy must receive them (CDS → EDS → LDS → RDS), so a
+/// listener never points at a cluster or route that does not exist yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ResourceType {
+    Cluster = 0,
+    Endpoint = 1,
+    Listener = 2,
+    Route = 3,
+}
+
+impl ResourceType {
+    pub const ALL: [ResourceType; 4] = [
+        ResourceType::Cluster,
+        ResourceType::Endpoint,
+        ResourceType::Listener,
+        ResourceType::Route,
+    ];
+
+    pub fn type_url(self) -> &'static str {
+        match self {
+            ResourceType::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            ResourceType::Endpoint => {
+                "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+            }
+            ResourceType::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
+            ResourceType::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+        }
+    }
+
+    pub fn from_type_url(url: &str) -> Option<ResourceType> {
+        ResourceType::ALL.into_iter().find(|t| t.type_url() == url)
+    }
+
+    /// Short name for logs and metrics.
+    pub fn short(self) -> &'static str {
+        match self {
+            ResourceType::Cluster => "cds",
+            ResourceType::Endpoint => "eds",
+            ResourceType::Listener => "lds",
+            ResourceType::Route => "rds",
+        }
+    }
+
+    /// Clusters and listeners are fetched as a whole (wildcard); endpoints and routes by name.
+    pub fn is_wildcard_by_default(self) -> bool {
+        matches!(self, ResourceType::Cluster | ResourceType::Listener)
+    }
+
+    /// In SotW, a response of these types must hold every resource the client should have
+    /// (what it leaves out is removed); responses of the others may hold only what changed.
+    pub fn is_state_of_the_world(self) -> bool {
+        self.is_wildcard_by_default()
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One encoded Envoy resource. Its version is a hash of its bytes, so equal content has equal
+/// versions, across pushes and across agent restarts (which makes Delta reconnects cheap).
+/// The name is shared (not copied) by every map and every stream that refers to it: at 10k
+/// resources and a hundred proxies, per-stream copies of names would dominate the memory.
+#[derive(Debug, PartialEq)]
+pub struct XdsResource {
+    pub name: Arc<str>,
+    pub version: u64,
+    pub body: Any,
+}
+
+impl XdsResource {
+    pub fn new<M: Message + prost::Name>(
+        name: impl Into<Arc<str>>,
+        message: M,
+    ) -> Arc<XdsResource> {
+        let body = pack_any(message);
+        let version = fnv1a(&body.value);
+        Arc::new(XdsResource {
+            name: name.into(),
+            version,
+            body,
+        })
+    }
+
+    /// The version as it goes on the wire.
+    pub fn version_string(&self) -> String {
+        format_version(self.version)
+    }
+}
+
+/// Versions on the wire are 16 hex digits.
+pub fn format_version(version: u64) -> String {
+    format!("{version:016x}")
+}
+
+/// The inverse of [`format_version`]; `None` for a version this agent did not make.
+pub fn parse_version(version: &str) -> Option<u64> {
+    (version.len() == 16)
+        .then(|| u64::from_str_radix(version, 16).ok())
+        .flatten()
+}
+
+/// FNV-1a: stable across builds and platforms, unlike std's hasher, and fast enough for the
+/// few kilobytes a resource holds.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// All resources of one type, by name. Persistent: a snapshot shares what did not change with
+/// the one before it, and two snapshots are compared by what differs.
+pub type ResourceMap = imbl::OrdMap<Arc<str>, Arc<XdsResource>>;
+
+/// Everything Envoy should have for one mesh snapshot.
+#[derive(Debug)]
+pub struct XdsSnapshot {
+    /// The mesh snapshot version this was built from.
+    pub version: u64,
+    pub resources: [ResourceMap; 4],
+    /// When the mesh change behind it was taken, for the push-latency histogram.
+    pub changed_at: Instant,
+}
+
+impl XdsSnapshot {
+    pub fn of(&self, kind: ResourceType) -> &ResourceMap {
+        &self.resources[kind.index()]
+    }
+}
+
+pub type XdsTx = watch::Sender<Option<Arc<XdsSnapshot>>>;
+/// The published Envoy resources; `None` until the first mesh snapshot is translated, so no
+/// proxy is ever answered from an empty or partial mesh.
+pub type XdsRx = watch::Receiver<Option<Arc<XdsSnapshot>>>;
+
+/// The channel from the translator to the xDS server.
+pub fn channel() -> (XdsTx, XdsRx) {
+    watch::channel(None)
+}

@@ -1,0 +1,146 @@
+//! Fixtures for the stream state machines' tests: a little mesh that can be edited and its real
+//! translations, and a stream wrapped the way the server drives it.
+
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryResponse, DiscoveryResponse};
+
+use super::snapshot::{ResourceType, XdsSnapshot};
+use super::stream::{Ads, Event, RESPONSE_BUDGET};
+use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
+use crate::translate::envoy::EnvoyTranslator;
+
+pub(super) const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub(super) const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub(super) const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub(super) const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+
+/// A little mesh that can be edited, and its translations.
+pub(super) struct World {
+    state: MeshState,
+    translator: EnvoyTranslator,
+}
+
+impl World {
+    pub(super) fn new() -> Self {
+        World {
+            state: MeshState::new("240.240.0.0/16".parse().unwrap()),
+            translator: EnvoyTranslator::default(),
+        }
+    }
+
+    pub(super) fn set(
+        &mut self,
+        path: &str,
+        protocol: Protocol,
+        endpoints: &[&str],
+    ) -> XdsSnapshot {
+        let spec = ServiceSpec::new(
+            path.parse().unwrap(),
+            vec![ServicePort {
+                port: 8080,
+                protocol,
+                endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),
+            }],
+        );
+        self.state.upsert(spec).unwrap();
+        self.snapshot()
+    }
+
+    pub(super) fn remove(&mut self, path: &str) -> XdsSnapshot {
+        self.state.remove(&path.parse().unwrap());
+        self.snapshot()
+    }
+
+    pub(super) fn snapshot(&mut self) -> XdsSnapshot {
+        let mesh = self.state.snapshot();
+        self.translator.translate(&mesh)
+    }
+}
+
+pub(super) const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
+pub(super) const OTHER: &str = "other.foo.system.internal|8080";
+/// A mesh whose endpoints add up to more than one response's budget.
+pub(super) fn big_world() -> (World, XdsSnapshot) {
+    let mut world = World::new();
+    let endpoints: Vec<String> = (0..200)
+        .map(|i| format!("10.1.{}.{}:8080", i / 250, i % 250))
+        .collect();
+    let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+    for k in 0..150 {
+        world.set(&format!("/big/s{k}"), Protocol::Http, &endpoints);
+    }
+    let snap = world.snapshot();
+    let total: usize = snap
+        .of(ResourceType::Endpoint)
+        .values()
+        .map(|r| r.body.value.len())
+        .sum();
+    assert!(
+        total > 2 * RESPONSE_BUDGET,
+        "the mesh is too small: {total} bytes"
+    );
+    (world, snap)
+}
+
+/// The type URL a response carries.
+pub(super) trait TypeUrl {
+    fn type_url(&self) -> &str;
+}
+
+impl TypeUrl for DiscoveryResponse {
+    fn type_url(&self) -> &str {
+        &self.type_url
+    }
+}
+
+impl TypeUrl for DeltaDiscoveryResponse {
+    fn type_url(&self) -> &str {
+        &self.type_url
+    }
+}
+
+/// A stream machine under test, driven as the server drives it: each push's type is checked
+/// against its response, and the last version the client ACKed per type is kept from the
+/// events, as `/debug/xds` keeps it.
+#[derive(Default)]
+pub(super) struct Tested<A: Ads> {
+    pub(super) machine: A,
+    acked: [Option<String>; 4],
+}
+
+impl<A: Ads> Tested<A>
+where
+    A::Response: TypeUrl,
+{
+    pub(super) fn on_request(
+        &mut self,
+        request: &A::Request,
+        snapshot: &XdsSnapshot,
+    ) -> (Vec<A::Response>, Vec<Event>) {
+        let (pushes, events) = self.machine.on_request(request, snapshot);
+        for event in &events {
+            if let Event::Ack { kind, version } = event {
+                self.acked[kind.index()] = Some(version.clone());
+            }
+        }
+        (Self::responses(pushes), events)
+    }
+
+    pub(super) fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<A::Response> {
+        Self::responses(self.machine.on_snapshot(snapshot))
+    }
+
+    /// The version the client last ACKed for a type.
+    pub(super) fn acked(&self, kind: ResourceType) -> Option<&str> {
+        self.acked[kind.index()].as_deref()
+    }
+
+    fn responses(pushes: Vec<super::stream::Push<A::Response>>) -> Vec<A::Response> {
+        pushes
+            .into_iter()
+            .map(|push| {
+                assert_eq!(push.kind.type_url(), push.response.type_url());
+                push.response
+            })
+            .collect()
+    }
+}
