@@ -27,7 +27,8 @@ const BUZZ_PORT: u16 = 8080;
 const DB: &str = "db.foo.system.internal";
 const DB_PORT: u16 = 5432;
 const SHARED: Ipv4Addr = Ipv4Addr::new(240, 240, 0, 1);
-/// The bar for a mesh change to reach the data path.
+/// How soon a mesh change must reach the data path: a removed backend that keeps getting
+/// requests for longer is a failed deploy for whoever removed it.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// Between two requests of a steady stream.
 const PACE: Duration = Duration::from_millis(10);

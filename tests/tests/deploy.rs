@@ -170,7 +170,7 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     .collect();
     assert_eq!(kinds, expected);
 
-    // What issue 7 asks of the DaemonSet, by field.
+    // What the DaemonSet must be for the agent to work on every node, by field.
     let daemonset: DaemonSet = only(&objects, "DaemonSet");
     let spec = daemonset.spec.as_ref().context("DaemonSet spec")?;
     assert_eq!(
@@ -776,7 +776,7 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
     assert_eq!(xds.port(), default_xds.port());
     assert_eq!(port("xds", "TCP"), Some(i32::from(xds.port())));
 
-    // DNS: port 53 in a cluster (DESIGN.md), UDP and TCP, on the node-local address.
+    // DNS: port 53 in a cluster (docs/architecture.md), UDP and TCP, on the node-local address.
     let dns = addr("--dns-addr")?;
     assert_eq!(dns.port(), 53);
     assert_eq!(port("dns", "UDP"), Some(53));

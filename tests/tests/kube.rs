@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-/// How long a change may take to show up in normal operation (the bar).
+/// How long a change may take to show up in normal operation: the same bar as the data path's.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.
 const RECOVER: Duration = Duration::from_secs(30);

@@ -1,4 +1,4 @@
-//! `cargo xtask bench` — DNS (issues 5 and 8): dnsperf against the lattice DNS server, unbound and
+//! `cargo xtask bench` — DNS: dnsperf against the lattice DNS server, unbound and
 //! knot, all serving the same 1000 mesh names, each server pinned to core 0 and dnsperf to core 1,
 //! in one run. Mesh names are compared across the three; forwarded names (a zone that knot serves
 //! as the upstream) between lattice and unbound, both with warm caches.

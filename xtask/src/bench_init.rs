@@ -1,4 +1,4 @@
-//! `cargo xtask bench` — init (issue 8): the real `lattice-init` (release; debug for a smoke
+//! `cargo xtask bench` — init: the real `lattice-init` (release; debug for a smoke
 //! run) in network namespaces this benchmark creates, once per iptables backend installed (nft,
 //! legacy). Each iteration takes a fresh namespace and times three runs of the binary:
 //!
