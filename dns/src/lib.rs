@@ -19,9 +19,6 @@ pub use resolv::upstreams_from_resolv_conf;
 pub use server::{DnsConfig, DnsServer};
 pub use table::NameTable;
 
-/// The mesh zone: a service at path `/foo/bar/buzz` is `buzz.bar.foo.system.internal`.
-pub const ZONE: &str = "system.internal";
-
 #[derive(Debug, thiserror::Error)]
 pub enum DnsError {
     #[error(

@@ -7,8 +7,8 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use lattice_contract::ZONE;
 
-use crate::ZONE;
 use crate::fast::UDP_PAYLOAD;
 use crate::table::{Lookup, NameEntry, NameTable, in_zone, wire_name};
 
@@ -220,13 +220,18 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
 }
 
 /// `buzz.bar.foo.system.internal.ns.svc.cluster.local` → `buzz.bar.foo.system.internal` if that
-/// is a mesh name: the first `system.internal` followed by more labels.
+/// is a mesh name: the name up to and including the first run of the zone's labels, when labels
+/// precede and follow that run.
 fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Vec<u8>)> {
     let labels: Vec<&[u8]> = name.iter().collect();
-    let at = labels.windows(2).position(|w| {
-        w[0].eq_ignore_ascii_case(b"system") && w[1].eq_ignore_ascii_case(b"internal")
+    let zone_labels = ZONE.split('.').count();
+    let at = labels.windows(zone_labels).position(|window| {
+        window
+            .iter()
+            .zip(ZONE.split('.'))
+            .all(|(label, zone_label)| label.eq_ignore_ascii_case(zone_label.as_bytes()))
     })?;
-    let mesh_labels = at + 2;
+    let mesh_labels = at + zone_labels;
     if at == 0 || mesh_labels >= labels.len() {
         return None;
     }

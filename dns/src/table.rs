@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::ZONE;
+use lattice_contract::ZONE;
 
 /// Longest wire-format name (RFC 1035 §3.1), including the root label.
 pub(crate) const MAX_NAME_WIRE: usize = 255;
@@ -168,9 +168,11 @@ pub(crate) fn wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
     out
 }
 
+/// `ZONE` in wire format; a unit test checks the two agree.
+const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
+
 /// True if the lower-cased wire name `key` is the zone apex or below it.
 pub(crate) fn in_zone(key: &[u8]) -> bool {
-    const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
     if key == ZONE_WIRE {
         return true;
     }
@@ -243,6 +245,11 @@ mod tests {
         }
         let key = wire_name_from_dotted("nope.system.internal").unwrap();
         assert!(matches!(t.lookup(&key), Lookup::Missing));
+    }
+
+    #[test]
+    fn zone_wire_is_the_contract_zone() {
+        assert_eq!(wire_name_from_dotted(ZONE).as_deref(), Some(ZONE_WIRE));
     }
 
     #[test]
