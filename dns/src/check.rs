@@ -6,9 +6,10 @@ use std::sync::OnceLock;
 
 use hickory_proto::op::{Message, MessageType};
 
-use crate::fast::{self, UDP_PAYLOAD};
-use crate::query::{self, Outcome, Transport, ZoneSettings};
+use crate::fast;
+use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
+use crate::wire::{Transport, UDP_PAYLOAD};
 
 fn table() -> &'static NameTable {
     static TABLE: OnceLock<NameTable> = OnceLock::new();

@@ -2,13 +2,9 @@
 //! parsing into `hickory_proto` types or allocating. Anything it does not fully understand returns
 //! `None` and goes to the general path, which is the reference this path must agree with.
 
-use crate::query::Transport;
-use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, MAX_NAME_WIRE, NameTable};
+use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, NameTable};
+use crate::wire::{HEADER_LEN, MAX_NAME_WIRE, Transport, UDP_PAYLOAD};
 
-/// The UDP payload size this server advertises and the most it sends over UDP (DNS flag day 2020).
-pub(crate) const UDP_PAYLOAD: u16 = 1232;
-
-const HEADER_LEN: usize = 12;
 const OPT_LEN: usize = 11;
 const TYPE_A: u16 = 1;
 const TYPE_OPT: u16 = 41;

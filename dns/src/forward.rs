@@ -11,10 +11,8 @@ use hickory_proto::rr::{RData, Record};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
-use crate::fast::UDP_PAYLOAD;
-use crate::metrics::DnsMetrics;
-use crate::query::Served;
-use crate::table::wire_name;
+use crate::metrics::{DnsMetrics, Served};
+use crate::wire::{UDP_PAYLOAD, wire_name};
 
 /// Why one upstream gave no usable answer; the next upstream is tried.
 #[derive(Debug, thiserror::Error)]

@@ -9,6 +9,7 @@ mod query;
 mod resolv;
 mod server;
 mod table;
+mod wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

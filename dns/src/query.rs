@@ -9,8 +9,8 @@ use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use lattice_contract::ZONE;
 
-use crate::fast::UDP_PAYLOAD;
-use crate::table::{Lookup, NameEntry, NameTable, in_zone, wire_name};
+use crate::table::{Lookup, NameEntry, NameTable, in_zone};
+use crate::wire::{HEADER_LEN, Transport, UDP_PAYLOAD, wire_name};
 
 /// Settings of the local zone that do not come from the mesh.
 #[derive(Clone, Copy, Debug)]
@@ -18,21 +18,6 @@ pub(crate) struct ZoneSettings {
     pub(crate) ttl: u32,
     /// SOA minimum: how long resolvers cache NXDOMAIN and NODATA (RFC 2308).
     pub(crate) negative_ttl: u32,
-}
-
-/// How the reply reaches the client, which decides how large it may be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Transport {
-    Udp,
-    Tcp,
-}
-
-/// Where an answer came from, for metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Served {
-    Local,
-    Forwarded,
-    Cached,
 }
 
 #[derive(Debug)]
@@ -46,8 +31,6 @@ pub(crate) enum Outcome {
     /// Not worth an answer (a response, or too short to carry an id).
     Drop,
 }
-
-const HEADER_LEN: usize = 12;
 
 /// Answers `query` from the zone, or says it must be forwarded or dropped.
 pub(crate) fn handle(

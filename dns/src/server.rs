@@ -17,11 +17,12 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::DnsError;
-use crate::fast::{self, UDP_PAYLOAD};
+use crate::fast;
 use crate::forward::Forwarder;
-use crate::metrics::DnsMetrics;
-use crate::query::{self, Outcome, Served, Transport, ZoneSettings};
+use crate::metrics::{DnsMetrics, Served};
+use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
+use crate::wire::{Transport, UDP_PAYLOAD};
 
 /// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
 const UDP_BATCH: usize = 64;

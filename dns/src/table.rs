@@ -1,5 +1,6 @@
 //! The mesh name table: an immutable index from lower-cased wire-format names to addresses, with the
-//! A answer records of every name encoded once so the fast path only copies bytes.
+//! A answer records of every name encoded once so the fast path only copies bytes; and which names
+//! are in the zone at all.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -7,8 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use lattice_contract::ZONE;
 
-/// Longest wire-format name (RFC 1035 §3.1), including the root label.
-pub(crate) const MAX_NAME_WIRE: usize = 255;
+use crate::wire::wire_name_from_dotted;
 
 /// Size of one A record in an answer whose owner is the question name (compression pointer to
 /// offset 12): pointer 2, type 2, class 2, TTL 4, rdlength 2, address 4.
@@ -137,35 +137,6 @@ fn encode_a_records(addrs: &[Ipv4Addr]) -> Box<[u8]> {
         out.extend_from_slice(&addr.octets());
     }
     out.into_boxed_slice()
-}
-
-/// Lower-cased wire format of a dotted name (a trailing dot is allowed), or `None` if a label is
-/// empty or longer than 63 bytes or the name is longer than 255 bytes.
-pub(crate) fn wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
-    let name = name.strip_suffix('.').unwrap_or(name);
-    let mut out = Vec::with_capacity(name.len() + 2);
-    if !name.is_empty() {
-        for label in name.split('.') {
-            let len = u8::try_from(label.len())
-                .ok()
-                .filter(|l| (1..=63).contains(l))?;
-            out.push(len);
-            out.extend(label.bytes().map(|b| b.to_ascii_lowercase()));
-        }
-    }
-    out.push(0);
-    (out.len() <= MAX_NAME_WIRE).then_some(out)
-}
-
-/// Lower-cased wire format of a parsed name.
-pub(crate) fn wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
-    let mut out = Vec::with_capacity(name.len() + 2);
-    for label in name.iter() {
-        out.push(label.len() as u8);
-        out.extend(label.iter().map(u8::to_ascii_lowercase));
-    }
-    out.push(0);
-    out
 }
 
 /// `ZONE` in wire format; a unit test checks the two agree.
