@@ -16,7 +16,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::DnsError;
+use crate::error::DnsError;
 use crate::fast;
 use crate::forward::Forwarder;
 use crate::metrics::{DnsMetrics, Served};
