@@ -1,5 +1,6 @@
 //! The query path's self-check: the entry point of the cargo-fuzz target (`dns/fuzz`), also run
-//! over random input by the unit tests so the normal suite exercises it.
+//! over random input by the unit tests so the normal suite exercises it. Built only for those two
+//! (`cfg(test)`, or `cfg(fuzzing)` as cargo-fuzz sets it), never into the agent.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::OnceLock;

@@ -10,6 +10,8 @@
 //! takes a general path built on `hickory_proto`, which is the reference the fast path must agree
 //! with. How the DNS server fits with the rest of the agent is in `docs/architecture.md`.
 
+// The fuzz self-check is built only for the unit tests and for cargo-fuzz (`--cfg fuzzing`).
+#[cfg(any(test, fuzzing))]
 mod check;
 mod error;
 mod fast;
@@ -21,6 +23,7 @@ mod server;
 mod table;
 mod wire;
 
+#[cfg(any(test, fuzzing))]
 pub use check::check_query;
 pub use error::DnsError;
 pub use metrics::DnsMetrics;
