@@ -2,13 +2,12 @@
 //! and a TCP listener; both fall back to the general path and the forwarder. The name table is
 //! read from a `watch` channel, so a new mesh snapshot takes effect on the next query.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_proto::op::{Message, ResponseCode};
-use lattice_contract::LOCAL_DNS_PORT;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, setsockopt, sockopt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -67,17 +66,6 @@ impl DnsConfig {
             max_in_flight: 1024,
             tcp_idle_timeout: Duration::from_secs(10),
         }
-    }
-}
-
-impl Default for DnsConfig {
-    /// Local runs: 127.0.0.1 on `LOCAL_DNS_PORT` (15053), no upstreams (everything outside the
-    /// zone gets SERVFAIL).
-    fn default() -> Self {
-        Self::new(
-            SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)),
-            Vec::new(),
-        )
     }
 }
 
