@@ -10,7 +10,7 @@ use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use lattice_contract::ZONE;
 
 use crate::table::{Lookup, NameEntry, NameTable, in_zone};
-use crate::wire::{HEADER_LEN, Transport, UDP_PAYLOAD, wire_name};
+use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport, lowercase_wire_name};
 
 /// Settings of the local zone that do not come from the mesh.
 #[derive(Clone, Copy, Debug)]
@@ -108,16 +108,13 @@ pub(crate) fn server_failure(request: &Message, transport: Transport) -> Vec<u8>
 }
 
 /// The most a reply may carry: 64 KiB over TCP; over UDP the client's EDNS payload size, at least
-/// 512 and at most what this server advertises.
+/// `MIN_UDP_PAYLOAD` and at most what this server advertises.
 pub(crate) fn response_limit(request: &Message, transport: Transport) -> usize {
     match transport {
         Transport::Tcp => usize::from(u16::MAX),
-        Transport::Udp => usize::from(
-            request
-                .edns
-                .as_ref()
-                .map_or(512, |e| e.max_payload().clamp(512, UDP_PAYLOAD)),
-        ),
+        Transport::Udp => usize::from(request.edns.as_ref().map_or(MIN_UDP_PAYLOAD, |e| {
+            e.max_payload().clamp(MIN_UDP_PAYLOAD, MAX_UDP_PAYLOAD)
+        })),
     }
 }
 
@@ -157,7 +154,7 @@ fn error_reply(header: &[u8], rcode: ResponseCode) -> Outcome {
 fn echo_edns(request: &Message) -> Option<Edns> {
     request.edns.as_ref().map(|theirs| {
         let mut ours = Edns::new();
-        ours.set_max_payload(UDP_PAYLOAD);
+        ours.set_max_payload(MAX_UDP_PAYLOAD);
         ours.set_version(0);
         ours.set_dnssec_ok(theirs.flags().dnssec_ok);
         ours
@@ -178,7 +175,7 @@ fn response_to(request: &Message) -> Message {
 /// mesh name.
 fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Option<Message> {
     let question = &request.queries[0];
-    let key = wire_name(question.name());
+    let key = lowercase_wire_name(question.name());
     let mut reply = response_to(request);
     if in_zone(&key) {
         reply.metadata.authoritative = true;
@@ -220,7 +217,7 @@ fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Ve
     }
     let mut target = Name::from_labels(labels[..mesh_labels].iter().copied()).ok()?;
     target.set_fqdn(true);
-    let key = wire_name(&target);
+    let key = lowercase_wire_name(&target);
     table.service(&key)?;
     Some((target, key))
 }
@@ -237,7 +234,7 @@ fn answer_in_zone(
     let qtype = question.query_type();
     let apex = apex();
     let soa = soa_record(&apex, table.serial(), zone);
-    let records: Vec<Record> = if key == wire_name(&apex) {
+    let records: Vec<Record> = if key == lowercase_wire_name(&apex) {
         let ns = Record::from_rdata(
             name.clone(),
             zone.ttl,

@@ -21,7 +21,7 @@ use crate::forward::Forwarder;
 use crate::metrics::{DnsMetrics, Served};
 use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
-use crate::wire::{Transport, UDP_PAYLOAD};
+use crate::wire::{MAX_UDP_PAYLOAD, Transport};
 
 /// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
 const UDP_BATCH: usize = 64;
@@ -234,7 +234,7 @@ async fn serve_udp(
 ) -> Result<(), DnsError> {
     let mut table = names.borrow_and_update().clone();
     let mut buf = vec![0u8; usize::from(u16::MAX)];
-    let mut out = [0u8; UDP_PAYLOAD as usize];
+    let mut out = [0u8; MAX_UDP_PAYLOAD as usize];
     let mut forwards = JoinSet::new();
     let ttl = context.zone.ttl;
     loop {

@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use lattice_contract::ZONE;
 
-use crate::wire::wire_name_from_dotted;
+use crate::wire::lowercase_wire_name_from_dotted;
 
 /// Size of one A record in an answer whose owner is the question name (compression pointer to
 /// offset 12): pointer 2, type 2, class 2, TTL 4, rdlength 2, address 4.
@@ -40,7 +40,7 @@ pub(crate) enum Lookup<'a> {
 #[derive(Debug)]
 pub struct NameTable {
     names: HashMap<Box<[u8]>, NameEntry>,
-    nonterminals: HashSet<Box<[u8]>>,
+    empty_non_terminals: HashSet<Box<[u8]>>,
     serial: u32,
 }
 
@@ -50,10 +50,10 @@ impl NameTable {
     /// Names outside `system.internal`, the apex itself and names that are not valid DNS names
     /// are skipped with a warning: the table is built from a mesh that was already validated.
     pub fn new(entries: impl IntoIterator<Item = (String, IpAddr)>) -> Self {
-        let zone = wire_name_from_dotted(ZONE).unwrap_or_default();
+        let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
         for (name, addr) in entries {
-            let Some(key) = wire_name_from_dotted(&name) else {
+            let Some(key) = lowercase_wire_name_from_dotted(&name) else {
                 tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
                 continue;
             };
@@ -68,7 +68,7 @@ impl NameTable {
                 _ => {}
             }
         }
-        let mut nonterminals = HashSet::new();
+        let mut empty_non_terminals = HashSet::new();
         for (key, entry) in &mut names {
             entry.a_records = encode_a_records(&entry.v4);
             let mut rest: &[u8] = key;
@@ -78,17 +78,17 @@ impl NameTable {
                 if rest.len() <= zone.len() {
                     break;
                 }
-                nonterminals.insert(Box::<[u8]>::from(rest));
+                empty_non_terminals.insert(Box::<[u8]>::from(rest));
             }
         }
-        nonterminals.retain(|k| !names.contains_key(k));
+        empty_non_terminals.retain(|k| !names.contains_key(k));
         let serial = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| (d.as_secs() & u64::from(u32::MAX)) as u32)
             .unwrap_or(1);
         Self {
             names,
-            nonterminals,
+            empty_non_terminals,
             serial,
         }
     }
@@ -102,7 +102,7 @@ impl NameTable {
     pub(crate) fn lookup(&self, key: &[u8]) -> Lookup<'_> {
         if let Some(entry) = self.names.get(key) {
             Lookup::Service(entry)
-        } else if self.nonterminals.contains(key) {
+        } else if self.empty_non_terminals.contains(key) {
             Lookup::EmptyNonTerminal
         } else {
             Lookup::Missing
@@ -182,7 +182,7 @@ mod tests {
     fn indexes_names_case_insensitively_and_skips_foreign_ones() {
         let t = table();
         assert_eq!(t.names.len(), 2, "distinct names");
-        let key = wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
+        let key = lowercase_wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
         let Lookup::Service(e) = t.lookup(&key) else {
             panic!("buzz missing")
         };
@@ -196,16 +196,19 @@ mod tests {
     fn ancestors_are_empty_non_terminals() {
         let t = table();
         for name in ["bar.foo.system.internal", "foo.system.internal"] {
-            let key = wire_name_from_dotted(name).unwrap();
+            let key = lowercase_wire_name_from_dotted(name).unwrap();
             assert!(matches!(t.lookup(&key), Lookup::EmptyNonTerminal), "{name}");
         }
-        let key = wire_name_from_dotted("nope.system.internal").unwrap();
+        let key = lowercase_wire_name_from_dotted("nope.system.internal").unwrap();
         assert!(matches!(t.lookup(&key), Lookup::Missing));
     }
 
     #[test]
     fn zone_wire_is_the_contract_zone() {
-        assert_eq!(wire_name_from_dotted(ZONE).as_deref(), Some(ZONE_WIRE));
+        assert_eq!(
+            lowercase_wire_name_from_dotted(ZONE).as_deref(),
+            Some(ZONE_WIRE)
+        );
     }
 
     #[test]
@@ -216,7 +219,7 @@ mod tests {
             "A.B.system.internal",
         ];
         for n in yes {
-            assert!(in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+            assert!(in_zone(&lowercase_wire_name_from_dotted(n).unwrap()), "{n}");
         }
         let no = [
             "xsystem.internal",
@@ -225,7 +228,10 @@ mod tests {
             ".",
         ];
         for n in no {
-            assert!(!in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+            assert!(
+                !in_zone(&lowercase_wire_name_from_dotted(n).unwrap()),
+                "{n}"
+            );
         }
     }
 }

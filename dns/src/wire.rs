@@ -1,15 +1,19 @@
 //! What the parts of the server share about the DNS wire format: the header size, the longest
-//! name, the UDP payload size, the transport a reply goes back over, and names in the lower-cased
-//! wire format that the name table and the forwarding cache are keyed by.
+//! name, the bounds of a UDP reply, the transport a reply goes back over, and names in the
+//! lower-cased wire format that the name table and the forwarding cache are keyed by.
 
 /// Size of the message header (RFC 1035 §4.1.1); the question starts right after it.
 pub(crate) const HEADER_LEN: usize = 12;
 
 /// Longest wire-format name (RFC 1035 §3.1), including the root label.
-pub(crate) const MAX_NAME_WIRE: usize = 255;
+pub(crate) const MAX_WIRE_NAME_LEN: usize = 255;
 
 /// The UDP payload size this server advertises and the most it sends over UDP (DNS flag day 2020).
-pub(crate) const UDP_PAYLOAD: u16 = 1232;
+pub(crate) const MAX_UDP_PAYLOAD: u16 = 1232;
+
+/// The UDP payload size every client accepts: the limit for a client without EDNS (RFC 1035
+/// §4.2.1), and the least an EDNS client's advertised size counts as (RFC 6891 §6.2.5).
+pub(crate) const MIN_UDP_PAYLOAD: u16 = 512;
 
 /// How the reply reaches the client, which decides how large it may be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,7 +24,7 @@ pub(crate) enum Transport {
 
 /// Lower-cased wire format of a dotted name (a trailing dot is allowed), or `None` if a label is
 /// empty or longer than 63 bytes or the name is longer than 255 bytes.
-pub(crate) fn wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
+pub(crate) fn lowercase_wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
     let name = name.strip_suffix('.').unwrap_or(name);
     let mut out = Vec::with_capacity(name.len() + 2);
     if !name.is_empty() {
@@ -33,11 +37,11 @@ pub(crate) fn wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
         }
     }
     out.push(0);
-    (out.len() <= MAX_NAME_WIRE).then_some(out)
+    (out.len() <= MAX_WIRE_NAME_LEN).then_some(out)
 }
 
 /// Lower-cased wire format of a parsed name.
-pub(crate) fn wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
+pub(crate) fn lowercase_wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
     let mut out = Vec::with_capacity(name.len() + 2);
     for label in name.iter() {
         out.push(label.len() as u8);
