@@ -1,14 +1,16 @@
 //! The query path's self-check: the entry point of the cargo-fuzz target (`dns/fuzz`), also run
-//! over random input by the unit tests so the normal suite exercises it.
+//! over random input by the unit tests so the normal suite exercises it. Built only for those two
+//! (`cfg(test)`, or `cfg(fuzzing)` as cargo-fuzz sets it), never into the agent.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::OnceLock;
 
 use hickory_proto::op::{Message, MessageType};
 
-use crate::fast::{self, UDP_PAYLOAD};
-use crate::query::{self, Outcome, Transport, ZoneSettings};
+use crate::fast;
+use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
+use crate::wire::{MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport};
 
 fn table() -> &'static NameTable {
     static TABLE: OnceLock<NameTable> = OnceLock::new();
@@ -102,11 +104,13 @@ fn check_reply(query: &[u8], reply: &[u8], transport: Transport) {
     assert_eq!(parsed.metadata.message_type, MessageType::Response);
     if transport == Transport::Udp {
         assert!(
-            reply.len() <= usize::from(UDP_PAYLOAD),
+            reply.len() <= usize::from(MAX_UDP_PAYLOAD),
             "UDP reply of {} bytes",
             reply.len()
         );
-        let limit = Message::from_vec(query).map_or(512, |q| query::response_limit(&q, transport));
+        let limit = Message::from_vec(query).map_or(usize::from(MIN_UDP_PAYLOAD), |q| {
+            query::response_limit(&q, transport)
+        });
         assert!(
             reply.len() <= limit,
             "UDP reply of {} bytes over the client's limit {limit}",

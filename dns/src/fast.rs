@@ -2,13 +2,9 @@
 //! parsing into `hickory_proto` types or allocating. Anything it does not fully understand returns
 //! `None` and goes to the general path, which is the reference this path must agree with.
 
-use crate::query::Transport;
-use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, MAX_NAME_WIRE, NameTable};
+use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, NameTable};
+use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MAX_WIRE_NAME_LEN, MIN_UDP_PAYLOAD, Transport};
 
-/// The UDP payload size this server advertises and the most it sends over UDP (DNS flag day 2020).
-pub(crate) const UDP_PAYLOAD: u16 = 1232;
-
-const HEADER_LEN: usize = 12;
 const OPT_LEN: usize = 11;
 const TYPE_A: u16 = 1;
 const TYPE_OPT: u16 = 41;
@@ -29,21 +25,17 @@ pub(crate) fn answer(
     if header[2] & 0xfe != 0 || header[3] & 0x4f != 0 {
         return None;
     }
-    let counts = [
-        u16::from_be_bytes([header[4], header[5]]),
-        u16::from_be_bytes([header[6], header[7]]),
-        u16::from_be_bytes([header[8], header[9]]),
-        u16::from_be_bytes([header[10], header[11]]),
-    ];
-    if counts[0] != 1 || counts[1] != 0 || counts[2] != 0 || counts[3] > 1 {
+    let [qdcount, ancount, nscount, arcount] =
+        [4, 6, 8, 10].map(|at| u16::from_be_bytes([header[at], header[at + 1]]));
+    if qdcount != 1 || ancount != 0 || nscount != 0 || arcount > 1 {
         return None;
     }
-    let mut key = [0u8; MAX_NAME_WIRE];
+    let mut key = [0u8; MAX_WIRE_NAME_LEN];
     let mut pos = HEADER_LEN;
     loop {
         let len = usize::from(*query.get(pos)?);
         // Compression pointers and extended labels are left to the general path.
-        if len > 63 || pos - HEADER_LEN + len + 1 > MAX_NAME_WIRE {
+        if len > 63 || pos - HEADER_LEN + len + 1 > MAX_WIRE_NAME_LEN {
             return None;
         }
         let label = query.get(pos..=pos + len)?;
@@ -65,8 +57,8 @@ pub(crate) fn answer(
     let question_end = pos;
     // The only additional record understood here is a version-0 OPT with no extended rcode.
     let mut dnssec_ok = false;
-    let mut client_limit = 512usize;
-    if counts[3] == 1 {
+    let mut client_limit = usize::from(MIN_UDP_PAYLOAD);
+    if arcount == 1 {
         let opt = query.get(pos..pos + OPT_LEN)?;
         if opt[0] != 0
             || u16::from_be_bytes([opt[1], opt[2]]) != TYPE_OPT
@@ -75,8 +67,8 @@ pub(crate) fn answer(
         {
             return None;
         }
-        client_limit =
-            usize::from(u16::from_be_bytes([opt[3], opt[4]])).clamp(512, usize::from(UDP_PAYLOAD));
+        client_limit = usize::from(u16::from_be_bytes([opt[3], opt[4]]))
+            .clamp(usize::from(MIN_UDP_PAYLOAD), usize::from(MAX_UDP_PAYLOAD));
         dnssec_ok = opt[7] & 0x80 != 0;
         let rdlen = usize::from(u16::from_be_bytes([opt[9], opt[10]]));
         pos += OPT_LEN;
@@ -97,19 +89,19 @@ pub(crate) fn answer(
     if entry.v4.is_empty() {
         return None;
     }
-    let edns = counts[3] == 1;
+    let edns = arcount == 1;
     let len = question_end + entry.a_records.len() + if edns { OPT_LEN } else { 0 };
     if (transport == Transport::Udp && len > client_limit) || len > out.len() {
         return None;
     }
-    let ancount = u16::try_from(entry.v4.len()).ok()?;
+    let answer_count = u16::try_from(entry.v4.len()).ok()?;
     let out = &mut out[..len];
     out[..2].copy_from_slice(&header[..2]);
     // QR, AA, RD copied; RA; CD copied.
     out[2] = 0x84 | (header[2] & 0x01);
     out[3] = 0x80 | (header[3] & 0x10);
     out[4..6].copy_from_slice(&1u16.to_be_bytes());
-    out[6..8].copy_from_slice(&ancount.to_be_bytes());
+    out[6..8].copy_from_slice(&answer_count.to_be_bytes());
     out[8..10].copy_from_slice(&[0, 0]);
     out[10..12].copy_from_slice(&u16::from(edns).to_be_bytes());
     // The question is copied as sent, so the client sees its own letter case (0x20 encoding).
@@ -122,7 +114,7 @@ pub(crate) fn answer(
     }
     if edns {
         let opt = &mut out[len - OPT_LEN..];
-        let payload = UDP_PAYLOAD.to_be_bytes();
+        let payload = MAX_UDP_PAYLOAD.to_be_bytes();
         opt.copy_from_slice(&[
             0,
             0,

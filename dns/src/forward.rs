@@ -11,10 +11,8 @@ use hickory_proto::rr::{RData, Record};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
-use crate::fast::UDP_PAYLOAD;
-use crate::metrics::DnsMetrics;
-use crate::query::Served;
-use crate::table::wire_name;
+use crate::metrics::{DnsMetrics, Served};
+use crate::wire::{MAX_UDP_PAYLOAD, lowercase_wire_name};
 
 /// Why one upstream gave no usable answer; the next upstream is tried.
 #[derive(Debug, thiserror::Error)]
@@ -124,7 +122,7 @@ fn upstream_query(request: &Message) -> Message {
     query.metadata.checking_disabled = request.metadata.checking_disabled;
     query.queries.clone_from(&request.queries);
     let mut edns = Edns::new();
-    edns.set_max_payload(UDP_PAYLOAD);
+    edns.set_max_payload(MAX_UDP_PAYLOAD);
     edns.set_version(0);
     edns.set_dnssec_ok(request.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok));
     query.edns = Some(edns);
@@ -133,7 +131,7 @@ fn upstream_query(request: &Message) -> Message {
 
 /// True if `answer` answers `query`: same id, a response, same question (names compared without
 /// case: some servers do not preserve it).
-fn answers(query: &Message, answer: &Message) -> bool {
+fn is_answer_to(answer: &Message, query: &Message) -> bool {
     answer.metadata.id == query.metadata.id
         && answer.metadata.message_type == MessageType::Response
         && answer.queries.len() == query.queries.len()
@@ -161,7 +159,7 @@ async fn udp_exchange(
         let len = socket.recv(&mut buf).await?;
         // Anything that is not the answer (late, spoofed, garbage) is ignored; the timeout bounds us.
         if let Ok(answer) = Message::from_vec(&buf[..len])
-            && answers(query, &answer)
+            && is_answer_to(&answer, query)
         {
             return Ok(answer);
         }
@@ -184,7 +182,7 @@ async fn tcp_exchange(
     let mut buf = vec![0; usize::from(len)];
     stream.read_exact(&mut buf).await?;
     let answer = Message::from_vec(&buf).map_err(|e| ExchangeError::Malformed(e.to_string()))?;
-    if answers(query, &answer) {
+    if is_answer_to(&answer, query) {
         Ok(answer)
     } else {
         Err(ExchangeError::Malformed(
@@ -207,7 +205,7 @@ impl CacheKey {
     fn of(request: &Message) -> Option<Self> {
         let question = request.queries.first()?;
         Some(Self {
-            name: wire_name(question.name()),
+            name: lowercase_wire_name(question.name()),
             qtype: question.query_type().into(),
             qclass: question.query_class().into(),
             dnssec_ok: request.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok),

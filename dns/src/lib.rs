@@ -1,7 +1,19 @@
-//! Lattice DNS: answers `*.system.internal` from the live mesh name table and forwards every other
-//! name to the upstream resolvers. See issue 5 and `../shared/DESIGN.md`.
+//! Lattice DNS: the DNS server the node agent runs for the pods on its node. A mesh service's name
+//! (service `/foo/bar/buzz` is `buzz.bar.foo.system.internal`, in the zone
+//! `lattice_contract::ZONE`) resolves to the service's address in the trapped block, which the
+//! pod's Envoy captures; every other name is forwarded to the upstream resolvers, so the pods
+//! resolve everything else as before.
+//!
+//! The agent builds a [`NameTable`] from each mesh snapshot and hands it to the [`DnsServer`]
+//! through a `watch` channel, so a new snapshot takes effect on the next query. Queries for the
+//! A records of mesh names take a fast path that copies precomputed records; everything else
+//! takes a general path built on `hickory_proto`, which is the reference the fast path must agree
+//! with. How the DNS server fits with the rest of the agent is in `docs/architecture.md`.
 
+// The fuzz self-check is built only for the unit tests and for cargo-fuzz (`--cfg fuzzing`).
+#[cfg(any(test, fuzzing))]
 mod check;
+mod error;
 mod fast;
 mod forward;
 mod metrics;
@@ -9,44 +21,12 @@ mod query;
 mod resolv;
 mod server;
 mod table;
+mod wire;
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-
+#[cfg(any(test, fuzzing))]
 pub use check::check_query;
+pub use error::DnsError;
 pub use metrics::DnsMetrics;
 pub use resolv::upstreams_from_resolv_conf;
 pub use server::{DnsConfig, DnsServer};
 pub use table::NameTable;
-
-/// The mesh zone: a service at path `/foo/bar/buzz` is `buzz.bar.foo.system.internal`.
-pub const ZONE: &str = "system.internal";
-
-#[derive(Debug, thiserror::Error)]
-pub enum DnsError {
-    #[error(
-        "cannot bind the DNS {protocol} socket on {addr}: {source} (is another DNS server using this address? choose another with --dns-addr)"
-    )]
-    Bind {
-        protocol: &'static str,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("DNS {protocol} socket on {addr} failed: {source}")]
-    Socket {
-        protocol: &'static str,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error(
-        "cannot read the resolver configuration {path}: {source} (pass --upstream-dns explicitly)"
-    )]
-    ResolvConf {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path} has no usable `nameserver` line (pass --upstream-dns explicitly)")]
-    NoNameservers { path: PathBuf },
-    #[error("a DNS server task stopped unexpectedly: {0}")]
-    Task(String),
-}

@@ -7,10 +7,10 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use lattice_contract::ZONE;
 
-use crate::ZONE;
-use crate::fast::UDP_PAYLOAD;
-use crate::table::{Lookup, NameEntry, NameTable, in_zone, wire_name};
+use crate::table::{Lookup, NameEntry, NameTable, in_zone};
+use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport, lowercase_wire_name};
 
 /// Settings of the local zone that do not come from the mesh.
 #[derive(Clone, Copy, Debug)]
@@ -18,21 +18,6 @@ pub(crate) struct ZoneSettings {
     pub(crate) ttl: u32,
     /// SOA minimum: how long resolvers cache NXDOMAIN and NODATA (RFC 2308).
     pub(crate) negative_ttl: u32,
-}
-
-/// How the reply reaches the client, which decides how large it may be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Transport {
-    Udp,
-    Tcp,
-}
-
-/// Where an answer came from, for metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Served {
-    Local,
-    Forwarded,
-    Cached,
 }
 
 #[derive(Debug)]
@@ -46,8 +31,6 @@ pub(crate) enum Outcome {
     /// Not worth an answer (a response, or too short to carry an id).
     Drop,
 }
-
-const HEADER_LEN: usize = 12;
 
 /// Answers `query` from the zone, or says it must be forwarded or dropped.
 pub(crate) fn handle(
@@ -125,16 +108,13 @@ pub(crate) fn server_failure(request: &Message, transport: Transport) -> Vec<u8>
 }
 
 /// The most a reply may carry: 64 KiB over TCP; over UDP the client's EDNS payload size, at least
-/// 512 and at most what this server advertises.
+/// `MIN_UDP_PAYLOAD` and at most what this server advertises.
 pub(crate) fn response_limit(request: &Message, transport: Transport) -> usize {
     match transport {
         Transport::Tcp => usize::from(u16::MAX),
-        Transport::Udp => usize::from(
-            request
-                .edns
-                .as_ref()
-                .map_or(512, |e| e.max_payload().clamp(512, UDP_PAYLOAD)),
-        ),
+        Transport::Udp => usize::from(request.edns.as_ref().map_or(MIN_UDP_PAYLOAD, |e| {
+            e.max_payload().clamp(MIN_UDP_PAYLOAD, MAX_UDP_PAYLOAD)
+        })),
     }
 }
 
@@ -174,7 +154,7 @@ fn error_reply(header: &[u8], rcode: ResponseCode) -> Outcome {
 fn echo_edns(request: &Message) -> Option<Edns> {
     request.edns.as_ref().map(|theirs| {
         let mut ours = Edns::new();
-        ours.set_max_payload(UDP_PAYLOAD);
+        ours.set_max_payload(MAX_UDP_PAYLOAD);
         ours.set_version(0);
         ours.set_dnssec_ok(theirs.flags().dnssec_ok);
         ours
@@ -195,7 +175,7 @@ fn response_to(request: &Message) -> Message {
 /// mesh name.
 fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Option<Message> {
     let question = &request.queries[0];
-    let key = wire_name(question.name());
+    let key = lowercase_wire_name(question.name());
     let mut reply = response_to(request);
     if in_zone(&key) {
         reply.metadata.authoritative = true;
@@ -220,19 +200,24 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
 }
 
 /// `buzz.bar.foo.system.internal.ns.svc.cluster.local` → `buzz.bar.foo.system.internal` if that
-/// is a mesh name: the first `system.internal` followed by more labels.
+/// is a mesh name: the name up to and including the first run of the zone's labels, when labels
+/// precede and follow that run.
 fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Vec<u8>)> {
     let labels: Vec<&[u8]> = name.iter().collect();
-    let at = labels.windows(2).position(|w| {
-        w[0].eq_ignore_ascii_case(b"system") && w[1].eq_ignore_ascii_case(b"internal")
+    let zone_labels = ZONE.split('.').count();
+    let at = labels.windows(zone_labels).position(|window| {
+        window
+            .iter()
+            .zip(ZONE.split('.'))
+            .all(|(label, zone_label)| label.eq_ignore_ascii_case(zone_label.as_bytes()))
     })?;
-    let mesh_labels = at + 2;
+    let mesh_labels = at + zone_labels;
     if at == 0 || mesh_labels >= labels.len() {
         return None;
     }
     let mut target = Name::from_labels(labels[..mesh_labels].iter().copied()).ok()?;
     target.set_fqdn(true);
-    let key = wire_name(&target);
+    let key = lowercase_wire_name(&target);
     table.service(&key)?;
     Some((target, key))
 }
@@ -249,7 +234,7 @@ fn answer_in_zone(
     let qtype = question.query_type();
     let apex = apex();
     let soa = soa_record(&apex, table.serial(), zone);
-    let records: Vec<Record> = if key == wire_name(&apex) {
+    let records: Vec<Record> = if key == lowercase_wire_name(&apex) {
         let ns = Record::from_rdata(
             name.clone(),
             zone.ttl,

@@ -3,7 +3,7 @@
 use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 use std::path::Path;
 
-use crate::DnsError;
+use crate::error::DnsError;
 
 /// The nameservers of the resolv.conf at `path`, on port 53, in file order. Lines that are not
 /// valid `nameserver ADDRESS` lines are skipped with a warning, as the C library does.

@@ -15,12 +15,13 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::DnsError;
-use crate::fast::{self, UDP_PAYLOAD};
+use crate::error::DnsError;
+use crate::fast;
 use crate::forward::Forwarder;
-use crate::metrics::DnsMetrics;
-use crate::query::{self, Outcome, Served, Transport, ZoneSettings};
+use crate::metrics::{DnsMetrics, Served};
+use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
+use crate::wire::{MAX_UDP_PAYLOAD, Transport};
 
 /// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
 const UDP_BATCH: usize = 64;
@@ -65,13 +66,6 @@ impl DnsConfig {
             max_in_flight: 1024,
             tcp_idle_timeout: Duration::from_secs(10),
         }
-    }
-}
-
-impl Default for DnsConfig {
-    /// Local runs: 127.0.0.1:15053, no upstreams (everything outside the zone gets SERVFAIL).
-    fn default() -> Self {
-        Self::new(SocketAddr::from(([127, 0, 0, 1], 15053)), Vec::new())
     }
 }
 
@@ -240,7 +234,7 @@ async fn serve_udp(
 ) -> Result<(), DnsError> {
     let mut table = names.borrow_and_update().clone();
     let mut buf = vec![0u8; usize::from(u16::MAX)];
-    let mut out = [0u8; UDP_PAYLOAD as usize];
+    let mut out = [0u8; MAX_UDP_PAYLOAD as usize];
     let mut forwards = JoinSet::new();
     let ttl = context.zone.ttl;
     loop {

@@ -1,14 +1,14 @@
 //! The mesh name table: an immutable index from lower-cased wire-format names to addresses, with the
-//! A answer records of every name encoded once so the fast path only copies bytes.
+//! A answer records of every name encoded once so the fast path only copies bytes; and which names
+//! are in the zone at all.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::ZONE;
+use lattice_contract::ZONE;
 
-/// Longest wire-format name (RFC 1035 §3.1), including the root label.
-pub(crate) const MAX_NAME_WIRE: usize = 255;
+use crate::wire::lowercase_wire_name_from_dotted;
 
 /// Size of one A record in an answer whose owner is the question name (compression pointer to
 /// offset 12): pointer 2, type 2, class 2, TTL 4, rdlength 2, address 4.
@@ -40,14 +40,8 @@ pub(crate) enum Lookup<'a> {
 #[derive(Debug)]
 pub struct NameTable {
     names: HashMap<Box<[u8]>, NameEntry>,
-    nonterminals: HashSet<Box<[u8]>>,
+    empty_non_terminals: HashSet<Box<[u8]>>,
     serial: u32,
-}
-
-impl Default for NameTable {
-    fn default() -> Self {
-        Self::new(std::iter::empty())
-    }
 }
 
 impl NameTable {
@@ -56,10 +50,10 @@ impl NameTable {
     /// Names outside `system.internal`, the apex itself and names that are not valid DNS names
     /// are skipped with a warning: the table is built from a mesh that was already validated.
     pub fn new(entries: impl IntoIterator<Item = (String, IpAddr)>) -> Self {
-        let zone = wire_name_from_dotted(ZONE).unwrap_or_default();
+        let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
         for (name, addr) in entries {
-            let Some(key) = wire_name_from_dotted(&name) else {
+            let Some(key) = lowercase_wire_name_from_dotted(&name) else {
                 tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
                 continue;
             };
@@ -74,7 +68,7 @@ impl NameTable {
                 _ => {}
             }
         }
-        let mut nonterminals = HashSet::new();
+        let mut empty_non_terminals = HashSet::new();
         for (key, entry) in &mut names {
             entry.a_records = encode_a_records(&entry.v4);
             let mut rest: &[u8] = key;
@@ -84,28 +78,19 @@ impl NameTable {
                 if rest.len() <= zone.len() {
                     break;
                 }
-                nonterminals.insert(Box::<[u8]>::from(rest));
+                empty_non_terminals.insert(Box::<[u8]>::from(rest));
             }
         }
-        nonterminals.retain(|k| !names.contains_key(k));
+        empty_non_terminals.retain(|k| !names.contains_key(k));
         let serial = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| (d.as_secs() & u64::from(u32::MAX)) as u32)
             .unwrap_or(1);
         Self {
             names,
-            nonterminals,
+            empty_non_terminals,
             serial,
         }
-    }
-
-    /// Number of distinct names.
-    pub fn len(&self) -> usize {
-        self.names.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
     }
 
     /// SOA serial of this table: the second it was built, so a newer table has a larger serial.
@@ -117,7 +102,7 @@ impl NameTable {
     pub(crate) fn lookup(&self, key: &[u8]) -> Lookup<'_> {
         if let Some(entry) = self.names.get(key) {
             Lookup::Service(entry)
-        } else if self.nonterminals.contains(key) {
+        } else if self.empty_non_terminals.contains(key) {
             Lookup::EmptyNonTerminal
         } else {
             Lookup::Missing
@@ -139,38 +124,11 @@ fn encode_a_records(addrs: &[Ipv4Addr]) -> Box<[u8]> {
     out.into_boxed_slice()
 }
 
-/// Lower-cased wire format of a dotted name (a trailing dot is allowed), or `None` if a label is
-/// empty or longer than 63 bytes or the name is longer than 255 bytes.
-pub(crate) fn wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
-    let name = name.strip_suffix('.').unwrap_or(name);
-    let mut out = Vec::with_capacity(name.len() + 2);
-    if !name.is_empty() {
-        for label in name.split('.') {
-            let len = u8::try_from(label.len())
-                .ok()
-                .filter(|l| (1..=63).contains(l))?;
-            out.push(len);
-            out.extend(label.bytes().map(|b| b.to_ascii_lowercase()));
-        }
-    }
-    out.push(0);
-    (out.len() <= MAX_NAME_WIRE).then_some(out)
-}
-
-/// Lower-cased wire format of a parsed name.
-pub(crate) fn wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
-    let mut out = Vec::with_capacity(name.len() + 2);
-    for label in name.iter() {
-        out.push(label.len() as u8);
-        out.extend(label.iter().map(u8::to_ascii_lowercase));
-    }
-    out.push(0);
-    out
-}
+/// `ZONE` in wire format; a unit test checks the two agree.
+const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
 
 /// True if the lower-cased wire name `key` is the zone apex or below it.
 pub(crate) fn in_zone(key: &[u8]) -> bool {
-    const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
     if key == ZONE_WIRE {
         return true;
     }
@@ -223,8 +181,8 @@ mod tests {
     #[test]
     fn indexes_names_case_insensitively_and_skips_foreign_ones() {
         let t = table();
-        assert_eq!(t.len(), 2);
-        let key = wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
+        assert_eq!(t.names.len(), 2, "distinct names");
+        let key = lowercase_wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
         let Lookup::Service(e) = t.lookup(&key) else {
             panic!("buzz missing")
         };
@@ -238,11 +196,19 @@ mod tests {
     fn ancestors_are_empty_non_terminals() {
         let t = table();
         for name in ["bar.foo.system.internal", "foo.system.internal"] {
-            let key = wire_name_from_dotted(name).unwrap();
+            let key = lowercase_wire_name_from_dotted(name).unwrap();
             assert!(matches!(t.lookup(&key), Lookup::EmptyNonTerminal), "{name}");
         }
-        let key = wire_name_from_dotted("nope.system.internal").unwrap();
+        let key = lowercase_wire_name_from_dotted("nope.system.internal").unwrap();
         assert!(matches!(t.lookup(&key), Lookup::Missing));
+    }
+
+    #[test]
+    fn zone_wire_is_the_contract_zone() {
+        assert_eq!(
+            lowercase_wire_name_from_dotted(ZONE).as_deref(),
+            Some(ZONE_WIRE)
+        );
     }
 
     #[test]
@@ -253,7 +219,7 @@ mod tests {
             "A.B.system.internal",
         ];
         for n in yes {
-            assert!(in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+            assert!(in_zone(&lowercase_wire_name_from_dotted(n).unwrap()), "{n}");
         }
         let no = [
             "xsystem.internal",
@@ -262,7 +228,10 @@ mod tests {
             ".",
         ];
         for n in no {
-            assert!(!in_zone(&wire_name_from_dotted(n).unwrap()), "{n}");
+            assert!(
+                !in_zone(&lowercase_wire_name_from_dotted(n).unwrap()),
+                "{n}"
+            );
         }
     }
 }

@@ -1,0 +1,52 @@
+//! What the parts of the server share about the DNS wire format: the header size, the longest
+//! name, the bounds of a UDP reply, the transport a reply goes back over, and names in the
+//! lower-cased wire format that the name table and the forwarding cache are keyed by.
+
+/// Size of the message header (RFC 1035 §4.1.1); the question starts right after it.
+pub(crate) const HEADER_LEN: usize = 12;
+
+/// Longest wire-format name (RFC 1035 §3.1), including the root label.
+pub(crate) const MAX_WIRE_NAME_LEN: usize = 255;
+
+/// The UDP payload size this server advertises and the most it sends over UDP (DNS flag day 2020).
+pub(crate) const MAX_UDP_PAYLOAD: u16 = 1232;
+
+/// The UDP payload size every client accepts: the limit for a client without EDNS (RFC 1035
+/// §4.2.1), and the least an EDNS client's advertised size counts as (RFC 6891 §6.2.5).
+pub(crate) const MIN_UDP_PAYLOAD: u16 = 512;
+
+/// How the reply reaches the client, which decides how large it may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transport {
+    Udp,
+    Tcp,
+}
+
+/// Lower-cased wire format of a dotted name (a trailing dot is allowed), or `None` if a label is
+/// empty or longer than 63 bytes or the name is longer than 255 bytes.
+pub(crate) fn lowercase_wire_name_from_dotted(name: &str) -> Option<Vec<u8>> {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    let mut out = Vec::with_capacity(name.len() + 2);
+    if !name.is_empty() {
+        for label in name.split('.') {
+            let len = u8::try_from(label.len())
+                .ok()
+                .filter(|l| (1..=63).contains(l))?;
+            out.push(len);
+            out.extend(label.bytes().map(|b| b.to_ascii_lowercase()));
+        }
+    }
+    out.push(0);
+    (out.len() <= MAX_WIRE_NAME_LEN).then_some(out)
+}
+
+/// Lower-cased wire format of a parsed name.
+pub(crate) fn lowercase_wire_name(name: &hickory_proto::rr::Name) -> Vec<u8> {
+    let mut out = Vec::with_capacity(name.len() + 2);
+    for label in name.iter() {
+        out.push(label.len() as u8);
+        out.extend(label.iter().map(u8::to_ascii_lowercase));
+    }
+    out.push(0);
+    out
+}
