@@ -56,8 +56,7 @@ mod tests {
         state
             .upsert(spec("/foo/bar/buzz", Protocol::Http, "10.0.0.1:80"))
             .unwrap();
-        let table = dns.translate(&state.snapshot()).expect("the first table");
-        assert_eq!(table.len(), 1);
+        assert!(dns.translate(&state.snapshot()).is_some(), "the first table");
 
         state
             .upsert(spec("/foo/bar/buzz", Protocol::Http, "10.0.0.2:80"))
@@ -68,11 +67,10 @@ mod tests {
         state
             .upsert(spec("/foo/bar/buzz", Protocol::Tcp, "10.0.0.2:80"))
             .unwrap();
-        let table = dns.translate(&state.snapshot()).expect("a new address");
-        assert_eq!(table.len(), 1);
+        assert!(dns.translate(&state.snapshot()).is_some(), "a new address");
 
         state.remove(&"/foo/bar/buzz".parse().unwrap());
-        let table = dns.translate(&state.snapshot()).expect("a service went");
-        assert_eq!(table.len(), 0);
+        assert!(dns.translate(&state.snapshot()).is_some(), "a service went");
+        assert!(dns.translate(&state.snapshot()).is_none(), "nothing changed");
     }
 }
