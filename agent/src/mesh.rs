@@ -7,6 +7,7 @@
 
 mod address;
 mod path;
+pub mod route;
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -20,6 +21,7 @@ use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError};
 pub use path::{MeshPath, PathError};
+pub use route::{RejectedRoute, RouteRule, Rules};
 
 /// How a service port speaks, which decides how Envoy routes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -128,13 +130,25 @@ pub struct ServiceSpec {
     pub path: MeshPath,
     /// Sorted by port; ports are unique within a service.
     pub ports: Vec<ServicePort>,
+    /// HTTP routing rules for requests sent to this service; none means every request goes to
+    /// its own endpoints.
+    pub routes: Rules,
 }
 
 impl ServiceSpec {
     /// Builds a spec, sorting ports so equal services compare equal whatever the source order.
     pub fn new(path: MeshPath, mut ports: Vec<ServicePort>) -> Self {
         ports.sort_by_key(|p| p.port);
-        ServiceSpec { path, ports }
+        ServiceSpec {
+            path,
+            ports,
+            routes: Rules::from([]),
+        }
+    }
+
+    pub fn with_routes(mut self, routes: Vec<RouteRule>) -> Self {
+        self.routes = routes.into();
+        self
     }
 
     /// A service needs an address of its own as soon as one port is not HTTP: Envoy can only
@@ -168,11 +182,12 @@ pub struct Service {
     pub dns_name: String,
     pub address: ServiceAddress,
     pub ports: Vec<ServicePort>,
+    pub routes: Rules,
 }
 
 impl Service {
-    /// Same name, address and ports (ignoring endpoints): if two versions of a service have the
-    /// same shape, only their endpoints need pushing.
+    /// Same name, address and ports (ignoring endpoints and routes): if two versions of a
+    /// service have the same shape, only their endpoints or routes need pushing.
     pub fn same_shape(&self, other: &Service) -> bool {
         self.address == other.address
             && self.path == other.path
@@ -202,6 +217,8 @@ pub struct MeshSnapshot {
     pub shape_version: u64,
     pub trap: TrapCidrs,
     pub services: ServiceMap,
+    /// Routes the sources refused, and why: shown to operators, served to no proxy.
+    pub rejected_routes: Arc<[RejectedRoute]>,
     /// When the source took this snapshot: where the push latency of what it changed starts.
     #[serde(skip)]
     pub taken_at: Instant,
@@ -225,6 +242,7 @@ impl MeshSnapshot {
 pub struct MeshState {
     addresses: AddressBook,
     services: ServiceMap,
+    rejected_routes: Arc<[RejectedRoute]>,
     version: u64,
     shape_version: u64,
     /// Something changed since the last snapshot.
@@ -238,6 +256,7 @@ impl MeshState {
         MeshState {
             addresses: AddressBook::new(trap),
             services: ServiceMap::new(),
+            rejected_routes: Arc::from([]),
             version: 0,
             shape_version: 0,
             changed: true,
@@ -255,6 +274,7 @@ impl MeshState {
         if let Some(existing) = existing
             && existing.address == address
             && existing.ports == spec.ports
+            && existing.routes == spec.routes
         {
             return Ok(false);
         }
@@ -263,6 +283,7 @@ impl MeshState {
             path: spec.path.clone(),
             address,
             ports: spec.ports,
+            routes: spec.routes,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));
@@ -301,6 +322,15 @@ impl MeshState {
         Ok(())
     }
 
+    /// Sets what the source refused of the routes it read (sorted, so equal sets compare equal).
+    pub fn set_rejected_routes(&mut self, mut rejected: Vec<RejectedRoute>) {
+        rejected.sort();
+        if *self.rejected_routes != *rejected {
+            self.rejected_routes = rejected.into();
+            self.changed = true;
+        }
+    }
+
     /// A snapshot of the current state, with a new version if anything changed since the last.
     pub fn snapshot(&mut self) -> Arc<MeshSnapshot> {
         if self.changed {
@@ -316,6 +346,7 @@ impl MeshState {
             shape_version: self.shape_version,
             trap: self.addresses.trap().clone(),
             services: self.services.clone(),
+            rejected_routes: self.rejected_routes.clone(),
             taken_at: Instant::now(),
         })
     }

@@ -1,8 +1,11 @@
 //! Mesh-file source: a YAML file describing the whole mesh, followed live.
 //!
-//! The file is parsed and validated as a whole; a bad edit is logged and the last good mesh
-//! keeps serving. Changes are seen through inotify on the file's directory, so editors that
+//! The file is parsed and validated as a whole (the services, then their routing rules, which
+//! name other services of the file); a bad edit is logged and the last good mesh keeps
+//! serving. Changes are seen through inotify on the file's directory, so editors that
 //! replace the file and Kubernetes ConfigMap symlink swaps are both caught.
+
+mod routes;
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
@@ -53,6 +56,8 @@ struct FileService {
     ports: Vec<FilePort>,
     #[serde(default)]
     endpoints: Vec<FileEndpoint>,
+    #[serde(default)]
+    routes: Vec<routes::FileRoute>,
 }
 
 #[derive(Deserialize)]
@@ -79,6 +84,7 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
     let file: MeshFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
     let mut seen = HashSet::new();
     let mut specs = Vec::with_capacity(file.services.len());
+    let mut all_routes = Vec::with_capacity(file.services.len());
     for (i, service) in file.services.into_iter().enumerate() {
         let at = format!("services[{i}]");
         let path: MeshPath = service
@@ -138,8 +144,25 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
             });
         }
         specs.push(ServiceSpec::new(path, ports));
+        all_routes.push((at, service.routes));
     }
-    Ok(specs)
+    // Rules name other services and their ports, so they are read once every service is.
+    let ports: routes::PortIndex = specs
+        .iter()
+        .map(|s| {
+            let ports = s.ports.iter().map(|p| (p.port, p.protocol)).collect();
+            (s.path.clone(), ports)
+        })
+        .collect();
+    specs
+        .into_iter()
+        .zip(all_routes)
+        .map(|(spec, (at, file_routes))| {
+            let rules =
+                routes::rules(&spec.path, file_routes, &ports).map_err(|e| format!("{at}.{e}"))?;
+            Ok(spec.with_routes(rules))
+        })
+        .collect()
 }
 
 /// Changes after which the file is whole again: closed after writing, created, renamed into
@@ -154,6 +177,7 @@ fn is_complete_change(kind: &notify::EventKind) -> bool {
     }
 }
 
+/// A port number (1-65535) from the file's integer.
 fn port_number(value: i64) -> Option<u16> {
     u16::try_from(value).ok().filter(|&p| p != 0)
 }

@@ -5,7 +5,7 @@
 //! what it built last time and reuses it for services that did not change, so the cost of a
 //! change follows the size of the change, not the size of the mesh.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
@@ -23,10 +23,6 @@ use envoy_types::pb::envoy::config::endpoint::v3::{
 use envoy_types::pb::envoy::config::listener::v3::{
     Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
-use envoy_types::pb::envoy::config::route::v3::{
-    RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost, route,
-    route_action, route_match,
-};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
@@ -43,6 +39,10 @@ use imbl::ordmap::DiffItem;
 use lattice_contract::ENVOY_OUTBOUND_PORT;
 use prost::Message;
 
+mod routes;
+
+pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
+
 use crate::mesh::{MeshSnapshot, Service, ServiceAddress, ServiceMap, ServicePort};
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
@@ -51,8 +51,8 @@ use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 pub const OUTBOUND_LISTENER: &str = "lattice-outbound";
 
 /// `buzz.bar.foo.system.internal|8080`: readable in Envoy's stats and admin pages.
-pub fn cluster_name(service: &Service, port: u16) -> String {
-    format!("{}|{}", service.dns_name, port)
+pub fn cluster_name(dns_name: &str, port: u16) -> String {
+    format!("{dns_name}|{port}")
 }
 
 /// One route configuration per HTTP port on the shared address.
@@ -73,6 +73,9 @@ pub struct EnvoyTranslator {
 impl EnvoyTranslator {
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
+        // Ports whose route configuration must be rebuilt though the shape did not change: a
+        // service's routing rules changed, which is no more than an endpoint change elsewhere.
+        let mut rerouted = BTreeSet::new();
         for change in previous.diff(&mesh.services) {
             match change {
                 DiffItem::Add(_, service) => self.insert(service, true),
@@ -84,13 +87,27 @@ impl EnvoyTranslator {
                     if !same_shape {
                         self.remove(old);
                     }
-                    self.insert(new, !same_shape);
+                    if !same_shape || old.ports != new.ports {
+                        self.insert(new, !same_shape);
+                    }
+                    if old.routes != new.routes {
+                        rerouted.extend(new.ports.iter().map(|p| p.port));
+                    }
                 }
                 DiffItem::Remove(_, service) => self.remove(service),
             }
         }
-        // The listener and the routes depend on names, addresses and ports only.
-        if self.shape_version != Some(mesh.shape_version) {
+        // The listener depends on names, addresses and ports only; the routes on those and on
+        // the services' routing rules.
+        if self.shape_version == Some(mesh.shape_version) {
+            let routes = &mut self.resources[ResourceType::Route.index()];
+            for port in rerouted {
+                match route_config(mesh, port) {
+                    Some(config) => routes.insert(config.name.clone(), config),
+                    None => routes.remove(route_name(port).as_str()),
+                };
+            }
+        } else {
             let listener = outbound_listener(mesh);
             self.resources[ResourceType::Listener.index()] =
                 ResourceMap::unit(listener.name.clone(), listener);
@@ -122,7 +139,7 @@ impl EnvoyTranslator {
 
     fn remove(&mut self, service: &Service) {
         for port in &service.ports {
-            let name = cluster_name(service, port.port);
+            let name = cluster_name(&service.dns_name, port.port);
             self.resources[ResourceType::Cluster.index()].remove(name.as_str());
             self.resources[ResourceType::Endpoint.index()].remove(name.as_str());
         }
@@ -143,7 +160,12 @@ fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
     service
         .ports
         .iter()
-        .map(|port| XdsResource::new(cluster_name(service, port.port), cluster(service, port)))
+        .map(|port| {
+            XdsResource::new(
+                cluster_name(&service.dns_name, port.port),
+                cluster(service, port),
+            )
+        })
         .collect()
 }
 
@@ -168,7 +190,7 @@ fn cluster(service: &Service, port: &ServicePort) -> Cluster {
         );
     }
     Cluster {
-        name: cluster_name(service, port.port),
+        name: cluster_name(&service.dns_name, port.port),
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
         eds_cluster_config: Some(EdsClusterConfig {
             eds_config: Some(ads()),
@@ -188,7 +210,7 @@ fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .ports
         .iter()
         .map(|port| {
-            let name = cluster_name(service, port.port);
+            let name = cluster_name(&service.dns_name, port.port);
             let assignment = ClusterLoadAssignment {
                 cluster_name: name.clone(),
                 endpoints: vec![LocalityLbEndpoints {
@@ -277,7 +299,7 @@ fn http_chain(name: String, ip: Ipv4Addr, port: u16) -> FilterChain {
 }
 
 fn tcp_chain(service: &Service, ip: Ipv4Addr, port: u16) -> FilterChain {
-    let cluster = cluster_name(service, port);
+    let cluster = cluster_name(&service.dns_name, port);
     let proxy = TcpProxy {
         stat_prefix: cluster.clone(),
         cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.clone())),
@@ -341,68 +363,11 @@ pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
     XdsResource::new(OUTBOUND_LISTENER.to_string(), listener)
 }
 
-/// One route configuration per HTTP port on the shared address, one virtual host per service,
-/// matched by `name` and `name:port`.
-pub fn route_configs(mesh: &MeshSnapshot) -> Vec<Arc<XdsResource>> {
-    let mut by_port: BTreeMap<u16, Vec<VirtualHost>> = BTreeMap::new();
-    for service in mesh.services.values() {
-        if !matches!(service.address, ServiceAddress::Shared(_)) {
-            continue;
-        }
-        for port in &service.ports {
-            by_port
-                .entry(port.port)
-                .or_default()
-                .push(virtual_host(service, port.port));
-        }
-    }
-    by_port
-        .into_iter()
-        .map(|(port, virtual_hosts)| {
-            let name = route_name(port);
-            let config = RouteConfiguration {
-                name: name.clone(),
-                virtual_hosts,
-                ..RouteConfiguration::default()
-            };
-            XdsResource::new(name, config)
-        })
-        .collect()
-}
-
-fn virtual_host(service: &Service, port: u16) -> VirtualHost {
-    let cluster = cluster_name(service, port);
-    VirtualHost {
-        name: cluster.clone(),
-        domains: vec![
-            service.dns_name.clone(),
-            format!("{}:{port}", service.dns_name),
-        ],
-        routes: vec![Route {
-            r#match: Some(RouteMatch {
-                path_specifier: Some(route_match::PathSpecifier::Prefix("/".to_string())),
-                ..RouteMatch::default()
-            }),
-            action: Some(route::Action::Route(RouteAction {
-                cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster)),
-                // Retry what cannot have reached the application, so an endpoint that is
-                // going away costs a retry, not a failed request.
-                retry_policy: Some(RetryPolicy {
-                    retry_on: "connect-failure,refused-stream,reset-before-request".to_string(),
-                    num_retries: Some(UInt32Value { value: 2 }),
-                    ..RetryPolicy::default()
-                }),
-                ..RouteAction::default()
-            })),
-            ..Route::default()
-        }],
-        ..VirtualHost::default()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use prost::Message;
+
+    use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 
     use super::*;
     use crate::mesh::{EndpointSet, MeshState, Protocol, ServiceSpec};
