@@ -40,6 +40,7 @@ impl AdminServer {
             .route("/metrics", get(metrics_text))
             .route("/debug/mesh", get(debug_mesh))
             .route("/debug/xds", get(debug_xds))
+            .route("/debug/routes", get(debug_routes))
             .with_state(state);
         Ok(AdminServer { listener, router })
     }
@@ -87,6 +88,32 @@ async fn debug_mesh(State(state): State<AdminState>) -> Response {
         Some(snapshot) => axum::Json(snapshot).into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response(),
     }
+}
+
+/// The routing rules in effect, by parent service, with their sources, and every route the
+/// sources refused, with the reason.
+async fn debug_routes(State(state): State<AdminState>) -> Response {
+    let Some(mesh) = state.mesh.borrow().clone() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response();
+    };
+    let services: Vec<serde_json::Value> = mesh
+        .services
+        .values()
+        .filter(|s| !s.routes.is_empty())
+        .map(|s| {
+            serde_json::json!({
+                "service": s.path,
+                "name": s.dns_name,
+                "rules": s.routes,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "version": mesh.version,
+        "services": services,
+        "rejected": mesh.rejected_routes,
+    }))
+    .into_response()
 }
 
 async fn debug_xds(State(state): State<AdminState>) -> Response {

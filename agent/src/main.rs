@@ -97,6 +97,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         mesh_rx.clone(),
         config.debounce(),
         metrics.xds.clone(),
+        metrics.mesh.clone(),
         &readiness,
     );
 

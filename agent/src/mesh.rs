@@ -6,6 +6,7 @@
 //! here knows about Kubernetes, files, Envoy or DNS.
 
 mod address;
+mod metrics;
 mod path;
 pub mod route;
 
@@ -20,6 +21,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError};
+pub use metrics::MeshMetrics;
 pub use path::{MeshPath, PathError};
 pub use route::{RejectedRoute, RouteRule, Rules};
 

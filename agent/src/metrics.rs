@@ -5,11 +5,13 @@ use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
 
+use crate::mesh::MeshMetrics;
 use crate::xds::XdsMetrics;
 
 /// The registry and the recorders registered in it.
 pub struct Metrics {
     registry: Registry,
+    pub mesh: MeshMetrics,
     pub xds: XdsMetrics,
     pub dns: lattice_dns::DnsMetrics,
 }
@@ -17,9 +19,15 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Arc<Metrics> {
         let mut registry = Registry::default();
+        let mesh = MeshMetrics::register(&mut registry);
         let xds = XdsMetrics::register(&mut registry);
         let dns = lattice_dns::DnsMetrics::new(&mut registry);
-        Arc::new(Metrics { registry, xds, dns })
+        Arc::new(Metrics {
+            registry,
+            mesh,
+            xds,
+            dns,
+        })
     }
 
     /// The Prometheus text exposition.

@@ -18,7 +18,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("source", &["mesh"]),
     ("translate", &["mesh", "xds", "readiness"]),
     ("xds", &[]),
-    ("metrics", &["xds"]),
+    ("metrics", &["mesh", "xds"]),
     ("admin", &["mesh", "metrics", "readiness", "xds"]),
 ];
 

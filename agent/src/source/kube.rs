@@ -1,5 +1,10 @@
-//! Kubernetes source: Services (core/v1) and EndpointSlices (discovery.k8s.io/v1) through the
-//! kube-rs runtime `watcher`, folded into a compact index that feeds the mesh state.
+//! Kubernetes source: Services (core/v1) and EndpointSlices (discovery.k8s.io/v1), and the
+//! Gateway API's HTTPRoutes, GRPCRoutes and ReferenceGrants (gateway.networking.k8s.io/v1),
+//! through the kube-rs runtime `watcher`, folded into a compact index that feeds the mesh state.
+//!
+//! The Gateway API kinds are optional: on a cluster without their CRDs the API server answers
+//! 404, which counts as an empty, complete list (so the agent gets ready), is logged once, and
+//! keeps being retried with backoff, so CRDs installed later are picked up.
 //!
 //! Nothing is published until every watch has finished its initial list, so a snapshot never
 //! holds Services without their endpoints. After that each batch of API events recomputes
@@ -9,11 +14,15 @@
 
 mod index;
 mod mapping;
+mod routes;
 
 use std::pin::Pin;
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
+use gateway_api::experimental::httproutes::HttpRoute;
+use gateway_api::grpcroutes::GrpcRoute;
+use gateway_api::referencegrants::ReferenceGrant;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
@@ -29,6 +38,7 @@ pub use index::MeshIndex;
 pub use mapping::{PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
 
 use mapping::{MappedService, MappedSlice, ObjectKey};
+use routes::{GrantEntry, RouteEntry, RouteKey, RouteKind};
 
 pub struct KubeSourceConfig {
     /// Namespaces to watch; empty means the whole cluster.
@@ -62,11 +72,14 @@ pub enum KubeSourceError {
     WatchEnded,
 }
 
-/// The two resources the source watches.
+/// The resources the source watches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Resource {
     Services,
     EndpointSlices,
+    HttpRoutes,
+    GrpcRoutes,
+    ReferenceGrants,
 }
 
 impl Resource {
@@ -74,7 +87,15 @@ impl Resource {
         match self {
             Resource::Services => "services",
             Resource::EndpointSlices => "endpointslices",
+            Resource::HttpRoutes => "httproutes.gateway.networking.k8s.io",
+            Resource::GrpcRoutes => "grpcroutes.gateway.networking.k8s.io",
+            Resource::ReferenceGrants => "referencegrants.gateway.networking.k8s.io",
         }
+    }
+
+    /// A resource whose CRD may not be installed: its absence is an empty list, not an error.
+    fn is_optional(self) -> bool {
+        !matches!(self, Resource::Services | Resource::EndpointSlices)
     }
 }
 
@@ -90,6 +111,8 @@ struct WatchScope {
 enum Object {
     Service(ObjectKey, MappedService),
     Slice(ObjectKey, MappedSlice),
+    Route(RouteKey, RouteEntry),
+    Grant(ObjectKey, GrantEntry),
 }
 
 impl Object {
@@ -101,6 +124,21 @@ impl Object {
     fn slice(slice: &EndpointSlice) -> Object {
         let (key, mapped) = mapping::slice_entry(slice);
         Object::Slice(key, mapped)
+    }
+
+    fn http_route(route: &HttpRoute) -> Object {
+        let (key, entry) = routes::http_route_entry(route);
+        Object::Route(key, entry)
+    }
+
+    fn grpc_route(route: &GrpcRoute) -> Object {
+        let (key, entry) = routes::grpc_route_entry(route);
+        Object::Route(key, entry)
+    }
+
+    fn grant(grant: &ReferenceGrant) -> Object {
+        let (key, entry) = routes::grant_entry(grant);
+        Object::Grant(key, entry)
     }
 }
 
@@ -144,51 +182,65 @@ pub async fn run(
     // One watch per namespace: a namespace named twice must not be listed twice.
     namespaces.sort();
     namespaces.dedup();
-    let mut scopes = Vec::new();
-    let mut streams: Vec<Pin<Box<dyn Stream<Item = WatchEvent> + Send>>> = Vec::new();
+    let mut watches = Watches::default();
     for namespace in &namespaces {
-        let id = scopes.len();
-        scopes.push(WatchScope {
-            resource: Resource::Services,
-            namespace: namespace.clone(),
-        });
-        streams.push(
-            watcher(
-                api::<Service>(&client, namespace),
-                watcher::Config::default(),
-            )
-            .default_backoff()
-            .map(move |event| (id, event.map(|e| Change::of(e, Object::service))))
-            .boxed(),
-        );
-        let id = scopes.len();
-        scopes.push(WatchScope {
-            resource: Resource::EndpointSlices,
-            namespace: namespace.clone(),
-        });
-        streams.push(
-            watcher(
-                api::<EndpointSlice>(&client, namespace),
-                watcher::Config::default(),
-            )
-            .default_backoff()
-            .map(move |event| (id, event.map(|e| Change::of(e, Object::slice))))
-            .boxed(),
-        );
+        watches.add(&client, namespace, Resource::Services, Object::service);
+        watches.add(&client, namespace, Resource::EndpointSlices, Object::slice);
+        watches.add(&client, namespace, Resource::HttpRoutes, Object::http_route);
+        watches.add(&client, namespace, Resource::GrpcRoutes, Object::grpc_route);
+        watches.add(&client, namespace, Resource::ReferenceGrants, Object::grant);
     }
     info!(
         namespaces = ?config.namespaces,
-        "watching Kubernetes services and endpointslices{}",
+        "watching Kubernetes services, endpointslices, httproutes, grpcroutes and \
+         referencegrants{}",
         if config.namespaces.is_empty() { " cluster-wide" } else { "" }
     );
-    let watches = WatchSet::new(config.trap, scopes);
+    let set = WatchSet::new(config.trap, watches.scopes);
     follow(
-        futures::stream::select_all(streams),
-        watches,
+        futures::stream::select_all(watches.streams),
+        set,
         &tx,
         &shutdown,
     )
     .await
+}
+
+/// The watches being set up: their scopes, and their event streams tagged with their index.
+#[derive(Default)]
+struct Watches {
+    scopes: Vec<WatchScope>,
+    streams: Vec<Pin<Box<dyn Stream<Item = WatchEvent> + Send>>>,
+}
+
+impl Watches {
+    fn add<K>(
+        &mut self,
+        client: &kube::Client,
+        namespace: &Option<String>,
+        resource: Resource,
+        map: fn(&K) -> Object,
+    ) where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + 'static,
+        K::DynamicType: Default,
+    {
+        let id = self.scopes.len();
+        self.scopes.push(WatchScope {
+            resource,
+            namespace: namespace.clone(),
+        });
+        self.streams.push(
+            watcher(api::<K>(client, namespace), watcher::Config::default())
+                .default_backoff()
+                .map(move |event| (id, event.map(|e| Change::of(e, map))))
+                .boxed(),
+        );
+    }
 }
 
 fn api<K>(client: &kube::Client, namespace: &Option<String>) -> Api<K>
@@ -236,6 +288,8 @@ struct WatchSet {
     pending: Vec<Option<Vec<Object>>>,
     /// Per watch: whether its initial list has completed.
     listed: Vec<bool>,
+    /// Per watch: whether the API server said its resource does not exist (optional only).
+    missing: Vec<bool>,
     started: Instant,
     ready: bool,
 }
@@ -248,16 +302,20 @@ impl WatchSet {
             scopes,
             pending: (0..n).map(|_| None).collect(),
             listed: vec![false; n],
+            missing: vec![false; n],
             started: Instant::now(),
             ready: false,
         }
     }
 
     fn handle(&mut self, watch: usize, result: Result<Change, watcher::Error>) {
-        let Some(scope) = self.scopes.get(watch) else {
+        let Some(scope) = self.scopes.get(watch).cloned() else {
             return;
         };
         match result {
+            Err(err) if scope.resource.is_optional() && is_not_found(&err) => {
+                self.absent(watch, &scope)
+            }
             Err(err) => warn!(
                 resource = scope.resource.as_str(),
                 namespace = scope.namespace.as_deref().unwrap_or("*"),
@@ -272,39 +330,105 @@ impl WatchSet {
             }
             Ok(Change::InitDone) => {
                 let listed = self.pending[watch].take().unwrap_or_default();
-                let namespace = scope.namespace.as_deref();
-                match scope.resource {
-                    Resource::Services => {
-                        let services = listed
-                            .into_iter()
-                            .filter_map(|o| match o {
-                                Object::Service(key, mapped) => Some((key, mapped)),
-                                Object::Slice(..) => None,
-                            })
-                            .collect();
-                        self.index.replace_services(namespace, services);
-                    }
-                    Resource::EndpointSlices => {
-                        let slices = listed
-                            .into_iter()
-                            .filter_map(|o| match o {
-                                Object::Slice(key, mapped) => Some((key, mapped)),
-                                Object::Service(..) => None,
-                            })
-                            .collect();
-                        self.index.replace_slices(namespace, slices);
-                    }
+                if self.missing[watch] {
+                    info!(
+                        resource = scope.resource.as_str(),
+                        "Gateway API resource found; its objects are read from now on"
+                    );
+                    self.missing[watch] = false;
                 }
+                self.replace(&scope, listed);
                 self.listed[watch] = true;
             }
-            Ok(Change::Apply(Object::Service(key, mapped))) => {
-                self.index.apply_mapped_service(key, mapped)
+            Ok(Change::Apply(object)) => self.apply(object),
+            Ok(Change::Delete(object)) => self.delete(object),
+        }
+    }
+
+    /// An optional resource the API server does not know (its CRD is not installed): an empty,
+    /// complete list, said once; the watcher keeps trying, so a CRD installed later is read.
+    fn absent(&mut self, watch: usize, scope: &WatchScope) {
+        if !self.missing[watch] {
+            warn!(
+                resource = scope.resource.as_str(),
+                namespace = scope.namespace.as_deref().unwrap_or("*"),
+                "Gateway API resource not installed (404); routing rules from it are ignored \
+                 until its CRD appears"
+            );
+            self.missing[watch] = true;
+            self.pending[watch] = None;
+            self.replace(scope, Vec::new());
+        }
+        self.listed[watch] = true;
+    }
+
+    /// Makes the objects of one watch's scope exactly `listed`.
+    fn replace(&mut self, scope: &WatchScope, listed: Vec<Object>) {
+        let namespace = scope.namespace.as_deref();
+        match scope.resource {
+            Resource::Services => {
+                let services = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Service(key, mapped) => Some((key, mapped)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_services(namespace, services);
             }
-            Ok(Change::Apply(Object::Slice(key, mapped))) => {
-                self.index.apply_mapped_slice(key, mapped)
+            Resource::EndpointSlices => {
+                let slices = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Slice(key, mapped) => Some((key, mapped)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_slices(namespace, slices);
             }
-            Ok(Change::Delete(Object::Service(key, _))) => self.index.delete_service(key),
-            Ok(Change::Delete(Object::Slice(key, _))) => self.index.delete_slice(key),
+            Resource::HttpRoutes | Resource::GrpcRoutes => {
+                let kind = if scope.resource == Resource::HttpRoutes {
+                    RouteKind::Http
+                } else {
+                    RouteKind::Grpc
+                };
+                let routes = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Route(key, entry) if key.kind == kind => Some((key, entry)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_routes(kind, namespace, routes);
+            }
+            Resource::ReferenceGrants => {
+                let grants = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Grant(key, entry) => Some((key, entry)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_grants(namespace, grants);
+            }
+        }
+    }
+
+    fn apply(&mut self, object: Object) {
+        match object {
+            Object::Service(key, mapped) => self.index.apply_mapped_service(key, mapped),
+            Object::Slice(key, mapped) => self.index.apply_mapped_slice(key, mapped),
+            Object::Route(key, entry) => self.index.apply_route(key, entry),
+            Object::Grant(key, entry) => self.index.apply_grant(key, entry),
+        }
+    }
+
+    fn delete(&mut self, object: Object) {
+        match object {
+            Object::Service(key, _) => self.index.delete_service(key),
+            Object::Slice(key, _) => self.index.delete_slice(key),
+            Object::Route(key, _) => self.index.delete_route(key),
+            Object::Grant(key, _) => self.index.delete_grant(key),
         }
     }
 
@@ -327,6 +451,17 @@ impl WatchSet {
     }
 }
 
+/// Whether the API server answered 404: the resource (a CRD) is not installed.
+fn is_not_found(err: &watcher::Error) -> bool {
+    match err {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
+        watcher::Error::WatchError(status) => status.code == 404,
+        _ => false,
+    }
+}
+
 /// An error and its causes on one line, so the log says why (say, connection refused).
 fn error_chain(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
@@ -342,5 +477,7 @@ fn error_chain(err: &dyn std::error::Error) -> String {
     text
 }
 
+#[cfg(test)]
+mod route_tests;
 #[cfg(test)]
 mod tests;

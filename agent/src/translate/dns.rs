@@ -56,7 +56,10 @@ mod tests {
         state
             .upsert(spec("/foo/bar/buzz", Protocol::Http, "10.0.0.1:80"))
             .unwrap();
-        assert!(dns.translate(&state.snapshot()).is_some(), "the first table");
+        assert!(
+            dns.translate(&state.snapshot()).is_some(),
+            "the first table"
+        );
 
         state
             .upsert(spec("/foo/bar/buzz", Protocol::Http, "10.0.0.2:80"))
@@ -71,6 +74,9 @@ mod tests {
 
         state.remove(&"/foo/bar/buzz".parse().unwrap());
         assert!(dns.translate(&state.snapshot()).is_some(), "a service went");
-        assert!(dns.translate(&state.snapshot()).is_none(), "nothing changed");
+        assert!(
+            dns.translate(&state.snapshot()).is_none(),
+            "nothing changed"
+        );
     }
 }

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dns::DnsTranslator;
 use super::envoy::EnvoyTranslator;
-use crate::mesh::MeshRx;
+use crate::mesh::{MeshMetrics, MeshRx};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
 
@@ -28,6 +28,7 @@ pub struct Pipeline {
     xds: XdsTx,
     names: watch::Sender<Arc<NameTable>>,
     metrics: XdsMetrics,
+    mesh_metrics: MeshMetrics,
     /// Held until the first translation of each kind is published.
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
@@ -38,6 +39,7 @@ impl Pipeline {
         mesh: MeshRx,
         debounce: Duration,
         metrics: XdsMetrics,
+        mesh_metrics: MeshMetrics,
         readiness: &Readiness,
     ) -> (Pipeline, Published) {
         let (xds, xds_rx) = xds::snapshot::channel();
@@ -48,6 +50,7 @@ impl Pipeline {
             xds,
             names,
             metrics,
+            mesh_metrics,
             xds_ready: Some(readiness.register("envoy resources")),
             names_ready: Some(readiness.register("dns names")),
         };
@@ -91,6 +94,7 @@ impl Pipeline {
             self.xds_ready.take();
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
+            self.mesh_metrics.observe(&mesh);
             tracing::info!(
                 version = mesh.version,
                 services = mesh.services.len(),
@@ -133,8 +137,14 @@ mod tests {
     async fn a_lone_change_goes_out_at_once_and_a_burst_is_coalesced() {
         let (mesh, mesh_rx) = mesh::channel();
         let readiness = Readiness::new();
-        let (pipeline, mut out) =
-            Pipeline::new(mesh_rx, PERIOD, Metrics::new().xds.clone(), &readiness);
+        let metrics = Metrics::new();
+        let (pipeline, mut out) = Pipeline::new(
+            mesh_rx,
+            PERIOD,
+            metrics.xds.clone(),
+            metrics.mesh.clone(),
+            &readiness,
+        );
         assert_eq!(readiness.pending(), ["dns names", "envoy resources"]);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));

@@ -11,9 +11,12 @@ use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
+use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use lattice_contract::TrapCidrs;
 
-use crate::mesh::{EndpointSet, MeshPath, MeshSnapshot, MeshState, ServicePort, ServiceSpec};
+use crate::mesh::{
+    EndpointSet, MeshPath, MeshSnapshot, MeshState, RejectedRoute, ServicePort, ServiceSpec,
+};
 
 /// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
 type Claim = (Option<Timestamp>, ObjectKey);
@@ -27,6 +30,9 @@ pub struct MeshIndex {
     claims: HashMap<MeshPath, BTreeSet<Claim>>,
     /// Slices skipped as not IPv4, so each is logged once.
     skipped: HashSet<ObjectKey>,
+    routes: RouteIndex,
+    /// What was refused of the routes at the last snapshot, to log changes once.
+    rejected: Vec<RejectedRoute>,
     mesh: MeshState,
     changed: bool,
 }
@@ -39,6 +45,8 @@ impl MeshIndex {
             slices_of: HashMap::new(),
             claims: HashMap::new(),
             skipped: HashSet::new(),
+            routes: RouteIndex::default(),
+            rejected: Vec::new(),
             mesh: MeshState::new(trap),
             changed: true,
         }
@@ -133,13 +141,115 @@ impl MeshIndex {
         }
     }
 
+    pub fn apply_route(&mut self, key: RouteKey, entry: RouteEntry) {
+        let affected = self.routes.set_route(key, Some(entry));
+        self.refresh_services(affected);
+    }
+
+    pub fn delete_route(&mut self, key: RouteKey) {
+        let affected = self.routes.set_route(key, None);
+        self.refresh_services(affected);
+    }
+
+    /// Makes the routes of `kind` in `scope` exactly `listed`: a re-list, or (empty) the
+    /// route kind's CRD going away.
+    pub fn replace_routes(
+        &mut self,
+        kind: RouteKind,
+        scope: Option<&str>,
+        listed: Vec<(RouteKey, RouteEntry)>,
+    ) {
+        let keep: HashSet<&RouteKey> = listed.iter().map(|(k, _)| k).collect();
+        let gone: Vec<RouteKey> = self
+            .routes
+            .route_keys(kind, scope)
+            .into_iter()
+            .filter(|k| !keep.contains(k))
+            .collect();
+        for key in gone {
+            self.delete_route(key);
+        }
+        for (key, entry) in listed {
+            self.apply_route(key, entry);
+        }
+    }
+
+    pub fn apply_grant(&mut self, key: ObjectKey, entry: GrantEntry) {
+        let affected = self.routes.set_grant(key, Some(entry));
+        self.refresh_services(affected);
+    }
+
+    pub fn delete_grant(&mut self, key: ObjectKey) {
+        let affected = self.routes.set_grant(key, None);
+        self.refresh_services(affected);
+    }
+
+    pub fn replace_grants(&mut self, scope: Option<&str>, listed: Vec<(ObjectKey, GrantEntry)>) {
+        let keep: HashSet<&ObjectKey> = listed.iter().map(|(k, _)| k).collect();
+        let gone: Vec<ObjectKey> = self
+            .routes
+            .grant_keys(scope)
+            .into_iter()
+            .filter(|k| !keep.contains(k))
+            .collect();
+        for key in gone {
+            self.delete_grant(key);
+        }
+        for (key, entry) in listed {
+            self.apply_grant(key, entry);
+        }
+    }
+
     /// A snapshot to publish, if anything changed since the last one taken.
     pub fn take_snapshot(&mut self) -> Option<Arc<MeshSnapshot>> {
+        self.update_rejections();
         if !self.changed {
             return None;
         }
         self.changed = false;
         Some(self.mesh.snapshot())
+    }
+
+    /// Works out what is refused of the routes now, logs what changed (one line per route
+    /// and parent that is newly refused or no longer is) and hands it to the mesh.
+    fn update_rejections(&mut self) {
+        if self.routes.is_empty() && self.rejected.is_empty() {
+            return;
+        }
+        let lookup = |key: &ObjectKey| self.lookup(key);
+        let mut rejected = self.routes.rejections(&lookup);
+        rejected.sort();
+        if rejected == self.rejected {
+            return;
+        }
+        for gone in self.rejected.iter().filter(|r| !rejected.contains(r)) {
+            info!(route = %gone.route, parent = gone.parent.as_deref().unwrap_or("-"), "route no longer refused");
+        }
+        for new in rejected.iter().filter(|r| !self.rejected.contains(r)) {
+            warn!(route = %new.route, parent = new.parent.as_deref().unwrap_or("-"), reason = %new.reason, "route refused; it is ignored");
+        }
+        self.mesh.set_rejected_routes(rejected.clone());
+        self.rejected = rejected;
+        self.changed = true;
+    }
+
+    /// A Service and whether it holds its mesh path.
+    fn lookup(&self, key: &ObjectKey) -> Option<(&ServiceEntry, bool)> {
+        let entry = self.services.get(key)?;
+        let holds = self
+            .claims
+            .get(&entry.path)
+            .and_then(|claims| claims.first())
+            .is_some_and(|(_, owner)| owner == key);
+        Some((entry, holds))
+    }
+
+    fn refresh_services(&mut self, services: BTreeSet<ObjectKey>) {
+        for service in services {
+            if let Some(path) = self.services.get(&service).map(|s| s.path.clone()) {
+                self.refresh(&path);
+            }
+        }
     }
 
     pub fn service_count(&self) -> usize {
@@ -188,6 +298,11 @@ impl MeshIndex {
                 }
             }
             self.refresh(&entry.path);
+        }
+        // Routes that send to this Service resolve it anew.
+        if !self.routes.is_empty() {
+            let parents = self.routes.parents_sending_to(&key);
+            self.refresh_services(parents);
         }
     }
 
@@ -288,7 +403,12 @@ impl MeshIndex {
                 }
             })
             .collect();
-        Some(ServiceSpec::new(entry.path.clone(), ports))
+        let spec = ServiceSpec::new(entry.path.clone(), ports);
+        if self.routes.is_empty() {
+            return Some(spec);
+        }
+        let lookup = |key: &ObjectKey| self.lookup(key);
+        Some(spec.with_routes(self.routes.rules_for(key, &lookup)))
     }
 }
 

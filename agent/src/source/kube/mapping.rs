@@ -31,7 +31,7 @@ impl ObjectKey {
     }
 
     /// The API server always sets both on the objects it serves.
-    fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
+    pub(super) fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
         ObjectKey::new(
             meta.namespace.clone().unwrap_or_default(),
             meta.name.clone().unwrap_or_default(),

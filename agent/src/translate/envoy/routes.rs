@@ -131,7 +131,7 @@ fn default_retry(per_try_timeout: Option<StdDuration>) -> RetryPolicy {
     RetryPolicy {
         retry_on: "connect-failure,refused-stream,reset-before-request".to_string(),
         num_retries: Some(UInt32Value { value: 2 }),
-        per_try_timeout: per_try_timeout.map(duration),
+        per_try_timeout: per_try_timeout.filter(|d| !d.is_zero()).map(duration),
         ..RetryPolicy::default()
     }
 }
@@ -229,7 +229,8 @@ fn route_action(rule: &RouteRule) -> Option<RouteAction> {
                 num_retries: Some(UInt32Value {
                     value: retry.attempts,
                 }),
-                per_try_timeout: rule.backend_timeout.map(duration),
+                // Zero means no per-try limit, which Envoy says by leaving it out.
+                per_try_timeout: rule.backend_timeout.filter(|d| !d.is_zero()).map(duration),
                 retriable_status_codes: retry.codes.iter().map(|&c| u32::from(c)).collect(),
                 retry_back_off: retry.backoff.map(|base| retry_policy::RetryBackOff {
                     base_interval: Some(duration(base)),

@@ -1,0 +1,52 @@
+//! What the mesh holds, as gauges: recorded for each snapshot the translators take.
+
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::MeshSnapshot;
+
+#[derive(Clone, Debug, Default)]
+pub struct MeshMetrics {
+    services: Gauge,
+    endpoints: Gauge,
+    route_rules: Gauge,
+    rejected_routes: Gauge,
+}
+
+impl MeshMetrics {
+    /// Registers the mesh gauges (`lattice_mesh_*`) in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = MeshMetrics::default();
+        let mesh = registry.sub_registry_with_prefix("lattice_mesh");
+        mesh.register(
+            "services",
+            "Services in the mesh snapshot being served",
+            metrics.services.clone(),
+        );
+        mesh.register(
+            "endpoints",
+            "Endpoints (service port and address pairs) in the mesh snapshot being served",
+            metrics.endpoints.clone(),
+        );
+        mesh.register(
+            "route_rules",
+            "Routing rules in effect on the mesh's services",
+            metrics.route_rules.clone(),
+        );
+        mesh.register(
+            "rejected_routes",
+            "Routes (and route parents) the agent refused; /debug/routes says why",
+            metrics.rejected_routes.clone(),
+        );
+        metrics
+    }
+
+    pub fn observe(&self, mesh: &MeshSnapshot) {
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.services.set(count(mesh.services.len()));
+        self.endpoints.set(count(mesh.endpoint_count()));
+        self.route_rules
+            .set(count(mesh.services.values().map(|s| s.routes.len()).sum()));
+        self.rejected_routes.set(count(mesh.rejected_routes.len()));
+    }
+}
