@@ -1,6 +1,7 @@
-//! A fake Kubernetes API server that owns the wire protocol of two resources — core/v1 Services
-//! and discovery.k8s.io/v1 EndpointSlices — over real HTTP on loopback, so the agent under test
-//! talks to it through its real kube client and a kubeconfig.
+//! A fake Kubernetes API server that owns the wire protocol of a table of resources — core/v1
+//! Services, discovery.k8s.io/v1 EndpointSlices, the Gateway API's HTTPRoutes, GRPCRoutes and
+//! ReferenceGrants, core/v1 Pods and Nodes (see [`KINDS`]) — over real HTTP on loopback, so the
+//! agent under test talks to it through its real kube client and a kubeconfig.
 //!
 //! It keeps what an API server backed by etcd keeps: one global, monotonically increasing
 //! resourceVersion, the current objects, and the history of changes since the last compaction.
@@ -10,23 +11,27 @@
 //! a version older than the compaction with an in-stream ERROR event carrying a 410 Status, as a
 //! real API server does.
 //!
+//! A kind can be uninstalled and installed again ([`FakeApiServer::uninstall`]), as the Gateway
+//! API's CRDs are on a real cluster: while absent its paths answer 404 as unknown paths do.
+//!
 //! The server runs on its own Tokio runtime, so tests drive it with plain (blocking) calls from
 //! sync or async code alike.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use axum::body::Body;
 use bytes::Bytes;
 use futures::StreamExt;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -37,47 +42,112 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 /// How often open watches that asked for bookmarks get one.
 const BOOKMARK_INTERVAL: Duration = Duration::from_secs(1);
 
-/// The two resources the fake serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Kind {
-    Service,
-    EndpointSlice,
+const GATEWAY_API: &str = "gateway.networking.k8s.io";
+
+/// Every resource the fake serves. Routing, list, watch, get, bookmarks, apply and
+/// install/uninstall all go by this table: serving another kind is one entry here.
+pub static KINDS: &[Kind] = &[
+    Kind::namespaced("", "v1", "Service", "services"),
+    Kind::namespaced("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
+    Kind::namespaced(GATEWAY_API, "v1", "HTTPRoute", "httproutes"),
+    Kind::namespaced(GATEWAY_API, "v1", "GRPCRoute", "grpcroutes"),
+    Kind::namespaced(GATEWAY_API, "v1", "ReferenceGrant", "referencegrants"),
+    Kind::namespaced("", "v1", "Pod", "pods"),
+    Kind::cluster_scoped("", "v1", "Node", "nodes"),
+];
+
+/// A resource the fake serves, as API discovery describes it.
+#[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Kind {
+    /// The API group; "" is the core group, served under `/api` rather than `/apis`.
+    pub group: &'static str,
+    pub version: &'static str,
+    /// The kind, as in an object's `kind` field.
+    pub name: &'static str,
+    /// The resource, as in the request path.
+    pub plural: &'static str,
+    pub namespaced: bool,
 }
 
 impl Kind {
-    fn from_kind(kind: &str) -> Option<Kind> {
-        match kind {
-            "Service" => Some(Kind::Service),
-            "EndpointSlice" => Some(Kind::EndpointSlice),
-            _ => None,
+    const fn namespaced(
+        group: &'static str,
+        version: &'static str,
+        name: &'static str,
+        plural: &'static str,
+    ) -> Kind {
+        Kind {
+            group,
+            version,
+            name,
+            plural,
+            namespaced: true,
         }
     }
 
-    fn api_version(self) -> &'static str {
-        match self {
-            Kind::Service => "v1",
-            Kind::EndpointSlice => "discovery.k8s.io/v1",
+    const fn cluster_scoped(
+        group: &'static str,
+        version: &'static str,
+        name: &'static str,
+        plural: &'static str,
+    ) -> Kind {
+        Kind {
+            group,
+            version,
+            name,
+            plural,
+            namespaced: false,
         }
     }
 
-    fn kind(self) -> &'static str {
-        match self {
-            Kind::Service => "Service",
-            Kind::EndpointSlice => "EndpointSlice",
+    /// The kind a Rust type (k8s-openapi or a kube `CustomResource`) stands for.
+    pub fn of<K: kube::Resource<DynamicType = ()>>() -> anyhow::Result<&'static Kind> {
+        let (group, version, name) = (K::group(&()), K::version(&()), K::kind(&()));
+        KINDS
+            .iter()
+            .find(|k| k.group == group && k.version == version && k.name == name)
+            .with_context(|| {
+                format!(
+                    "{name} ({}) is not served by the fake API server",
+                    K::api_version(&())
+                )
+            })
+    }
+
+    /// The kind an object's `kind` field names; kind names are unique across [`KINDS`].
+    fn named(name: &str) -> Option<&'static Kind> {
+        KINDS.iter().find(|k| k.name == name)
+    }
+
+    /// The kind a request path addresses.
+    fn at(group: &str, version: &str, plural: &str) -> Option<&'static Kind> {
+        KINDS
+            .iter()
+            .find(|k| k.group == group && k.version == version && k.plural == plural)
+    }
+
+    /// The `apiVersion` of its objects: `group/version`, or just `version` in the core group.
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
         }
     }
 
-    fn plural(self) -> &'static str {
-        match self {
-            Kind::Service => "services",
-            Kind::EndpointSlice => "endpointslices",
+    /// How the real API server names the resource in messages: `plural` or `plural.group`.
+    fn qualified_plural(&self) -> String {
+        if self.group.is_empty() {
+            self.plural.to_string()
+        } else {
+            format!("{}.{}", self.plural, self.group)
         }
     }
 }
 
-/// Where an object lives: (kind, namespace, name). Ordered like etcd keys, so lists and
-/// continue tokens are stable.
-type Key = (Kind, String, String);
+/// Where an object lives: (kind, namespace, name); the namespace is "" for cluster-scoped
+/// kinds. Ordered like etcd keys, so lists and continue tokens are stable.
+type Key = (&'static Kind, String, String);
 
 struct Stored {
     json: Bytes,
@@ -86,20 +156,20 @@ struct Stored {
 /// One change, serialized once as the watch line every watcher in scope receives.
 struct Change {
     rv: u64,
-    kind: Kind,
+    kind: &'static Kind,
     namespace: String,
     line: Bytes,
 }
 
 struct Watcher {
-    kind: Kind,
+    kind: &'static Kind,
     namespace: Option<String>,
     bookmarks: bool,
     tx: mpsc::UnboundedSender<Bytes>,
 }
 
 impl Watcher {
-    fn sees(&self, kind: Kind, namespace: &str) -> bool {
+    fn sees(&self, kind: &Kind, namespace: &str) -> bool {
         self.kind == kind && self.namespace.as_deref().is_none_or(|ns| ns == namespace)
     }
 }
@@ -107,6 +177,8 @@ impl Watcher {
 /// A paged list in progress: the snapshot it pages through, as of `rv`.
 struct Page {
     rv: u64,
+    /// The resource listed, so uninstalling it can drop the lists in progress.
+    kind: &'static Kind,
     items: Arc<[Bytes]>,
 }
 
@@ -116,12 +188,16 @@ struct Store {
     /// Versions below this are compacted away: watching from them gets 410.
     compacted: u64,
     next_uid: u64,
+    /// The latest creationTimestamp the fake handed out (seconds since the epoch).
+    last_created: u64,
     objects: BTreeMap<Key, Stored>,
     history: Vec<Change>,
     watchers: Vec<Watcher>,
     pages: HashMap<u64, Page>,
     next_page: u64,
     requests: u64,
+    /// Kinds uninstalled by the test, as a CRD that is not installed: their paths are 404.
+    absent: BTreeSet<&'static Kind>,
 }
 
 impl Store {
@@ -132,7 +208,18 @@ impl Store {
         self.history.push(change);
     }
 
-    fn write(&mut self, kind: Kind, mut object: Value) -> anyhow::Result<u64> {
+    fn ensure_installed(&self, kind: &Kind) -> anyhow::Result<()> {
+        ensure!(
+            !self.absent.contains(kind),
+            "{} ({}) is uninstalled on the fake API server; install it first",
+            kind.name,
+            kind.api_version()
+        );
+        Ok(())
+    }
+
+    fn write(&mut self, kind: &'static Kind, mut object: Value) -> anyhow::Result<u64> {
+        self.ensure_installed(kind)?;
         let meta = object
             .get_mut("metadata")
             .and_then(Value::as_object_mut)
@@ -142,43 +229,68 @@ impl Store {
             .and_then(Value::as_str)
             .context("object has no metadata.name")?
             .to_string();
-        let namespace = meta
-            .get("namespace")
-            .and_then(Value::as_str)
-            .unwrap_or("default")
-            .to_string();
+        let namespace = if kind.namespaced {
+            let namespace = meta
+                .get("namespace")
+                .and_then(Value::as_str)
+                .unwrap_or("default")
+                .to_string();
+            meta.insert("namespace".into(), namespace.clone().into());
+            namespace
+        } else {
+            // Cluster-scoped objects have no namespace, whatever the applied JSON says.
+            meta.remove("namespace");
+            String::new()
+        };
         let key = (kind, namespace.clone(), name);
         let previous = self
             .objects
             .get(&key)
             .map(|s| serde_json::from_slice::<Value>(&s.json))
             .transpose()?;
-        self.rv += 1;
-        let rv = self.rv;
-        meta.insert("namespace".into(), namespace.clone().into());
-        meta.insert("resourceVersion".into(), rv.to_string().into());
         let (uid, created) = match &previous {
+            // As on a real server, both are set on create and never change after.
             Some(prev) => (
                 prev["metadata"]["uid"].clone(),
                 prev["metadata"]["creationTimestamp"].clone(),
             ),
             None => {
+                let created = match meta.get("creationTimestamp") {
+                    // A test may date an object itself (to order routes, say): kept as given.
+                    Some(given @ Value::String(_)) => {
+                        serde_json::from_value::<Time>(given.clone()).with_context(|| {
+                            format!("metadata.creationTimestamp {given} is not an RFC 3339 time")
+                        })?;
+                        given.clone()
+                    }
+                    _ => {
+                        // Whole seconds, as the API serializes them. Never earlier than one
+                        // handed out before, so objects applied one after another never appear
+                        // created in the reverse order, even if the wall clock steps back.
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap_or_default()
+                            .as_secs()
+                            .max(self.last_created);
+                        self.last_created = now;
+                        rfc3339(now).into()
+                    }
+                };
                 self.next_uid += 1;
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs();
                 (
                     format!("00000000-0000-0000-0000-{:012}", self.next_uid).into(),
-                    rfc3339(now).into(),
+                    created,
                 )
             }
         };
+        self.rv += 1;
+        let rv = self.rv;
+        meta.insert("resourceVersion".into(), rv.to_string().into());
         meta.insert("uid".into(), uid);
         meta.insert("creationTimestamp".into(), created);
         if let Some(map) = object.as_object_mut() {
             map.insert("apiVersion".into(), kind.api_version().into());
-            map.insert("kind".into(), kind.kind().into());
+            map.insert("kind".into(), kind.name.into());
         }
         let json = Bytes::from(serde_json::to_vec(&object)?);
         let kind_of_event = if previous.is_some() {
@@ -196,7 +308,7 @@ impl Store {
         Ok(rv)
     }
 
-    fn delete(&mut self, kind: Kind, namespace: &str, name: &str) -> anyhow::Result<bool> {
+    fn delete(&mut self, kind: &'static Kind, namespace: &str, name: &str) -> anyhow::Result<bool> {
         let key = (kind, namespace.to_string(), name.to_string());
         let Some(stored) = self.objects.remove(&key) else {
             return Ok(false);
@@ -215,9 +327,30 @@ impl Store {
         Ok(true)
     }
 
+    /// What deleting a CRD does: its objects are deleted (a DELETED event each to open
+    /// watches), then its watches end and its paths are gone.
+    fn uninstall(&mut self, kind: &'static Kind) -> anyhow::Result<()> {
+        if !self.absent.insert(kind) {
+            return Ok(());
+        }
+        let keys: Vec<Key> = self
+            .objects
+            .range((kind, String::new(), String::new())..)
+            .take_while(|((k, _, _), _)| *k == kind)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for (_, namespace, name) in keys {
+            self.delete(kind, &namespace, &name)?;
+        }
+        // Dropping a watcher's sender ends its stream after the events already queued.
+        self.watchers.retain(|w| w.kind != kind);
+        self.pages.retain(|_, page| page.kind != kind);
+        Ok(())
+    }
+
     fn in_scope<'a>(
         &'a self,
-        kind: Kind,
+        kind: &'static Kind,
         namespace: Option<&'a str>,
     ) -> impl Iterator<Item = &'a Bytes> + 'a {
         self.objects
@@ -248,6 +381,18 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Value {
         "reason": reason,
         "code": code.as_u16(),
     })
+}
+
+/// What a real API server answers for a path it serves no resource at, such as the resource
+/// of a CRD that is not installed: clients (kube's `Error::Api`) see a 404 NotFound.
+fn unknown_resource() -> Response<Body> {
+    let mut body = status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        "the server could not find the requested resource",
+    );
+    body["details"] = json!({});
+    json_response(StatusCode::NOT_FOUND, body.to_string())
 }
 
 fn gone_status() -> Value {
@@ -402,42 +547,87 @@ impl FakeApiServer {
         lock(&self.store).rv
     }
 
-    /// Creates or replaces an object (a Service or an EndpointSlice from k8s-openapi). Returns
-    /// its new resourceVersion.
-    pub fn apply<K: k8s_openapi::Resource + Serialize>(&self, object: &K) -> anyhow::Result<u64> {
+    /// Creates or replaces an object of a served kind (a k8s-openapi type or a Gateway API
+    /// `CustomResource`). Returns its new resourceVersion.
+    pub fn apply<K: kube::Resource + Serialize>(&self, object: &K) -> anyhow::Result<u64> {
         self.apply_json(serde_json::to_value(object)?)
     }
 
-    /// Creates or replaces an object given as JSON; `kind` says which resource it is.
+    /// Creates or replaces an object given as JSON; `kind` says which resource it is (and
+    /// `apiVersion`, if given, must be the served one).
+    ///
+    /// As on a real server, the server sets resourceVersion on every apply, and uid and
+    /// creationTimestamp on create, which later applies keep. Unlike a real server, a
+    /// `metadata.creationTimestamp` the object carries when created is kept, so a test can
+    /// date objects (to order routes, say). Otherwise it is the time of the apply in whole
+    /// seconds, never earlier than one handed out before: objects applied within one second
+    /// tie, as they may on a real server.
+    ///
+    /// Fails for an uninstalled kind, as applying a custom resource whose CRD is not installed
+    /// does.
     pub fn apply_json(&self, object: Value) -> anyhow::Result<u64> {
-        let kind = object
+        let name = object
             .get("kind")
             .and_then(Value::as_str)
-            .and_then(Kind::from_kind)
-            .with_context(|| format!("object kind must be Service or EndpointSlice: {object}"))?;
+            .unwrap_or_default();
+        let kind = Kind::named(name).with_context(|| {
+            let served: Vec<&str> = KINDS.iter().map(|k| k.name).collect();
+            format!("object kind must be one of {served:?}: {object}")
+        })?;
+        if let Some(api_version) = object.get("apiVersion") {
+            ensure!(
+                *api_version == kind.api_version(),
+                "the fake API server serves {} as {}, not {api_version}",
+                kind.name,
+                kind.api_version()
+            );
+        }
         lock(&self.store).write(kind, object)
     }
 
-    /// Deletes an object; returns whether it existed.
-    pub fn delete<K: k8s_openapi::Resource>(
+    /// Deletes an object; returns whether it existed. `namespace` is ignored for
+    /// cluster-scoped kinds. Fails for an uninstalled kind.
+    pub fn delete<K: kube::Resource<DynamicType = ()>>(
         &self,
         namespace: &str,
         name: &str,
     ) -> anyhow::Result<bool> {
-        let kind =
-            Kind::from_kind(K::KIND).with_context(|| format!("{} is not served", K::KIND))?;
-        lock(&self.store).delete(kind, namespace, name)
+        let kind = Kind::of::<K>()?;
+        let namespace = if kind.namespaced { namespace } else { "" };
+        let mut store = lock(&self.store);
+        store.ensure_installed(kind)?;
+        store.delete(kind, namespace, name)
     }
 
     /// Every object of a kind, as stored now: the truth a test compares the agent against.
-    pub fn objects<K: k8s_openapi::Resource + DeserializeOwned>(&self) -> anyhow::Result<Vec<K>> {
-        let kind =
-            Kind::from_kind(K::KIND).with_context(|| format!("{} is not served", K::KIND))?;
+    /// An uninstalled kind has none.
+    pub fn objects<K: kube::Resource<DynamicType = ()> + DeserializeOwned>(
+        &self,
+    ) -> anyhow::Result<Vec<K>> {
+        let kind = Kind::of::<K>()?;
         let store = lock(&self.store);
         store
             .in_scope(kind, None)
             .map(|json| Ok(serde_json::from_slice(json)?))
             .collect()
+    }
+
+    /// Takes a kind away, as deleting its CRD does on a real cluster: its objects are deleted
+    /// (open watches get a DELETED event for each), then its open watches end, and from then
+    /// on list, watch and get of it answer 404 with the Status a real API server sends for a
+    /// path it does not serve — what clients see on a cluster without the CRD. Applying or
+    /// deleting objects of it fails until it is installed again. Meant for the Gateway API
+    /// kinds; call it before starting the agent to start on a cluster without them.
+    pub fn uninstall<K: kube::Resource<DynamicType = ()>>(&self) -> anyhow::Result<()> {
+        lock(&self.store).uninstall(Kind::of::<K>()?)
+    }
+
+    /// Serves a kind again after [`FakeApiServer::uninstall`], empty until objects of it are
+    /// applied. Every served kind is installed at start.
+    pub fn install<K: kube::Resource<DynamicType = ()>>(&self) -> anyhow::Result<()> {
+        let kind = Kind::of::<K>()?;
+        lock(&self.store).absent.remove(kind);
+        Ok(())
     }
 
     /// A kubeconfig that points a kube client at this server (plain HTTP, no credentials).
@@ -491,7 +681,7 @@ async fn send_bookmarks(store: Arc<Mutex<Store>>) {
                 return !w.tx.is_closed();
             }
             let object = json!({
-                "kind": w.kind.kind(),
+                "kind": w.kind.name,
                 "apiVersion": w.kind.api_version(),
                 "metadata": {"resourceVersion": rv},
             });
@@ -530,38 +720,44 @@ async fn accept(listener: std::net::TcpListener, store: Arc<Mutex<Store>>) {
     }
 }
 
-/// A parsed request path: which resource, in which namespace (None = all), which object.
+/// A parsed request path: which resource, in which namespace (None = all, or cluster-scoped),
+/// which object.
 struct Target {
-    kind: Kind,
+    kind: &'static Kind,
     namespace: Option<String>,
     name: Option<String>,
 }
 
+/// Parses `/api/<version>/...` (core) and `/apis/<group>/<version>/...`, then
+/// `[namespaces/<ns>/]<plural>[/<name>]`.
 fn route(path: &str) -> Option<Target> {
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let rest = match segments.as_slice() {
-        ["api", "v1", rest @ ..] => (Kind::Service, rest),
-        ["apis", "discovery.k8s.io", "v1", rest @ ..] => (Kind::EndpointSlice, rest),
+    let (group, version, rest) = match segments.as_slice() {
+        ["api", version, rest @ ..] => ("", *version, rest),
+        ["apis", group, version, rest @ ..] => (*group, *version, rest),
         _ => return None,
     };
-    let (kind, rest) = rest;
     let (namespace, rest) = match rest {
         ["namespaces", ns, rest @ ..] => (Some((*ns).to_string()), rest),
         rest => (None, rest),
     };
-    match rest {
-        [plural] if *plural == kind.plural() => Some(Target {
-            kind,
-            namespace,
-            name: None,
-        }),
-        [plural, name] if *plural == kind.plural() && namespace.is_some() => Some(Target {
-            kind,
-            namespace,
-            name: Some((*name).to_string()),
-        }),
-        _ => None,
-    }
+    let (plural, name) = match rest {
+        [plural] => (*plural, None),
+        [plural, name] => (*plural, Some((*name).to_string())),
+        _ => return None,
+    };
+    let kind = Kind::at(group, version, plural)?;
+    // A namespaced object is addressed within its namespace; a cluster-scoped kind has none.
+    let addressable = if kind.namespaced {
+        name.is_none() || namespace.is_some()
+    } else {
+        namespace.is_none()
+    };
+    addressable.then_some(Target {
+        kind,
+        namespace,
+        name,
+    })
 }
 
 fn query(req: &Request<Incoming>) -> HashMap<String, String> {
@@ -601,14 +797,7 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
         );
     }
     let Some(target) = route(req.uri().path()) else {
-        return failure(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            &format!(
-                "the server could not find the requested resource {}",
-                req.uri()
-            ),
-        );
+        return unknown_resource();
     };
     let params = query(&req);
     for unsupported in ["labelSelector", "fieldSelector", "sendInitialEvents"] {
@@ -631,6 +820,9 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
 
 fn get(store: &Mutex<Store>, target: &Target, name: &str) -> Response<Body> {
     let store = lock(store);
+    if store.absent.contains(target.kind) {
+        return unknown_resource();
+    }
     let key = (
         target.kind,
         target.namespace.clone().unwrap_or_default(),
@@ -641,7 +833,7 @@ fn get(store: &Mutex<Store>, target: &Target, name: &str) -> Response<Body> {
         None => failure(
             StatusCode::NOT_FOUND,
             "NotFound",
-            &format!("{} {name:?} not found", target.kind.plural()),
+            &format!("{} {name:?} not found", target.kind.qualified_plural()),
         ),
     }
 }
@@ -652,6 +844,9 @@ fn list(store: &Mutex<Store>, target: &Target, params: &HashMap<String, String>)
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0);
     let mut store = lock(store);
+    if store.absent.contains(target.kind) {
+        return unknown_resource();
+    }
     let (page_id, rv, items, offset) = match params.get("continue").filter(|c| !c.is_empty()) {
         Some(token) => {
             let parsed = token
@@ -690,6 +885,7 @@ fn list(store: &Mutex<Store>, target: &Target, params: &HashMap<String, String>)
             page_id,
             Page {
                 rv,
+                kind: target.kind,
                 items: items.clone(),
             },
         );
@@ -713,7 +909,7 @@ fn list(store: &Mutex<Store>, target: &Target, params: &HashMap<String, String>)
     body.extend_from_slice(
         format!(
             "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{metadata},\"items\":[",
-            target.kind.kind(),
+            target.kind.name,
             target.kind.api_version()
         )
         .as_bytes(),
@@ -757,6 +953,9 @@ fn watch(
     let (tx, rx) = mpsc::unbounded_channel();
     {
         let mut store = lock(store);
+        if store.absent.contains(target.kind) {
+            return unknown_resource();
+        }
         let namespace = target.namespace.as_deref();
         match from {
             // No version: the current state as synthetic ADDED events, then changes.
@@ -1041,7 +1240,209 @@ mod tests {
             .0,
             404
         );
-        assert_eq!(get(&server, "/api/v1/pods").0, 404);
+        assert_eq!(get(&server, "/api/v1/configmaps").0, 404);
+    }
+
+    const GATEWAY: &str = "/apis/gateway.networking.k8s.io/v1";
+
+    fn web_route(namespace: &str, name: &str) -> Value {
+        crate::k8s_objects::http_route(
+            namespace,
+            name,
+            json!([crate::k8s_objects::service_parent("web", Some(80))]),
+            json!([{"backendRefs": [{"name": "web-v2", "port": 80}]}]),
+        )
+    }
+
+    #[test]
+    fn gateway_api_kinds_are_served_under_their_group() {
+        use crate::k8s_objects::{grpc_route, reference_grant, service_parent};
+        let server = FakeApiServer::start().unwrap();
+        server.apply_json(web_route("shop", "web")).unwrap();
+        server.apply_json(web_route("other", "web")).unwrap();
+        server
+            .apply_json(grpc_route(
+                "shop",
+                "rpc",
+                json!([service_parent("rpc", None)]),
+                json!([]),
+            ))
+            .unwrap();
+        server
+            .apply_json(reference_grant(
+                "shop",
+                "allow",
+                json!([{"group": GATEWAY_API, "kind": "HTTPRoute", "namespace": "other"}]),
+                json!([{"group": "", "kind": "Service"}]),
+            ))
+            .unwrap();
+
+        let (code, all) = get(&server, &format!("{GATEWAY}/httproutes"));
+        assert_eq!(code, 200);
+        assert_eq!(all["kind"], "HTTPRouteList");
+        assert_eq!(all["apiVersion"], "gateway.networking.k8s.io/v1");
+        assert_eq!(names(&all), ["web", "web"]);
+        let (_, shop) = get(&server, &format!("{GATEWAY}/namespaces/shop/httproutes"));
+        assert_eq!(names(&shop), ["web"]);
+        let (code, web) = get(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/httproutes/web"),
+        );
+        assert_eq!(code, 200);
+        assert_eq!(web["kind"], "HTTPRoute");
+        assert_eq!(web["spec"]["parentRefs"][0]["kind"], "Service");
+        assert_eq!(
+            web["metadata"]["uid"],
+            "00000000-0000-0000-0000-000000000001"
+        );
+        assert_eq!(web["metadata"]["resourceVersion"], "1");
+        assert!(web["metadata"]["creationTimestamp"].is_string());
+        let (_, rpcs) = get(&server, &format!("{GATEWAY}/grpcroutes"));
+        assert_eq!(
+            (rpcs["kind"].as_str(), names(&rpcs)),
+            (Some("GRPCRouteList"), vec!["rpc".to_string()])
+        );
+        let (_, grants) = get(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/referencegrants"),
+        );
+        assert_eq!(names(&grants), ["allow"]);
+
+        let (code, missing) = get(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/httproutes/nope"),
+        );
+        assert_eq!(code, 404);
+        assert_eq!(
+            missing["message"],
+            "httproutes.gateway.networking.k8s.io \"nope\" not found"
+        );
+        // Only the served version: v1beta1 is neither routed nor accepted.
+        assert_eq!(
+            get(
+                &server,
+                "/apis/gateway.networking.k8s.io/v1beta1/httproutes"
+            )
+            .0,
+            404
+        );
+        let mut beta = web_route("shop", "beta");
+        beta["apiVersion"] = "gateway.networking.k8s.io/v1beta1".into();
+        assert!(server.apply_json(beta).is_err());
+    }
+
+    #[test]
+    fn creation_timestamps_are_kept_when_given_and_never_go_back() {
+        let server = FakeApiServer::start().unwrap();
+        let mut dated = web_route("shop", "dated");
+        dated["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z".into();
+        server.apply_json(dated.clone()).unwrap();
+        // Re-applying does not move it, whatever the object says (as on a real server).
+        dated["metadata"]["creationTimestamp"] = "2021-01-01T00:00:00Z".into();
+        server.apply_json(dated).unwrap();
+        let (_, stored) = get(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/httproutes/dated"),
+        );
+        assert_eq!(
+            stored["metadata"]["creationTimestamp"],
+            "2020-01-01T00:00:00Z"
+        );
+
+        let mut bad = web_route("shop", "bad");
+        bad["metadata"]["creationTimestamp"] = "yesterday".into();
+        let rv = server.resource_version();
+        assert!(server.apply_json(bad).is_err());
+        assert_eq!(
+            server.resource_version(),
+            rv,
+            "a refused apply is no change"
+        );
+
+        // A clock that stepped back: later objects still are not created earlier.
+        let ahead = 4_102_444_800; // 2100-01-01
+        lock(&server.store).last_created = ahead;
+        server.apply_json(web_route("shop", "later")).unwrap();
+        let (_, later) = get(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/httproutes/later"),
+        );
+        assert_eq!(
+            later["metadata"]["creationTimestamp"],
+            "2100-01-01T00:00:00Z"
+        );
+    }
+
+    #[test]
+    fn an_uninstalled_kind_is_an_unknown_path_until_installed() {
+        use gateway_api::experimental::httproutes::HttpRoute;
+        let server = FakeApiServer::start().unwrap();
+        server.apply_json(web_route("shop", "web")).unwrap();
+        server.apply_json(service("shop", "web", 80)).unwrap();
+        let mut open = watch(
+            &server,
+            &format!("{GATEWAY}/namespaces/shop/httproutes?watch=1&resourceVersion=2"),
+        );
+        let mut services = watch(&server, "/api/v1/services?watch=1&resourceVersion=2");
+
+        server.uninstall::<HttpRoute>().unwrap();
+        // As a CRD's deletion: its objects go first, then its watches end.
+        let deleted = events(&mut open, 1);
+        assert_eq!(deleted[0]["type"], "DELETED");
+        assert_eq!(deleted[0]["object"]["metadata"]["name"], "web");
+        let mut rest = String::new();
+        open.read_to_string(&mut rest).unwrap();
+        assert_eq!(rest, "");
+
+        let unknown = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": "the server could not find the requested resource",
+            "reason": "NotFound", "details": {}, "code": 404});
+        for path in [
+            format!("{GATEWAY}/httproutes"),
+            format!("{GATEWAY}/namespaces/shop/httproutes"),
+            format!("{GATEWAY}/httproutes?watch=1"),
+            format!("{GATEWAY}/namespaces/shop/httproutes/web"),
+            "/api/v1/configmaps".to_string(),
+        ] {
+            assert_eq!(get(&server, &path), (404, unknown.clone()), "{path}");
+        }
+        assert!(server.apply_json(web_route("shop", "web")).is_err());
+        assert!(server.delete::<HttpRoute>("shop", "web").is_err());
+        assert!(server.objects::<HttpRoute>().unwrap().is_empty());
+        // Other kinds go on: their watches stay open and their paths are served.
+        assert_eq!(get(&server, &format!("{GATEWAY}/grpcroutes")).0, 200);
+        server.apply_json(service("shop", "late", 80)).unwrap();
+        assert_eq!(
+            events(&mut services, 1)[0]["object"]["metadata"]["name"],
+            "late"
+        );
+
+        server.install::<HttpRoute>().unwrap();
+        let (code, empty) = get(&server, &format!("{GATEWAY}/httproutes"));
+        assert_eq!((code, names(&empty)), (200, vec![]));
+        server.apply_json(web_route("shop", "again")).unwrap();
+        let (_, again) = get(&server, &format!("{GATEWAY}/httproutes"));
+        assert_eq!(names(&again), ["again"]);
+    }
+
+    #[test]
+    fn cluster_scoped_kinds_have_no_namespace() {
+        let server = FakeApiServer::start().unwrap();
+        server
+            .apply_json(json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "node-a", "namespace": "ignored"}}))
+            .unwrap();
+        let (code, nodes) = get(&server, "/api/v1/nodes");
+        assert_eq!((code, names(&nodes)), (200, vec!["node-a".to_string()]));
+        let (code, node) = get(&server, "/api/v1/nodes/node-a");
+        assert_eq!(code, 200);
+        assert!(node["metadata"].get("namespace").is_none(), "{node}");
+        assert_eq!(get(&server, "/api/v1/namespaces/ignored/nodes").0, 404);
+        assert!(
+            server
+                .delete::<k8s_openapi::api::core::v1::Node>("whatever", "node-a")
+                .unwrap()
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Kubernetes objects as the fake API server takes them (JSON), built the way the tests and
-//! benchmarks need them: Services, EndpointSlices of ready endpoints, a generated mesh.
+//! benchmarks need them: Services, EndpointSlices of ready endpoints, a generated mesh, and the
+//! Gateway API's routes and ReferenceGrants.
 
 use std::net::Ipv4Addr;
 
@@ -25,6 +26,41 @@ pub fn slice(namespace: &str, name: &str, service: &str, ports: Value, endpoints
         "addressType": "IPv4",
         "ports": ports,
         "endpoints": endpoints,
+    })
+}
+
+pub fn http_route(namespace: &str, name: &str, parent_refs: Value, rules: Value) -> Value {
+    route("HTTPRoute", namespace, name, parent_refs, rules)
+}
+
+pub fn grpc_route(namespace: &str, name: &str, parent_refs: Value, rules: Value) -> Value {
+    route("GRPCRoute", namespace, name, parent_refs, rules)
+}
+
+fn route(kind: &str, namespace: &str, name: &str, parent_refs: Value, rules: Value) -> Value {
+    json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": kind,
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"parentRefs": parent_refs, "rules": rules},
+    })
+}
+
+/// A route's parentRef to a Service (the mesh's parent), on one port or all of them.
+pub fn service_parent(name: &str, port: Option<u16>) -> Value {
+    let mut parent = json!({"group": "", "kind": "Service", "name": name});
+    if let Some(port) = port {
+        parent["port"] = port.into();
+    }
+    parent
+}
+
+pub fn reference_grant(namespace: &str, name: &str, from: Value, to: Value) -> Value {
+    json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "ReferenceGrant",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"from": from, "to": to},
     })
 }
 

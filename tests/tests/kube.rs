@@ -22,6 +22,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
+/// The watches the agent keeps open on a cluster-wide source: one per kind it reads.
+const WATCHES: usize = 5;
 /// How long a change may take to show up in normal operation: the same bar as the data path's.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.
@@ -548,8 +550,9 @@ fn faults_mid_run_end_with_the_agent_equal_to_the_server() {
     server.drop_watches();
     churn(server);
     converge(agent, server, RECOVER, "mesh after dropped watches");
-    wait::until("both watches reopened", RECOVER, || {
-        (server.open_watches() == 2)
+    // Services, EndpointSlices, HTTPRoutes, GRPCRoutes and ReferenceGrants.
+    wait::until("every watch reopened", RECOVER, || {
+        (server.open_watches() == WATCHES)
             .then_some(())
             .ok_or(server.open_watches().to_string())
     })
@@ -829,4 +832,103 @@ fn scale_10k_services_100k_endpoints_rss_and_time_to_ready() {
         "converge_after_1000_updates_ms": churn.as_millis() as u64,
     });
     println!("BENCH_KUBE_JSON {report}");
+}
+
+/// The `/debug/routes` JSON.
+fn routes(agent: &Agent) -> Result<Value, String> {
+    match agent.get("/debug/routes") {
+        Ok((200, body)) => serde_json::from_str(&body).map_err(|e| e.to_string()),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+#[test]
+fn without_gateway_api_crds_the_agent_is_ready_and_reads_routes_once_they_appear() {
+    use gateway_api::experimental::httproutes::HttpRoute;
+    use gateway_api::grpcroutes::GrpcRoute;
+    use gateway_api::referencegrants::ReferenceGrant;
+    use lattice_e2e::k8s_objects::{http_route, service_parent};
+
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    server
+        .apply_json(service(
+            "shop",
+            "web-green",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+    server.uninstall::<HttpRoute>().unwrap();
+    server.uninstall::<GrpcRoute>().unwrap();
+    server.uninstall::<ReferenceGrant>().unwrap();
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    converge(agent, server, FOLLOW, "mesh without the Gateway API");
+    let log = agent.log();
+    assert!(
+        log.contains("httproutes.gateway.networking.k8s.io") && log.contains("not installed"),
+        "no clear line about the missing CRDs:\n{}",
+        tail(&log)
+    );
+
+    // The CRDs arrive, then a route: it applies without a restart.
+    server.install::<HttpRoute>().unwrap();
+    server.install::<GrpcRoute>().unwrap();
+    server.install::<ReferenceGrant>().unwrap();
+    server
+        .apply_json(http_route(
+            "shop",
+            "green",
+            json!([service_parent("web", Some(80))]),
+            json!([{"backendRefs": [{"name": "web-green", "port": 80}]}]),
+        ))
+        .unwrap();
+    // And one the agent must refuse: its parent has a TCP port.
+    server
+        .apply_json(http_route(
+            "shop",
+            "on-db",
+            json!([service_parent("db", None)]),
+            json!([{"backendRefs": [{"name": "web-green", "port": 80}]}]),
+        ))
+        .unwrap();
+    let seen = wait::until("the routes on /debug/routes", RECOVER, || {
+        let routes = routes(agent)?;
+        let applied =
+            routes["services"][0]["rules"][0]["backends"][0]["target"]["path"] == "/shop/web-green";
+        let refused = routes["rejected"][0]["route"] == "HTTPRoute shop/on-db";
+        (applied && refused)
+            .then_some(routes.clone())
+            .ok_or(routes.to_string())
+    })
+    .unwrap();
+    assert_eq!(seen["services"][0]["service"], "/shop/web");
+    assert!(
+        seen["rejected"][0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("tcp port (5432)")),
+        "{seen}"
+    );
+    let (_, metrics) = agent.get("/metrics").unwrap();
+    assert!(
+        metrics.contains("lattice_mesh_rejected_routes 1"),
+        "{metrics}"
+    );
+    assert!(
+        agent.log().contains("route refused"),
+        "{}",
+        tail(&agent.log())
+    );
+
+    // Deleting the route restores plain routing.
+    server.delete::<HttpRoute>("shop", "green").unwrap();
+    wait::until("the route gone from /debug/routes", RECOVER, || {
+        let routes = routes(agent)?;
+        routes["services"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+            .then_some(())
+            .ok_or(routes.to_string())
+    })
+    .unwrap();
 }
