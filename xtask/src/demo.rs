@@ -2,8 +2,9 @@
 //! topology as the data-path tests (through the shared e2e harness): a node network namespace
 //! with no route out, the real agent inside it, a client pod set up by the real `lattice-init`
 //! with a real Envoy as UID 1337, and backend pods that answer with their name. It shows what
-//! each part did, sends requests by name, changes the mesh live, shows the shift, and tears
-//! everything down — also on an error or Ctrl-C, because every piece is a drop guard.
+//! each part did, sends requests by name, changes the mesh live, shows the shift, releases a
+//! service blue-green by its routing rules (header, canary, flip), and tears everything down —
+//! also on an error or Ctrl-C, because every piece is a drop guard.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -162,8 +163,149 @@ fn demo(names: &std::cell::RefCell<Vec<String>>) -> anyhow::Result<()> {
     requests(&client, 6)?;
     checkpoint()?;
 
+    release(&node, &client, &file, &[&v2], &echo, names)?;
+
     step("tearing down");
     Ok(())
+}
+
+const WEB: &str = "web.shop.system.internal";
+
+/// A blue-green release of /shop/web by its routing rules: everything on blue with green
+/// reachable by header, then a 90/10 canary, then the flip, each one edit of the mesh file.
+fn release(
+    node: &Node,
+    client: &ClientPod,
+    file: &MeshFile,
+    buzz: &[&Backend],
+    db: &Backend,
+    names: &std::cell::RefCell<Vec<String>>,
+) -> anyhow::Result<()> {
+    step(
+        "release with blue-green: two versions of /shop/web, clients call web.shop.system.internal",
+    );
+    let blue = node.http_backend("web-blue", 14, 8080)?;
+    let green = node.http_backend("web-green", 15, 8080)?;
+    for backend in [&blue, &green] {
+        names
+            .borrow_mut()
+            .push(backend.pod.netns.name().to_string());
+        println!("  {:<10} {}", backend.identity, backend.pod.address);
+    }
+    let base = node::render(&mesh(buzz, db));
+    for (title, blue_weight, green_weight) in [
+        (
+            "everything on blue; `x-release: green` reaches green",
+            100,
+            0,
+        ),
+        ("a canary: 90 % blue, 10 % green", 90, 10),
+        ("the flip: everything on green", 0, 100),
+    ] {
+        step(title);
+        let text = format!(
+            "{base}{}",
+            web_routes(&blue, &green, blue_weight, green_weight)
+        );
+        if blue_weight == 100 {
+            show(
+                "the routes of /shop/web (docs/release-blue-green.md)",
+                &text[base.len()..],
+            );
+        }
+        write_mesh(file, &text)?;
+        let expected = if green_weight == 100 {
+            "web-green"
+        } else {
+            "web-blue"
+        };
+        let took = wait_answer(client, expected, blue_weight == 100 || green_weight == 100)?;
+        println!("  the edit reached Envoy and traffic followed {took:?} after the save");
+        let mut counts = std::collections::BTreeMap::<String, usize>::new();
+        for _ in 0..40 {
+            *counts.entry(curl_web(client, &[])?).or_default() += 1;
+        }
+        println!("  40 requests: {counts:?}");
+        let with_header = curl_web(client, &["-H", "x-release: green"])?;
+        println!("  with x-release: green -> {with_header}");
+        checkpoint()?;
+    }
+    Ok(())
+}
+
+/// The /shop/web service with its rules, and its two versions, as mesh-file text.
+fn web_routes(blue: &Backend, green: &Backend, blue_weight: u32, green_weight: u32) -> String {
+    format!(
+        "  - path: /shop/web
+    ports:
+      - port: 8080
+        protocol: http
+    routes:
+      - name: green-by-header
+        matches:
+          - headers: [{{name: x-release, exact: green}}]
+        backends: [{{service: /shop/web-green}}]
+      - name: split
+        backends:
+          - {{service: /shop/web-blue, weight: {blue_weight}}}
+          - {{service: /shop/web-green, weight: {green_weight}}}
+  - path: /shop/web-blue
+    ports: [{{port: 8080, protocol: http}}]
+    endpoints: [{{address: {}}}]
+  - path: /shop/web-green
+    ports: [{{port: 8080, protocol: http}}]
+    endpoints: [{{address: {}}}]
+",
+        blue.pod.address, green.pod.address
+    )
+}
+
+/// Rewrites the mesh file whole, as an editor or a ConfigMap update does.
+fn write_mesh(file: &MeshFile, text: &str) -> anyhow::Result<()> {
+    let tmp = file.path().with_extension("tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, file.path())?;
+    Ok(())
+}
+
+fn curl_web(client: &ClientPod, extra: &[&str]) -> anyhow::Result<String> {
+    let url = format!("http://{WEB}:8080/");
+    let mut args = vec!["-4", "-sS", "--max-time", "5", "--fail"];
+    args.extend_from_slice(extra);
+    args.push(&url);
+    let output = client.run("curl", &args)?;
+    if !output.status.success() {
+        bail!(
+            "curl {url}: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Waits until `expected` answers (every one of ten requests when `only`), and says how long
+/// that took.
+fn wait_answer(client: &ClientPod, expected: &str, only: bool) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    lattice_e2e::wait::until(
+        &format!("{expected} to answer {WEB}"),
+        Duration::from_secs(30),
+        || {
+            if super::interrupted() {
+                return Ok(());
+            }
+            let answers: Vec<String> = (0..if only { 10 } else { 1 })
+                .map(|_| curl_web(client, &[]).map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?;
+            if answers.iter().all(|a| a == expected) {
+                Ok(())
+            } else {
+                Err(format!("{answers:?}"))
+            }
+        },
+    )?;
+    checkpoint()?;
+    Ok(start.elapsed())
 }
 
 fn mesh(buzz: &[&Backend], db: &Backend) -> Vec<MeshService> {
