@@ -150,6 +150,9 @@ pub struct Backend {
 /// The most a backend may weigh (the Gateway API's bound).
 pub const MAX_WEIGHT: u32 = 1_000_000;
 
+/// Tries after the first when a rule asks for retries but not how many.
+pub const DEFAULT_RETRY_ATTEMPTS: u32 = 2;
+
 /// When a failed attempt is tried again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -331,25 +334,31 @@ mod millis_opt {
     }
 }
 
+/// Rules for tests: the `index`th rule of a mesh file, with nothing but matches and backends.
+#[cfg(test)]
+pub fn test_rule(index: usize, matches: Vec<RequestMatch>, backends: Vec<Backend>) -> RouteRule {
+    RouteRule {
+        source: RuleSource::File {
+            rule: index,
+            name: None,
+        },
+        order: (None, String::new(), index),
+        port: None,
+        matches,
+        backends,
+        timeout: None,
+        backend_timeout: None,
+        retry: None,
+        request_headers: HeaderEdits::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn rule(index: usize, matches: Vec<RequestMatch>) -> RouteRule {
-        RouteRule {
-            source: RuleSource::File {
-                rule: index,
-                name: None,
-            },
-            order: (None, String::new(), index),
-            port: None,
-            matches,
-            backends: Vec::new(),
-            timeout: None,
-            backend_timeout: None,
-            retry: None,
-            request_headers: HeaderEdits::default(),
-        }
+        test_rule(index, matches, Vec::new())
     }
 
     fn path(path: PathMatch) -> RequestMatch {

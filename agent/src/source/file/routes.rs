@@ -3,15 +3,15 @@
 //! (`routes[1].backends[0].service: …`); the caller prefixes the service.
 
 use std::collections::{BTreeMap, HashSet};
-use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::port_number;
 use crate::mesh::route::{
-    Backend, BackendTarget, HeaderEdits, MAX_WEIGHT, PathMatch, RequestMatch, RetryOn, RetryPolicy,
-    RouteRule, RuleSource, ValueCondition, ValueMatch, check_regex,
+    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, HeaderEdits, MAX_WEIGHT, PathMatch,
+    RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch,
+    check_regex,
 };
 use crate::mesh::{MeshPath, Protocol};
 
@@ -95,8 +95,6 @@ struct FileHeader {
     value: String,
 }
 
-/// Retries after the first try when `retry:` does not say.
-pub const DEFAULT_RETRY_ATTEMPTS: u32 = 2;
 /// What is retried when `retry:` does not say: failures that cannot have reached the
 /// application's logic (the Gateway API asks for connection errors to be retried).
 pub const DEFAULT_RETRY_ON: [RetryOn; 3] = [
@@ -425,14 +423,8 @@ fn header_edits(edits: FileHeaderEdits) -> Result<HeaderEdits, String> {
     })
 }
 
-/// A Gateway API duration (`500ms`, `1m30s`: h, m, s, ms).
 fn duration(text: Option<&str>) -> Result<Option<Duration>, String> {
-    text.map(|text| {
-        gateway_api::Duration::from_str(text)
-            .map(|d| Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
-            .map_err(|e| format!("{text:?} is not a duration like 500ms or 1m30s: {e}"))
-    })
-    .transpose()
+    text.map(super::super::gateway_duration).transpose()
 }
 
 /// An HTTP token (RFC 9110): what a header or parameter name may be made of.

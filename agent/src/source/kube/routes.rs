@@ -23,7 +23,6 @@
 //! traffic answers 500, as the Gateway API specifies.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::str::FromStr;
 use std::time::Duration;
 
 use gateway_api::experimental::httproutes::{
@@ -41,15 +40,13 @@ use serde::Serialize;
 
 use super::mapping::{ObjectKey, ServiceEntry};
 use crate::mesh::route::{
-    Backend, BackendTarget, HeaderEdits, PathMatch, RejectedRoute, RequestMatch, RetryOn,
-    RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch, check_regex,
+    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, HeaderEdits, PathMatch, RejectedRoute,
+    RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch,
+    check_regex,
 };
 
 /// The API group of every Gateway API kind.
 pub const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
-
-/// Retries after the first when a route's `retry` gives no `attempts`.
-pub const DEFAULT_RETRY_ATTEMPTS: u32 = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum RouteKind {
@@ -143,76 +140,119 @@ fn order(
     (created.map(|t| t.as_second()), key.to_string())
 }
 
+/// A parentRef or backendRef, whatever route kind it comes from.
+struct Reference<'a> {
+    group: Option<&'a str>,
+    kind: Option<&'a str>,
+    name: &'a str,
+    namespace: Option<&'a str>,
+    port: Option<i32>,
+    /// backendRefs only.
+    weight: Option<i32>,
+    has_filters: bool,
+}
+
+/// The fields of a parentRef or backendRef of any route kind, as a [`Reference`].
+macro_rules! reference {
+    (parent $p:expr) => {
+        Reference {
+            group: $p.group.as_deref(),
+            kind: $p.kind.as_deref(),
+            name: &$p.name,
+            namespace: $p.namespace.as_deref(),
+            port: $p.port,
+            weight: None,
+            has_filters: false,
+        }
+    };
+    (backend $b:expr) => {
+        Reference {
+            group: $b.group.as_deref(),
+            kind: $b.kind.as_deref(),
+            name: &$b.name,
+            namespace: $b.namespace.as_deref(),
+            port: $b.port,
+            weight: $b.weight,
+            has_filters: $b.filters.as_ref().is_some_and(|f| !f.is_empty()),
+        }
+    };
+}
+
 /// The Service parents of a route; parents of other kinds (Gateways) are not the mesh's.
 fn parents<'a>(
     route_namespace: &str,
-    refs: impl Iterator<
-        Item = (
-            Option<&'a str>,
-            Option<&'a str>,
-            &'a str,
-            Option<&'a str>,
-            Option<i32>,
-        ),
-    >,
+    refs: impl Iterator<Item = Reference<'a>>,
 ) -> Result<Vec<ParentRef>, String> {
     let mut out = Vec::new();
-    for (group, kind, name, namespace, port) in refs {
+    for r in refs {
         // The Gateway API's defaults are a Gateway parent: a Service must be named as such.
-        if !group.unwrap_or(GATEWAY_GROUP).is_empty() || kind.unwrap_or("Gateway") != "Service" {
+        if !r.group.unwrap_or(GATEWAY_GROUP).is_empty() || r.kind.unwrap_or("Gateway") != "Service"
+        {
             continue;
         }
-        let port = match port {
+        let port = match r.port {
             None => None,
             Some(p) => Some(
                 u16::try_from(p)
                     .ok()
                     .filter(|p| *p != 0)
-                    .ok_or_else(|| format!("parentRef {name}: port {p} is out of range"))?,
+                    .ok_or_else(|| format!("parentRef {}: port {p} is out of range", r.name))?,
             ),
         };
         out.push(ParentRef {
-            service: ObjectKey::new(namespace.unwrap_or(route_namespace), name),
+            service: ObjectKey::new(r.namespace.unwrap_or(route_namespace), r.name),
             port,
         });
     }
     Ok(out)
 }
 
-fn backend_ref(
+fn backend_refs<'a>(
     route_namespace: &str,
-    group: Option<&str>,
-    kind: Option<&str>,
-    name: &str,
-    namespace: Option<&str>,
-    port: Option<i32>,
-    weight: Option<i32>,
-) -> Result<BackendRef, String> {
-    let weight = match weight {
-        None => 1,
-        Some(w) => u32::try_from(w)
-            .ok()
-            .filter(|w| *w <= crate::mesh::route::MAX_WEIGHT)
-            .ok_or_else(|| format!("backendRef {name}: weight {w} is out of range"))?,
-    };
-    let service = if group.unwrap_or("").is_empty() && kind.unwrap_or("Service") == "Service" {
-        Ok(ObjectKey::new(namespace.unwrap_or(route_namespace), name))
-    } else {
-        Err(format!(
-            "backendRef {name} is a {}{}; only Services can be backends",
-            kind.unwrap_or("Service"),
-            group
-                .filter(|g| !g.is_empty())
-                .map(|g| format!(".{g}"))
-                .unwrap_or_default()
-        ))
-    };
-    let port = port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
-    Ok(BackendRef {
-        service,
-        port,
-        weight,
+    refs: impl Iterator<Item = Reference<'a>>,
+) -> Result<Vec<BackendRef>, String> {
+    refs.map(|r| {
+        if r.has_filters {
+            return Err(format!(
+                "backendRef {}: filters on a backendRef are not supported",
+                r.name
+            ));
+        }
+        let weight = match r.weight {
+            None => 1,
+            Some(w) => u32::try_from(w)
+                .ok()
+                .filter(|w| *w <= crate::mesh::route::MAX_WEIGHT)
+                .ok_or_else(|| format!("backendRef {}: weight {w} is out of range", r.name))?,
+        };
+        let service =
+            if r.group.unwrap_or("").is_empty() && r.kind.unwrap_or("Service") == "Service" {
+                Ok(ObjectKey::new(
+                    r.namespace.unwrap_or(route_namespace),
+                    r.name,
+                ))
+            } else {
+                Err(format!(
+                    "backendRef {} is a {}{}; only Services can be backends",
+                    r.name,
+                    r.kind.unwrap_or("Service"),
+                    r.group
+                        .filter(|g| !g.is_empty())
+                        .map(|g| format!(".{g}"))
+                        .unwrap_or_default()
+                ))
+            };
+        let port = r
+            .port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0);
+        Ok(BackendRef {
+            service,
+            port,
+            weight,
+        })
     })
+    .collect()
 }
 
 fn value_match(value: &str, regex: bool) -> Result<ValueMatch, String> {
@@ -247,20 +287,51 @@ fn conditions(
 }
 
 fn duration(field: &str, text: Option<&str>) -> Result<Option<Duration>, String> {
-    text.map(|text| {
-        gateway_api::Duration::from_str(text)
-            .map(|d| Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
-            .map_err(|e| format!("{field} {text:?} is not a Gateway API duration: {e}"))
-    })
-    .transpose()
+    text.map(|text| super::super::gateway_duration(text).map_err(|e| format!("{field}: {e}")))
+        .transpose()
 }
 
-fn header_edits(
-    set: Vec<(String, String)>,
-    add: Vec<(String, String)>,
-    remove: Vec<String>,
-) -> HeaderEdits {
-    HeaderEdits { set, add, remove }
+/// A rule's RequestHeaderModifier, whatever the route kind; any other filter refuses the rule.
+macro_rules! request_header_edits {
+    ($rule:expr, $types:ident) => {{
+        let mut edits = HeaderEdits::default();
+        for filter in $rule.filters.iter().flatten() {
+            match (&filter.r#type, &filter.request_header_modifier) {
+                ($types::RequestHeaderModifier, Some(m)) => {
+                    edits = HeaderEdits {
+                        set: m
+                            .set
+                            .iter()
+                            .flatten()
+                            .map(|h| (h.name.clone(), h.value.clone()))
+                            .collect(),
+                        add: m
+                            .add
+                            .iter()
+                            .flatten()
+                            .map(|h| (h.name.clone(), h.value.clone()))
+                            .collect(),
+                        remove: m.remove.clone().unwrap_or_default(),
+                    };
+                }
+                (other, _) => {
+                    return Err(format!(
+                        "filter {} is not supported by this mesh",
+                        name_of(other)
+                    ));
+                }
+            }
+        }
+        edits
+    }};
+}
+
+/// The Gateway API name of an enum value (its serialized form).
+fn name_of<T: Serialize + std::fmt::Debug>(value: &T) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{value:?}"))
 }
 
 fn http_match(m: &HttpRouteRulesMatches) -> Result<RequestMatch, String> {
@@ -289,13 +360,7 @@ fn http_match(m: &HttpRouteRulesMatches) -> Result<RequestMatch, String> {
             }
         }
     };
-    let method = m.method.as_ref().map(|method| {
-        // The enum serializes as the method's name.
-        serde_json::to_value(method)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default()
-    });
+    let method = m.method.as_ref().map(name_of);
     let headers = conditions(
         m.headers.iter().flatten().map(|h| {
             let regex = matches!(
@@ -335,57 +400,14 @@ fn http_rule(namespace: &str, rule: &HttpRouteRules) -> Result<RuleEntry, String
         None | Some([]) => vec![RequestMatch::any()],
         Some(matches) => matches.iter().map(http_match).collect::<Result<_, _>>()?,
     };
-    let mut request_headers = HeaderEdits::default();
-    for filter in rule.filters.iter().flatten() {
-        match (&filter.r#type, &filter.request_header_modifier) {
-            (HttpRouteRulesFiltersType::RequestHeaderModifier, Some(m)) => {
-                request_headers = header_edits(
-                    m.set
-                        .iter()
-                        .flatten()
-                        .map(|h| (h.name.clone(), h.value.clone()))
-                        .collect(),
-                    m.add
-                        .iter()
-                        .flatten()
-                        .map(|h| (h.name.clone(), h.value.clone()))
-                        .collect(),
-                    m.remove.clone().unwrap_or_default(),
-                );
-            }
-            (other, _) => {
-                return Err(format!(
-                    "filter {} is not supported by this mesh",
-                    serde_json::to_value(other)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_string))
-                        .unwrap_or_else(|| format!("{other:?}"))
-                ));
-            }
-        }
-    }
-    let backends = rule
-        .backend_refs
-        .iter()
-        .flatten()
-        .map(|b| {
-            if b.filters.as_ref().is_some_and(|f| !f.is_empty()) {
-                return Err(format!(
-                    "backendRef {}: filters on a backendRef are not supported",
-                    b.name
-                ));
-            }
-            backend_ref(
-                namespace,
-                b.group.as_deref(),
-                b.kind.as_deref(),
-                &b.name,
-                b.namespace.as_deref(),
-                b.port,
-                b.weight,
-            )
-        })
-        .collect::<Result<_, _>>()?;
+    let request_headers = request_header_edits!(rule, HttpRouteRulesFiltersType);
+    let backends = backend_refs(
+        namespace,
+        rule.backend_refs
+            .iter()
+            .flatten()
+            .map(|b| reference!(backend b)),
+    )?;
     let timeouts = rule.timeouts.as_ref();
     let timeout = duration(
         "timeouts.request",
@@ -509,49 +531,14 @@ fn grpc_rule(namespace: &str, rule: &GrpcRouteRules) -> Result<RuleEntry, String
         None | Some([]) => vec![RequestMatch::any()],
         Some(matches) => matches.iter().map(grpc_match).collect::<Result<_, _>>()?,
     };
-    let mut request_headers = HeaderEdits::default();
-    for filter in rule.filters.iter().flatten() {
-        match (&filter.r#type, &filter.request_header_modifier) {
-            (GrpcRouteRulesFiltersType::RequestHeaderModifier, Some(m)) => {
-                request_headers = header_edits(
-                    m.set
-                        .iter()
-                        .flatten()
-                        .map(|h| (h.name.clone(), h.value.clone()))
-                        .collect(),
-                    m.add
-                        .iter()
-                        .flatten()
-                        .map(|h| (h.name.clone(), h.value.clone()))
-                        .collect(),
-                    m.remove.clone().unwrap_or_default(),
-                );
-            }
-            (other, _) => return Err(format!("filter {other:?} is not supported by this mesh")),
-        }
-    }
-    let backends = rule
-        .backend_refs
-        .iter()
-        .flatten()
-        .map(|b| {
-            if b.filters.as_ref().is_some_and(|f| !f.is_empty()) {
-                return Err(format!(
-                    "backendRef {}: filters on a backendRef are not supported",
-                    b.name
-                ));
-            }
-            backend_ref(
-                namespace,
-                b.group.as_deref(),
-                b.kind.as_deref(),
-                &b.name,
-                b.namespace.as_deref(),
-                b.port,
-                b.weight,
-            )
-        })
-        .collect::<Result<_, _>>()?;
+    let request_headers = request_header_edits!(rule, GrpcRouteRulesFiltersType);
+    let backends = backend_refs(
+        namespace,
+        rule.backend_refs
+            .iter()
+            .flatten()
+            .map(|b| reference!(backend b)),
+    )?;
     Ok(RuleEntry {
         rule: RouteRule {
             source: RuleSource::File {
@@ -593,71 +580,69 @@ fn map_rules(
 /// Maps an HTTPRoute. A route without rules has the Gateway API's default rule: every request,
 /// and no backend (which answers 500).
 pub fn http_route_entry(route: &HttpRoute) -> (RouteKey, RouteEntry) {
-    let key = route_key(RouteKind::Http, &route.metadata);
-    let namespace = key.key.namespace.clone();
-    let parents = parents(
-        &namespace,
-        route.spec.parent_refs.iter().flatten().map(|p| {
-            (
-                p.group.as_deref(),
-                p.kind.as_deref(),
-                p.name.as_str(),
-                p.namespace.as_deref(),
-                p.port,
+    route_entry(
+        RouteKind::Http,
+        &route.metadata,
+        |namespace| {
+            parents(
+                namespace,
+                route
+                    .spec
+                    .parent_refs
+                    .iter()
+                    .flatten()
+                    .map(|p| reference!(parent p)),
             )
-        }),
-    );
-    let rules = match route.spec.rules.as_deref() {
-        None | Some([]) => http_rule(&namespace, &HttpRouteRules::default()).map(|r| vec![r]),
-        Some(rules) => rules
-            .iter()
-            .enumerate()
-            .map(|(i, r)| http_rule(&namespace, r).map_err(|e| format!("rule {i}: {e}")))
-            .collect(),
-    };
-    let order = order(&route.metadata, &key.key);
-    let entry = match parents {
-        Ok(parents) => RouteEntry {
-            parents,
-            rules: map_rules(&key, order, rules),
         },
-        Err(reason) => RouteEntry {
-            parents: Vec::new(),
-            rules: Err(reason),
-        },
-    };
-    (key, entry)
+        route.spec.rules.as_deref(),
+        http_rule,
+    )
 }
 
 /// Maps a GRPCRoute.
 pub fn grpc_route_entry(route: &GrpcRoute) -> (RouteKey, RouteEntry) {
-    let key = route_key(RouteKind::Grpc, &route.metadata);
-    let namespace = key.key.namespace.clone();
-    let parents = parents(
-        &namespace,
-        route.spec.parent_refs.iter().flatten().map(|p| {
-            (
-                p.group.as_deref(),
-                p.kind.as_deref(),
-                p.name.as_str(),
-                p.namespace.as_deref(),
-                p.port,
+    route_entry(
+        RouteKind::Grpc,
+        &route.metadata,
+        |namespace| {
+            parents(
+                namespace,
+                route
+                    .spec
+                    .parent_refs
+                    .iter()
+                    .flatten()
+                    .map(|p| reference!(parent p)),
             )
-        }),
-    );
-    let rules = match route.spec.rules.as_deref() {
-        None | Some([]) => grpc_rule(&namespace, &GrpcRouteRules::default()).map(|r| vec![r]),
+        },
+        route.spec.rules.as_deref(),
+        grpc_rule,
+    )
+}
+
+/// What both route kinds share: the key, the parents, the rules (the default one when there
+/// are none), each stamped with its source and tie-breaking order.
+fn route_entry<R: Default>(
+    kind: RouteKind,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    parents: impl FnOnce(&str) -> Result<Vec<ParentRef>, String>,
+    rules: Option<&[R]>,
+    map_rule: fn(&str, &R) -> Result<RuleEntry, String>,
+) -> (RouteKey, RouteEntry) {
+    let key = route_key(kind, meta);
+    let namespace = key.key.namespace.as_str();
+    let rules = match rules {
+        None | Some([]) => map_rule(namespace, &R::default()).map(|r| vec![r]),
         Some(rules) => rules
             .iter()
             .enumerate()
-            .map(|(i, r)| grpc_rule(&namespace, r).map_err(|e| format!("rule {i}: {e}")))
+            .map(|(i, r)| map_rule(namespace, r).map_err(|e| format!("rule {i}: {e}")))
             .collect(),
     };
-    let order = order(&route.metadata, &key.key);
-    let entry = match parents {
+    let entry = match parents(namespace) {
         Ok(parents) => RouteEntry {
             parents,
-            rules: map_rules(&key, order, rules),
+            rules: map_rules(&key, order(meta, &key.key), rules),
         },
         Err(reason) => RouteEntry {
             parents: Vec::new(),

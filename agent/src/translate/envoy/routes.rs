@@ -336,7 +336,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::mesh::route::{Backend, RetryOn, RetryPolicy, RuleSource};
+    use crate::mesh::route::{Backend, RetryOn, RetryPolicy, test_rule};
     use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
     use crate::translate::envoy::EnvoyTranslator;
     use crate::xds::ResourceType;
@@ -360,20 +360,7 @@ mod tests {
     }
 
     fn rule(index: usize, request: RequestMatch, backends: Vec<Backend>) -> RouteRule {
-        RouteRule {
-            source: RuleSource::File {
-                rule: index,
-                name: None,
-            },
-            order: (None, String::new(), index),
-            port: None,
-            matches: vec![request],
-            backends,
-            timeout: None,
-            backend_timeout: None,
-            retry: None,
-            request_headers: HeaderEdits::default(),
-        }
+        test_rule(index, vec![request], backends)
     }
 
     /// `/shop/web` with `rules` on port 8080 (and 9090), beside its two backends.
