@@ -12,12 +12,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use lattice_contract::TrapCidrs;
 use notify::{RecursiveMode, Watcher};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-use lattice_contract::TrapCidrs;
 
 use crate::mesh::{
     AddressError, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol, ServicePort, ServiceSpec,

@@ -27,10 +27,9 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
+use lattice_contract::TrapCidrs;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-
-use lattice_contract::TrapCidrs;
 
 use crate::mesh::{AddressError, MeshSnapshot, MeshTx, PathError};
 

@@ -7,13 +7,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
+use lattice_contract::TrapCidrs;
 use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
-use lattice_contract::TrapCidrs;
-
 use crate::mesh::{
     EndpointSet, MeshPath, MeshSnapshot, MeshState, RejectedRoute, ServicePort, ServiceSpec,
 };
