@@ -22,7 +22,8 @@ pub enum LogFormat {
 /// answers `*.system.internal` DNS from it, and forwards every other name upstream.
 ///
 /// The mesh comes from a YAML mesh file (--mesh-file), followed live, or, without one, from the
-/// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices.
+/// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices, and the Gateway
+/// API's HTTPRoutes and GRPCRoutes on Services for traffic rules (when their CRDs are installed).
 #[derive(Clone, Debug, Parser, Serialize)]
 #[command(name = "lattice-agent", version, about, long_about)]
 pub struct AgentConfig {
@@ -48,7 +49,8 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_DNS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)))]
     pub dns_addr: SocketAddr,
 
-    /// Address of the admin server: /healthz /readyz /metrics /debug/mesh /debug/xds.
+    /// Address of the admin server: /healthz /readyz /metrics /debug/mesh /debug/routes
+    /// /debug/xds.
     #[arg(long, env = "LATTICE_ADMIN_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, ADMIN_PORT)))]
     pub admin_addr: SocketAddr,
 
