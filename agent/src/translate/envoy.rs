@@ -9,10 +9,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
     ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
 };
+use envoy_types::pb::envoy::config::cluster::v3::{CircuitBreakers, Cluster, circuit_breakers};
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
     SocketAddress, TrafficDirection, address, config_source, socket_address,
@@ -201,6 +201,16 @@ fn cluster(service: &Service, port: &ServicePort) -> Cluster {
             nanos: 0,
         }),
         typed_extension_protocol_options: options,
+        // Envoy allows 3 retries in flight per cluster by default: with a few concurrent
+        // requests, the retries a route asks for would be silently dropped. A sidecar's
+        // retries are bounded per request (the route's attempts), so no cluster-wide cap.
+        circuit_breakers: Some(CircuitBreakers {
+            thresholds: vec![circuit_breakers::Thresholds {
+                max_retries: Some(UInt32Value { value: u32::MAX }),
+                ..circuit_breakers::Thresholds::default()
+            }],
+            ..CircuitBreakers::default()
+        }),
         ..Cluster::default()
     }
 }
