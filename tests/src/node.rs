@@ -93,10 +93,21 @@ impl Node {
 
     /// A backend pod serving HTTP on `port` that answers every request with `identity`.
     pub fn http_backend(&self, identity: &str, host: u8, port: u16) -> anyhow::Result<Backend> {
+        self.http_backend_with(identity, host, port, Behaviour::Answer)
+    }
+
+    /// A backend pod serving HTTP on `port` that answers with `identity` as `behaviour` says.
+    pub fn http_backend_with(
+        &self,
+        identity: &str,
+        host: u8,
+        port: u16,
+        behaviour: Behaviour,
+    ) -> anyhow::Result<Backend> {
         let pod = self.pod(identity, host)?;
         let answer = identity.to_string();
         let server = Server::start(&pod, port, move |stream, stats| {
-            serve_http(stream, &answer, stats)
+            serve_http(stream, &answer, stats, behaviour)
         })?;
         Ok(Backend {
             server,
@@ -129,20 +140,53 @@ pub struct Pod {
     pub address: Ipv4Addr,
 }
 
+/// How an HTTP backend answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Behaviour {
+    /// `200` with its identity.
+    Answer,
+    /// `503` to every other request it serves (the 1st, 3rd, …), `200` to the rest: exactly
+    /// half fail, whatever the load.
+    FailEveryOther,
+    /// `200` with its identity, after this long.
+    Slow(Duration),
+}
+
+/// The request heads a backend keeps, newest last: enough for a test to read what the last
+/// requests carried, bounded so a load test does not grow it.
+const KEPT_HEADS: usize = 64;
+
 /// What a backend server saw: requests (HTTP) or connections (echo), and when.
 #[derive(Default)]
 pub struct Stats {
     served: AtomicU64,
     times: Mutex<(Option<Instant>, Option<Instant>)>,
+    heads: Mutex<std::collections::VecDeque<String>>,
 }
 
 impl Stats {
-    fn record(&self) {
-        self.served.fetch_add(1, Ordering::Relaxed);
+    /// Counts one request (or connection); returns how many came before it.
+    fn record(&self) -> u64 {
+        let before = self.served.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let mut times = self.times.lock().unwrap_or_else(|p| p.into_inner());
         times.0.get_or_insert(now);
         times.1 = Some(now);
+        before
+    }
+
+    fn keep_head(&self, head: String) {
+        let mut heads = self.heads.lock().unwrap_or_else(|p| p.into_inner());
+        if heads.len() == KEPT_HEADS {
+            heads.pop_front();
+        }
+        heads.push_back(head);
+    }
+
+    /// The request heads (request line and headers, as received) of the last requests.
+    pub fn heads(&self) -> Vec<String> {
+        let heads = self.heads.lock().unwrap_or_else(|p| p.into_inner());
+        heads.iter().cloned().collect()
     }
 
     pub fn served(&self) -> u64 {
@@ -220,8 +264,8 @@ impl Drop for Server {
 }
 
 /// HTTP/1.1 with keep-alive (Envoy pools its upstream connections): every request is answered
-/// `200` with the identity as the body.
-fn serve_http(stream: TcpStream, identity: &str, stats: &Stats) {
+/// with the identity as the body, as `behaviour` says.
+fn serve_http(stream: TcpStream, identity: &str, stats: &Stats, behaviour: Behaviour) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
@@ -229,6 +273,7 @@ fn serve_http(stream: TcpStream, identity: &str, stats: &Stats) {
     loop {
         let mut close = false;
         let mut saw_request = false;
+        let mut head = String::new();
         loop {
             let mut line = String::new();
             match reader.read_line(&mut line) {
@@ -243,15 +288,26 @@ fn serve_http(stream: TcpStream, identity: &str, stats: &Stats) {
                 continue;
             }
             saw_request = true;
+            head.push_str(line);
+            head.push('\n');
             let lower = line.to_ascii_lowercase();
             if lower.starts_with("connection:") && lower.contains("close") {
                 close = true;
             }
         }
-        stats.record();
+        let before = stats.record();
+        stats.keep_head(head);
+        let status = match behaviour {
+            Behaviour::FailEveryOther if before.is_multiple_of(2) => "503 Service Unavailable",
+            Behaviour::Slow(delay) => {
+                std::thread::sleep(delay);
+                "200 OK"
+            }
+            _ => "200 OK",
+        };
         let body = format!("{identity}\n");
         let response = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n{}\r\n{body}",
+            "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n{}\r\n{body}",
             body.len(),
             if close { "connection: close\r\n" } else { "" }
         );
@@ -515,6 +571,49 @@ impl ClientPod {
         enter_path(&self.pod.netns.path(), || one_request(addr, host)).map_err(|e| e.to_string())?
     }
 
+    /// One request from an app in the pod to `addr` with `Host: host`: whatever the status.
+    pub fn request(
+        &self,
+        addr: SocketAddr,
+        host: &str,
+        request: &Request,
+    ) -> Result<Reply, String> {
+        enter_path(&self.pod.netns.path(), || exchange(addr, host, request))
+            .map_err(|e| e.to_string())?
+    }
+
+    /// `count` requests from the pod, over `parallel` threads (each one connection at a time),
+    /// in no particular order.
+    pub fn requests(
+        &self,
+        addr: SocketAddr,
+        host: &str,
+        request: &Request,
+        count: usize,
+        parallel: usize,
+    ) -> Vec<Result<Reply, String>> {
+        let netns = self.pod.netns.path();
+        let parallel = parallel.max(1);
+        std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..parallel)
+                .map(|i| {
+                    let share = count / parallel + usize::from(i < count % parallel);
+                    let netns = &netns;
+                    scope.spawn(move || -> Vec<Result<Reply, String>> {
+                        if let Err(e) = join_path(netns) {
+                            return vec![Err(e.to_string()); share];
+                        }
+                        (0..share).map(|_| exchange(addr, host, request)).collect()
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap_or_default())
+                .collect()
+        })
+    }
+
     /// Sends `payload` over one TCP connection from the pod to `addr` and returns what comes
     /// back before the peer closes.
     pub fn tcp_exchange(&self, addr: SocketAddr, payload: &[u8]) -> Result<Vec<u8>, String> {
@@ -559,18 +658,31 @@ pub struct DigAnswer {
     pub text: String,
 }
 
-/// One request, the way an app sends it: a new connection, `Connection: close`.
-fn one_request(addr: SocketAddr, host: &str) -> Result<String, String> {
+/// What one request got: the status and body of the response, and how long it took.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: String,
+    pub took: Duration,
+}
+
+/// One request, the way an app sends it: a new connection, `Connection: close`, the method and
+/// path of `request` and its headers.
+fn exchange(addr: SocketAddr, host: &str, request: &Request) -> Result<Reply, String> {
+    let start = Instant::now();
     let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
         .map_err(|e| format!("connect {addr}: {e}"))?;
     stream
         .set_read_timeout(Some(IO_TIMEOUT))
         .map_err(|e| e.to_string())?;
-    write!(
-        stream,
-        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| format!("write: {e}"))?;
+    let mut head = format!("GET {} HTTP/1.1\r\nHost: {host}\r\n", request.path);
+    for (name, value) in &request.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("Connection: close\r\n\r\n");
+    stream
+        .write_all(head.as_bytes())
+        .map_err(|e| format!("write: {e}"))?;
     let mut raw = Vec::new();
     stream
         .read_to_end(&mut raw)
@@ -579,11 +691,47 @@ fn one_request(addr: SocketAddr, host: &str) -> Result<String, String> {
     let (head, body) = response
         .split_once("\r\n\r\n")
         .ok_or_else(|| format!("not an HTTP response: {response:?}"))?;
-    let status = head.lines().next().unwrap_or_default();
-    if status.split_whitespace().nth(1) != Some("200") {
-        return Err(format!("{status}: {body:.200}"));
+    let status_line = head.lines().next().unwrap_or_default();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("no status in {status_line:?}"))?;
+    Ok(Reply {
+        status,
+        body: body.trim().to_string(),
+        took: start.elapsed(),
+    })
+}
+
+/// One GET of `/`: the body on 200, an error otherwise.
+fn one_request(addr: SocketAddr, host: &str) -> Result<String, String> {
+    let reply = exchange(addr, host, &Request::get("/"))?;
+    if reply.status != 200 {
+        return Err(format!("{}: {:.200}", reply.status, reply.body));
     }
-    Ok(body.trim().to_string())
+    Ok(reply.body)
+}
+
+/// A GET with a path and headers.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Request {
+    pub fn get(path: &str) -> Request {
+        Request {
+            path: path.to_string(),
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Request {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
 }
 
 /// What one request of a [`Load`] got.
@@ -718,8 +866,13 @@ impl MeshFile {
     }
 
     pub fn write(&self, services: &[MeshService]) -> anyhow::Result<()> {
+        self.write_text(&render(services))
+    }
+
+    /// Replaces the file with `text`, whole.
+    pub fn write_text(&self, text: &str) -> anyhow::Result<()> {
         let tmp = self.path.with_extension("tmp");
-        std::fs::write(&tmp, render(services))?;
+        std::fs::write(&tmp, text)?;
         std::fs::rename(&tmp, &self.path)?;
         Ok(())
     }
