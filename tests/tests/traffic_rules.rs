@@ -116,59 +116,53 @@ impl Rule {
 
     /// The rule as a mesh-file `routes:` entry.
     fn yaml(&self) -> Value {
-        let mut rule = json!({
-            "backends": self.backends.iter().map(|(name, weight)| json!({
-                "service": format!("/shop/{name}"), "weight": weight,
-            })).collect::<Vec<_>>(),
-        });
-        if !self.matches.is_empty() {
-            rule["matches"] = self
-                .matches
-                .iter()
-                .map(|m| {
-                    let mut out = json!({});
-                    if let Some((kind, value)) = m.path {
-                        out["path"] = json!({kind: value});
-                    }
-                    if !m.headers.is_empty() {
-                        out["headers"] = m
-                            .headers
-                            .iter()
-                            .map(|(n, v)| json!({"name": n, "exact": v}))
-                            .collect();
-                    }
-                    if !m.query.is_empty() {
-                        out["query"] = m
-                            .query
-                            .iter()
-                            .map(|(n, v)| json!({"name": n, "exact": v}))
-                            .collect();
-                    }
-                    out
-                })
-                .collect();
-        }
-        if let Some(timeout) = self.timeout {
-            rule["timeout"] = timeout.into();
-        }
-        if let Some(attempts) = self.retries {
-            rule["retry"] = json!({"attempts": attempts, "codes": [503]});
-        }
-        if !(self.set.is_empty() && self.add.is_empty() && self.remove.is_empty()) {
-            rule["requestHeaders"] = json!({
-                "set": pairs(&self.set), "add": pairs(&self.add), "remove": self.remove,
-            });
-        }
-        rule
+        self.render(&Dialect {
+            backends: "backends",
+            backend: |name, weight| json!({"service": format!("/shop/{name}"), "weight": weight}),
+            path: |kind, value| json!({kind: value}),
+            value: "exact",
+            query: "query",
+            timeout: |timeout| ("timeout", timeout.into()),
+            edits: |edits| ("requestHeaders", edits),
+        })
     }
 
     /// The rule as an HTTPRoute rule.
     fn gateway(&self) -> Value {
-        let mut rule = json!({
-            "backendRefs": self.backends.iter().map(|(name, weight)| json!({
-                "name": name, "port": PORT, "weight": weight,
-            })).collect::<Vec<_>>(),
-        });
+        self.render(&Dialect {
+            backends: "backendRefs",
+            backend: |name, weight| json!({"name": name, "port": PORT, "weight": weight}),
+            path: |kind, value| {
+                let kind = if kind == "exact" {
+                    "Exact"
+                } else {
+                    "PathPrefix"
+                };
+                json!({"type": kind, "value": value})
+            },
+            value: "value",
+            query: "queryParams",
+            timeout: |timeout| ("timeouts", json!({"request": timeout})),
+            edits: |edits| {
+                let filter =
+                    json!({"type": "RequestHeaderModifier", "requestHeaderModifier": edits});
+                ("filters", json!([filter]))
+            },
+        })
+    }
+
+    fn render(&self, dialect: &Dialect) -> Value {
+        let mut rule = json!({});
+        rule[dialect.backends] = self
+            .backends
+            .iter()
+            .map(|(name, weight)| (dialect.backend)(name, *weight))
+            .collect();
+        let conditions = |list: &[(&str, &str)]| -> Value {
+            list.iter()
+                .map(|(name, value)| json!({"name": name, dialect.value: value}))
+                .collect()
+        };
         if !self.matches.is_empty() {
             rule["matches"] = self
                 .matches
@@ -176,44 +170,46 @@ impl Rule {
                 .map(|m| {
                     let mut out = json!({});
                     if let Some((kind, value)) = m.path {
-                        let kind = if kind == "exact" {
-                            "Exact"
-                        } else {
-                            "PathPrefix"
-                        };
-                        out["path"] = json!({"type": kind, "value": value});
+                        out["path"] = (dialect.path)(kind, value);
                     }
                     if !m.headers.is_empty() {
-                        out["headers"] = m
-                            .headers
-                            .iter()
-                            .map(|(n, v)| json!({"name": n, "value": v}))
-                            .collect();
+                        out["headers"] = conditions(&m.headers);
                     }
                     if !m.query.is_empty() {
-                        out["queryParams"] = m
-                            .query
-                            .iter()
-                            .map(|(n, v)| json!({"name": n, "value": v}))
-                            .collect();
+                        out[dialect.query] = conditions(&m.query);
                     }
                     out
                 })
                 .collect();
         }
         if let Some(timeout) = self.timeout {
-            rule["timeouts"] = json!({"request": timeout});
+            let (field, value) = (dialect.timeout)(timeout);
+            rule[field] = value;
         }
         if let Some(attempts) = self.retries {
             rule["retry"] = json!({"attempts": attempts, "codes": [503]});
         }
         if !(self.set.is_empty() && self.add.is_empty() && self.remove.is_empty()) {
-            rule["filters"] = json!([{"type": "RequestHeaderModifier", "requestHeaderModifier": {
+            let edits = json!({
                 "set": pairs(&self.set), "add": pairs(&self.add), "remove": self.remove,
-            }}]);
+            });
+            let (field, value) = (dialect.edits)(edits);
+            rule[field] = value;
         }
         rule
     }
+}
+
+/// How a source spells the parts of a rule (the mesh file's `routes:`, or an HTTPRoute's).
+struct Dialect {
+    backends: &'static str,
+    backend: fn(&str, u32) -> Value,
+    path: fn(&str, &str) -> Value,
+    /// The key of a header or query condition's value.
+    value: &'static str,
+    query: &'static str,
+    timeout: fn(&str) -> (&'static str, Value),
+    edits: fn(Value) -> (&'static str, Value),
 }
 
 fn pairs(list: &[(&str, &str)]) -> Value {

@@ -577,48 +577,39 @@ fn map_rules(
     Ok(rules)
 }
 
-/// Maps an HTTPRoute. A route without rules has the Gateway API's default rule: every request,
-/// and no backend (which answers 500).
-pub fn http_route_entry(route: &HttpRoute) -> (RouteKey, RouteEntry) {
-    route_entry(
-        RouteKind::Http,
-        &route.metadata,
-        |namespace| {
-            parents(
-                namespace,
-                route
-                    .spec
-                    .parent_refs
-                    .iter()
-                    .flatten()
-                    .map(|p| reference!(parent p)),
+/// A public mapping function per route kind, over [`route_entry`].
+macro_rules! route_entry_fn {
+    ($(#[$doc:meta])* $name:ident, $route:ty, $kind:expr, $rule:ident) => {
+        $(#[$doc])*
+        pub fn $name(route: &$route) -> (RouteKey, RouteEntry) {
+            let parent_refs = route.spec.parent_refs.iter().flatten();
+            route_entry(
+                $kind,
+                &route.metadata,
+                |namespace| parents(namespace, parent_refs.map(|p| reference!(parent p))),
+                route.spec.rules.as_deref(),
+                $rule,
             )
-        },
-        route.spec.rules.as_deref(),
-        http_rule,
-    )
+        }
+    };
 }
 
-/// Maps a GRPCRoute.
-pub fn grpc_route_entry(route: &GrpcRoute) -> (RouteKey, RouteEntry) {
-    route_entry(
-        RouteKind::Grpc,
-        &route.metadata,
-        |namespace| {
-            parents(
-                namespace,
-                route
-                    .spec
-                    .parent_refs
-                    .iter()
-                    .flatten()
-                    .map(|p| reference!(parent p)),
-            )
-        },
-        route.spec.rules.as_deref(),
-        grpc_rule,
-    )
-}
+route_entry_fn!(
+    /// Maps an HTTPRoute. A route without rules has the Gateway API's default rule: every
+    /// request, and no backend (which answers 500).
+    http_route_entry,
+    HttpRoute,
+    RouteKind::Http,
+    http_rule
+);
+
+route_entry_fn!(
+    /// Maps a GRPCRoute.
+    grpc_route_entry,
+    GrpcRoute,
+    RouteKind::Grpc,
+    grpc_rule
+);
 
 /// What both route kinds share: the key, the parents, the rules (the default one when there
 /// are none), each stamped with its source and tie-breaking order.
