@@ -70,7 +70,7 @@ enum Task {
         only: Vec<String>,
     },
     /// The whole data path on a simulated node, narrated: DNS, capture, Envoy, backends, a
-    /// live mesh change, then teardown. Needs root.
+    /// live mesh change, a blue-green release by routing rules, then teardown. Needs root.
     Demo,
     /// Fuzz the DNS query path (dns/fuzz, cargo-fuzz with libFuzzer) for a while; installs
     /// cargo-fuzz when missing. Runs on the stable toolchain through RUSTC_BOOTSTRAP.

@@ -198,7 +198,8 @@ pub struct RetryPolicy {
     pub on: Vec<RetryOn>,
     /// Answers with these statuses are tried again too.
     pub codes: Vec<u16>,
-    /// The least wait before a retry (Envoy's backoff is jittered below twice this).
+    /// The base of the wait between tries: Envoy waits a random time below (2^n − 1) times
+    /// this before the n-th retry, at most ten times this.
     #[serde(with = "millis_opt")]
     pub backoff: Option<Duration>,
 }
