@@ -41,10 +41,11 @@ impl MeshMetrics {
         metrics
     }
 
-    pub fn observe(&self, mesh: &MeshSnapshot) {
+    /// Records `mesh`, whose endpoints the caller has counted already.
+    pub fn observe(&self, mesh: &MeshSnapshot, endpoints: usize) {
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.services.set(count(mesh.services.len()));
-        self.endpoints.set(count(mesh.endpoint_count()));
+        self.endpoints.set(count(endpoints));
         self.route_rules
             .set(count(mesh.services.values().map(|s| s.routes.len()).sum()));
         self.rejected_routes.set(count(mesh.rejected_routes.len()));

@@ -153,6 +153,14 @@ pub const MAX_WEIGHT: u32 = 1_000_000;
 /// Tries after the first when a rule asks for retries but not how many.
 pub const DEFAULT_RETRY_ATTEMPTS: u32 = 2;
 
+/// What is retried when a rule asks for retries but not on what: failures of the connection,
+/// which the Gateway API asks every retry to cover.
+pub const DEFAULT_RETRY_ON: [RetryOn; 3] = [
+    RetryOn::ConnectFailure,
+    RetryOn::RefusedStream,
+    RetryOn::Reset,
+];
+
 /// When a failed attempt is tried again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]

@@ -94,11 +94,12 @@ impl Pipeline {
             self.xds_ready.take();
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
-            self.mesh_metrics.observe(&mesh);
+            let endpoints = mesh.endpoint_count();
+            self.mesh_metrics.observe(&mesh, endpoints);
             tracing::info!(
                 version = mesh.version,
                 services = mesh.services.len(),
-                endpoints = mesh.endpoint_count(),
+                endpoints,
                 translate_ms = translating.elapsed().as_secs_f64() * 1e3,
                 "serving mesh snapshot"
             );

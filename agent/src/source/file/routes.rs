@@ -9,9 +9,9 @@ use serde::Deserialize;
 
 use super::port_number;
 use crate::mesh::route::{
-    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, HeaderEdits, MAX_WEIGHT, PathMatch,
-    RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch,
-    check_regex,
+    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_ON, HeaderEdits, MAX_WEIGHT,
+    PathMatch, RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition,
+    ValueMatch, check_regex,
 };
 use crate::mesh::{MeshPath, Protocol};
 
@@ -94,14 +94,6 @@ struct FileHeader {
     name: String,
     value: String,
 }
-
-/// What is retried when `retry:` does not say: failures that cannot have reached the
-/// application's logic (the Gateway API asks for connection errors to be retried).
-pub const DEFAULT_RETRY_ON: [RetryOn; 3] = [
-    RetryOn::ConnectFailure,
-    RetryOn::RefusedStream,
-    RetryOn::Reset,
-];
 
 const METHODS: [&str; 9] = [
     "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",

@@ -40,8 +40,8 @@ use serde::Serialize;
 
 use super::mapping::{ObjectKey, ServiceEntry};
 use crate::mesh::route::{
-    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, HeaderEdits, PathMatch, RejectedRoute,
-    RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch,
+    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_ON, HeaderEdits, PathMatch,
+    RejectedRoute, RequestMatch, RetryPolicy, RouteRule, RuleSource, ValueCondition, ValueMatch,
     check_regex,
 };
 
@@ -441,34 +441,19 @@ fn http_rule(namespace: &str, rule: &HttpRouteRules) -> Result<RuleEntry, String
             Ok(RetryPolicy {
                 attempts,
                 // The Gateway API asks for connection errors to be retried with any retry.
-                on: vec![
-                    RetryOn::ConnectFailure,
-                    RetryOn::Reset,
-                    RetryOn::RefusedStream,
-                ],
+                on: DEFAULT_RETRY_ON.to_vec(),
                 codes,
                 backoff: duration("retry.backoff", r.backoff.as_deref())?,
             })
         })
         .transpose()?;
-    Ok(RuleEntry {
-        rule: RouteRule {
-            // Filled in by `map_rules`.
-            source: RuleSource::File {
-                rule: 0,
-                name: None,
-            },
-            order: (None, String::new(), 0),
-            port: None,
-            matches,
-            backends: Vec::new(),
-            timeout,
-            backend_timeout,
-            retry,
-            request_headers,
-        },
+    Ok(rule_entry(
+        matches,
+        request_headers,
         backends,
-    })
+        (timeout, backend_timeout),
+        retry,
+    ))
 }
 
 fn grpc_match(m: &GrpcRouteRulesMatches) -> Result<RequestMatch, String> {
@@ -487,7 +472,7 @@ fn grpc_match(m: &GrpcRouteRulesMatches) -> Result<RequestMatch, String> {
                 }
                 (Some(service), None, false) => PathMatch::Prefix(format!("/{service}")),
                 (None, Some(name), false) => {
-                    PathMatch::Regex(format!("/[^/]+/{}", regex_escape(name)))
+                    PathMatch::Regex(format!("/[^/]+/{}", regex::escape(name)))
                 }
                 (service, name, true) => {
                     let regex = format!(
@@ -522,10 +507,6 @@ fn grpc_match(m: &GrpcRouteRulesMatches) -> Result<RequestMatch, String> {
     })
 }
 
-fn regex_escape(text: &str) -> String {
-    regex::escape(text)
-}
-
 fn grpc_rule(namespace: &str, rule: &GrpcRouteRules) -> Result<RuleEntry, String> {
     let matches = match rule.matches.as_deref() {
         None | Some([]) => vec![RequestMatch::any()],
@@ -539,7 +520,24 @@ fn grpc_rule(namespace: &str, rule: &GrpcRouteRules) -> Result<RuleEntry, String
             .flatten()
             .map(|b| reference!(backend b)),
     )?;
-    Ok(RuleEntry {
+    Ok(rule_entry(
+        matches,
+        request_headers,
+        backends,
+        (None, None),
+        None,
+    ))
+}
+
+/// A rule of either route kind, its source and order left for [`map_rules`] to stamp.
+fn rule_entry(
+    matches: Vec<RequestMatch>,
+    request_headers: HeaderEdits,
+    backends: Vec<BackendRef>,
+    (timeout, backend_timeout): (Option<Duration>, Option<Duration>),
+    retry: Option<RetryPolicy>,
+) -> RuleEntry {
+    RuleEntry {
         rule: RouteRule {
             source: RuleSource::File {
                 rule: 0,
@@ -549,13 +547,13 @@ fn grpc_rule(namespace: &str, rule: &GrpcRouteRules) -> Result<RuleEntry, String
             port: None,
             matches,
             backends: Vec::new(),
-            timeout: None,
-            backend_timeout: None,
-            retry: None,
+            timeout,
+            backend_timeout,
+            retry,
             request_headers,
         },
         backends,
-    })
+    }
 }
 
 /// Stamps each rule with its source and tie-breaking order.
