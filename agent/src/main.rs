@@ -54,7 +54,9 @@ fn init_logging(format: LogFormat) {
 }
 
 enum Source {
-    File(FileSource),
+    // Boxed: the mesh state (address book, instance index) outweighs a kube client, and the
+    // source lives once per process.
+    File(Box<FileSource>),
     Kubernetes(kube::Client),
 }
 
@@ -71,7 +73,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
 
     let source = match &config.mesh_file {
-        Some(path) => Source::File(FileSource::load(path, config.trap_cidr.clone())?),
+        Some(path) => Source::File(Box::new(FileSource::load(path, config.trap_cidr.clone())?)),
         None => {
             let client = kube::Client::try_default().await.context(
                 "cannot configure the Kubernetes client (no in-cluster config and no usable \

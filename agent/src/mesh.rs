@@ -1,9 +1,10 @@
 //! The mesh model: what every source produces and every translator reads.
 //!
-//! Sources describe services as [`ServiceSpec`]s (path, ports, endpoints) and hand them to a
-//! [`MeshState`], which assigns each service its address from the trapped block and takes an
-//! immutable [`MeshSnapshot`], published on the one [`channel`] every consumer reads. Nothing in
-//! here knows about Kubernetes, files, Envoy or DNS.
+//! Sources describe services as [`ServiceSpec`]s (path, ports, endpoints, and for a stateful
+//! service its named instances) and hand them to a [`MeshState`], which assigns each service,
+//! and each instance, its address from the trapped block and takes an immutable
+//! [`MeshSnapshot`], published on the one [`channel`] every consumer reads. Nothing in here
+//! knows about Kubernetes, files, Envoy or DNS.
 
 mod address;
 mod metrics;
@@ -90,6 +91,10 @@ impl FromStr for Protocol {
 pub struct ServicePort {
     /// The port clients dial on the service's address.
     pub port: u16,
+    /// The port's name, if the source gives one: SRV records (`_<name>._tcp.<service>`) are
+    /// published for named ports.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<Arc<str>>,
     pub protocol: Protocol,
     /// Sorted and deduplicated, so equal sets compare equal.
     pub endpoints: EndpointSet,
@@ -126,6 +131,19 @@ impl FromIterator<SocketAddr> for EndpointSet {
     }
 }
 
+/// One named instance of a stateful service, as a source describes it: a StatefulSet pod
+/// behind a headless Service, or a mesh-file endpoint with a `name`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct InstanceSpec {
+    /// A DNS label, unique within the service: `db-1`.
+    pub name: String,
+    /// Listed in the service name's answer. An instance that is not ready keeps its own name,
+    /// address and clusters: a recovering replica must stay reachable by its peers.
+    pub ready: bool,
+    /// Where each service port reaches this instance: (service port, endpoint), by port.
+    pub endpoints: Vec<(u16, SocketAddr)>,
+}
+
 /// A service as a source describes it, before it has an address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceSpec {
@@ -135,6 +153,9 @@ pub struct ServiceSpec {
     /// HTTP routing rules for requests sent to this service; none means every request goes to
     /// its own endpoints.
     pub routes: Rules,
+    /// Named instances, by name. A service with instances is stateful: its name answers with
+    /// the ready instances' addresses, and each instance has a name and address of its own.
+    pub instances: Vec<InstanceSpec>,
 }
 
 impl ServiceSpec {
@@ -145,7 +166,18 @@ impl ServiceSpec {
             path,
             ports,
             routes: Rules::from([]),
+            instances: Vec::new(),
         }
+    }
+
+    /// Makes the service stateful with these instances (sorted by name here).
+    pub fn with_instances(mut self, mut instances: Vec<InstanceSpec>) -> Self {
+        instances.sort_by(|a, b| a.name.cmp(&b.name));
+        for instance in &mut instances {
+            instance.endpoints.sort_unstable();
+        }
+        self.instances = instances;
+        self
     }
 
     pub fn with_routes(mut self, routes: Vec<RouteRule>) -> Self {
@@ -160,19 +192,48 @@ impl ServiceSpec {
     }
 }
 
-/// Where clients reach a service: the block's shared address, or one of its own.
+/// Where clients reach a service: the block's shared address, one of its own, or (a stateful
+/// service) the addresses of its instances.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(tag = "kind", content = "ip", rename_all = "lowercase")]
 pub enum ServiceAddress {
     Shared(Ipv4Addr),
     Own(Ipv4Addr),
+    /// The service's name answers with its ready instances' addresses, as Kubernetes DNS
+    /// does for a headless Service; it has no address of its own.
+    Instances,
 }
 
 impl ServiceAddress {
-    pub fn ip(self) -> Ipv4Addr {
+    /// The one address the service's name resolves to, if it has one.
+    pub fn ip(self) -> Option<Ipv4Addr> {
         match self {
-            ServiceAddress::Shared(ip) | ServiceAddress::Own(ip) => ip,
+            ServiceAddress::Shared(ip) | ServiceAddress::Own(ip) => Some(ip),
+            ServiceAddress::Instances => None,
         }
+    }
+}
+
+/// A named instance of a stateful service in a snapshot: its spec plus its name and address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Instance {
+    pub name: String,
+    /// `db-1.db.data.system.internal` for instance `db-1` of `/data/db`.
+    pub dns_name: String,
+    /// Its own, from the trapped block; stable for as long as the instance exists.
+    pub address: Ipv4Addr,
+    pub ready: bool,
+    /// (service port, endpoint), by port.
+    pub endpoints: Vec<(u16, SocketAddr)>,
+}
+
+impl Instance {
+    /// The endpoint that serves `port` on this instance, if any.
+    pub fn endpoint(&self, port: u16) -> Option<SocketAddr> {
+        self.endpoints
+            .iter()
+            .find(|(p, _)| *p == port)
+            .map(|(_, endpoint)| *endpoint)
     }
 }
 
@@ -185,11 +246,15 @@ pub struct Service {
     pub address: ServiceAddress,
     pub ports: Vec<ServicePort>,
     pub routes: Rules,
+    /// A stateful service's instances, by name; empty for every other service.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<Instance>,
 }
 
 impl Service {
-    /// Same name, address and ports (ignoring endpoints and routes): if two versions of a
-    /// service have the same shape, only their endpoints or routes need pushing.
+    /// Same names, addresses, readiness and ports (ignoring endpoints and routes): if two
+    /// versions of a service have the same shape, only their endpoints or routes need pushing.
+    /// An instance's readiness is shape because it decides the service name's DNS answer.
     pub fn same_shape(&self, other: &Service) -> bool {
         self.address == other.address
             && self.path == other.path
@@ -198,7 +263,24 @@ impl Service {
                 .ports
                 .iter()
                 .zip(&other.ports)
-                .all(|(a, b)| a.port == b.port && a.protocol == b.protocol)
+                .all(|(a, b)| a.port == b.port && a.protocol == b.protocol && a.name == b.name)
+            && self.instances.len() == other.instances.len()
+            && self
+                .instances
+                .iter()
+                .zip(&other.instances)
+                .all(|(a, b)| a.name == b.name && a.address == b.address && a.ready == b.ready)
+    }
+
+    /// Same endpoints on every port and every instance.
+    pub fn same_endpoints(&self, other: &Service) -> bool {
+        self.ports == other.ports
+            && self.instances.len() == other.instances.len()
+            && self
+                .instances
+                .iter()
+                .zip(&other.instances)
+                .all(|(a, b)| a.endpoints == b.endpoints)
     }
 }
 
@@ -234,6 +316,10 @@ impl MeshSnapshot {
             .map(|p| p.endpoints.len())
             .sum()
     }
+
+    pub fn instance_count(&self) -> usize {
+        self.services.values().map(|s| s.instances.len()).sum()
+    }
 }
 
 /// The mutable side: sources apply changes here, then take a snapshot to publish.
@@ -244,6 +330,9 @@ impl MeshSnapshot {
 pub struct MeshState {
     addresses: AddressBook,
     services: ServiceMap,
+    /// Instance path (`/data/db/db-1`) → its service, so no service can take an instance's
+    /// name and no instance a service's.
+    instance_of: std::collections::HashMap<MeshPath, MeshPath>,
     rejected_routes: Arc<[RejectedRoute]>,
     version: u64,
     shape_version: u64,
@@ -258,6 +347,7 @@ impl MeshState {
         MeshState {
             addresses: AddressBook::new(trap),
             services: ServiceMap::new(),
+            instance_of: std::collections::HashMap::new(),
             rejected_routes: Arc::from([]),
             version: 0,
             shape_version: 0,
@@ -267,16 +357,66 @@ impl MeshState {
     }
 
     /// Adds or replaces one service. Returns false (and changes nothing) when it is identical
-    /// to what is already there.
+    /// to what is already there. On error nothing changes either.
     pub fn upsert(&mut self, spec: ServiceSpec) -> Result<bool, AddressError> {
-        let address = self
-            .addresses
-            .assign(&spec.path, spec.needs_own_address())?;
-        let existing = self.services.get(&spec.path);
-        if let Some(existing) = existing
+        if let Some(service) = self.instance_of.get(&spec.path) {
+            return Err(AddressError::NameTaken {
+                path: spec.path.clone(),
+                service: service.clone(),
+            });
+        }
+        let instance_paths = spec
+            .instances
+            .iter()
+            .map(|instance| {
+                let path = spec.path.child(&instance.name).map_err(|source| {
+                    AddressError::InstanceName {
+                        service: spec.path.clone(),
+                        instance: instance.name.clone(),
+                        source,
+                    }
+                })?;
+                if self.services.contains_key(&path) {
+                    return Err(AddressError::NameTaken {
+                        path,
+                        service: spec.path.clone(),
+                    });
+                }
+                Ok(path)
+            })
+            .collect::<Result<Vec<MeshPath>, AddressError>>()?;
+        let existing = self.services.get(&spec.path).cloned();
+        let instances = self.assign_instances(&spec, instance_paths)?;
+        let address = if spec.instances.is_empty() {
+            self.addresses
+                .assign(&spec.path, spec.needs_own_address())?
+        } else {
+            self.addresses.release(&spec.path);
+            ServiceAddress::Instances
+        };
+        // Instances the service no longer has free their names and addresses.
+        if let Some(existing) = &existing {
+            for gone in existing
+                .instances
+                .iter()
+                .filter(|old| !instances.iter().any(|new| new.name == old.name))
+            {
+                if let Ok(path) = spec.path.child(&gone.name) {
+                    self.addresses.release(&path);
+                    self.instance_of.remove(&path);
+                }
+            }
+        }
+        for instance in &instances {
+            if let Ok(path) = spec.path.child(&instance.name) {
+                self.instance_of.insert(path, spec.path.clone());
+            }
+        }
+        if let Some(existing) = &existing
             && existing.address == address
             && existing.ports == spec.ports
             && existing.routes == spec.routes
+            && existing.instances == instances
         {
             return Ok(false);
         }
@@ -286,6 +426,7 @@ impl MeshState {
             address,
             ports: spec.ports,
             routes: spec.routes,
+            instances,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));
@@ -293,13 +434,55 @@ impl MeshState {
         Ok(true)
     }
 
-    /// Removes one service and frees its address. Returns whether it existed.
+    /// Each instance of `spec` with its address: kept if it had one, else a new one. All or
+    /// nothing: on exhaustion the addresses this call took are given back.
+    fn assign_instances(
+        &mut self,
+        spec: &ServiceSpec,
+        paths: Vec<MeshPath>,
+    ) -> Result<Vec<Instance>, AddressError> {
+        let mut taken = Vec::new();
+        let mut instances = Vec::with_capacity(paths.len());
+        for (instance, path) in spec.instances.iter().zip(paths) {
+            let fresh = !self.instance_of.contains_key(&path);
+            let address = match self.addresses.assign_own(&path) {
+                Ok(address) => address,
+                Err(err) => {
+                    for path in &taken {
+                        self.addresses.release(path);
+                    }
+                    return Err(err);
+                }
+            };
+            instances.push(Instance {
+                name: instance.name.clone(),
+                dns_name: path.dns_name(),
+                address,
+                ready: instance.ready,
+                endpoints: instance.endpoints.clone(),
+            });
+            if fresh {
+                taken.push(path);
+            }
+        }
+        Ok(instances)
+    }
+
+    /// Removes one service, freeing its address and its instances'. Returns whether it existed.
     pub fn remove(&mut self, path: &MeshPath) -> bool {
         self.addresses.release(path);
-        let existed = self.services.remove(path).is_some();
-        self.changed |= existed;
-        self.reshaped |= existed;
-        existed
+        let Some(service) = self.services.remove(path) else {
+            return false;
+        };
+        for instance in &service.instances {
+            if let Ok(instance_path) = path.child(&instance.name) {
+                self.addresses.release(&instance_path);
+                self.instance_of.remove(&instance_path);
+            }
+        }
+        self.changed = true;
+        self.reshaped = true;
+        true
     }
 
     /// Makes the mesh exactly `specs` (the file source's whole-world view), touching only the
@@ -372,6 +555,7 @@ mod tests {
         ServiceSpec::new(
             path.parse().unwrap(),
             vec![ServicePort {
+                name: None,
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::new(vec!["10.0.0.1:8080".parse().unwrap()]),
@@ -506,6 +690,116 @@ mod tests {
             state.snapshot().shape_version,
             removed.shape_version,
             "nothing changed"
+        );
+    }
+
+    fn stateful(path: &str, instances: &[(&str, &str, bool)]) -> ServiceSpec {
+        spec(path, Protocol::Tcp).with_instances(
+            instances
+                .iter()
+                .map(|(name, ip, ready)| InstanceSpec {
+                    name: name.to_string(),
+                    ready: *ready,
+                    endpoints: vec![(8080, format!("{ip}:8080").parse().unwrap())],
+                })
+                .collect(),
+        )
+    }
+
+    fn instance_addresses(snap: &MeshSnapshot, path: &str) -> Vec<(String, Ipv4Addr)> {
+        snap.services[&path.parse::<MeshPath>().unwrap()]
+            .instances
+            .iter()
+            .map(|i| (i.name.clone(), i.address))
+            .collect()
+    }
+
+    #[test]
+    fn instances_get_names_and_addresses_of_their_own_that_outlive_their_pod_ips() {
+        let mut state = MeshState::new(trap());
+        let three = [
+            ("db-0", "10.0.0.10", true),
+            ("db-1", "10.0.0.11", true),
+            ("db-2", "10.0.0.12", false),
+        ];
+        state.upsert(stateful("/data/db", &three)).unwrap();
+        let first = state.snapshot();
+        let db = &first.services[&"/data/db".parse::<MeshPath>().unwrap()];
+        assert_eq!(db.address, ServiceAddress::Instances);
+        assert_eq!(db.instances[1].dns_name, "db-1.db.data.system.internal");
+        let before = instance_addresses(&first, "/data/db");
+        let mut ips: Vec<_> = before.iter().map(|(_, ip)| *ip).collect();
+        ips.sort();
+        ips.dedup();
+        assert_eq!(ips.len(), 3, "distinct addresses: {before:?}");
+
+        // db-1 moves to a new pod IP: same address, and only its endpoints changed.
+        let moved = [three[0], ("db-1", "10.0.9.99", true), three[2]];
+        state.upsert(stateful("/data/db", &moved)).unwrap();
+        let after = state.snapshot();
+        assert_eq!(instance_addresses(&after, "/data/db"), before);
+        assert_eq!(after.shape_version, first.shape_version, "endpoints only");
+        let db = &after.services[&"/data/db".parse::<MeshPath>().unwrap()];
+        assert_eq!(
+            db.instances[1].endpoint(8080),
+            Some("10.0.9.99:8080".parse().unwrap())
+        );
+
+        // Readiness is shape: it changes the service name's answer.
+        let ready = [
+            three[0],
+            ("db-1", "10.0.9.99", true),
+            ("db-2", "10.0.0.12", true),
+        ];
+        state.upsert(stateful("/data/db", &ready)).unwrap();
+        assert_eq!(state.snapshot().shape_version, first.shape_version + 1);
+    }
+
+    #[test]
+    fn a_vanished_instance_frees_its_address_only_once_gone_and_gets_it_back_on_return() {
+        let mut state = MeshState::new(trap());
+        let both = [("db-0", "10.0.0.10", true), ("db-1", "10.0.0.11", true)];
+        state.upsert(stateful("/data/db", &both)).unwrap();
+        let db1 = instance_addresses(&state.snapshot(), "/data/db")[1].1;
+
+        // db-1's pod is deleted: its address is free, but a newcomer gets a fresh one.
+        state.upsert(stateful("/data/db", &both[..1])).unwrap();
+        state.upsert(spec("/data/other", Protocol::Tcp)).unwrap();
+        let snap = state.snapshot();
+        let other = snap.services[&"/data/other".parse::<MeshPath>().unwrap()].address;
+        assert_ne!(other.ip(), Some(db1));
+        // Recreated under the same name (a StatefulSet pod): the same address again.
+        state.upsert(stateful("/data/db", &both)).unwrap();
+        assert_eq!(instance_addresses(&state.snapshot(), "/data/db")[1].1, db1);
+
+        // Removing the service frees every instance address.
+        assert!(state.remove(&"/data/db".parse().unwrap()));
+        assert_eq!(state.snapshot().instance_count(), 0);
+    }
+
+    #[test]
+    fn a_service_and_an_instance_cannot_share_a_name() {
+        let mut state = MeshState::new(trap());
+        state
+            .upsert(stateful("/data/db", &[("db-0", "10.0.0.10", true)]))
+            .unwrap();
+        let err = state
+            .upsert(spec("/data/db/db-0", Protocol::Tcp))
+            .unwrap_err();
+        assert!(
+            matches!(&err, AddressError::NameTaken { service, .. } if service.as_str() == "/data/db"),
+            "{err}"
+        );
+        state.upsert(spec("/data/db/db-9", Protocol::Tcp)).unwrap();
+        let err = state
+            .upsert(stateful("/data/db", &[("db-9", "10.0.0.19", true)]))
+            .unwrap_err();
+        assert!(err.to_string().contains("/data/db/db-9"), "{err}");
+        // The refused change left the service as it was.
+        assert_eq!(
+            instance_addresses(&state.snapshot(), "/data/db").len(),
+            1,
+            "db-0 only"
         );
     }
 

@@ -29,4 +29,4 @@ pub use error::DnsError;
 pub use metrics::DnsMetrics;
 pub use resolv::upstreams_from_resolv_conf;
 pub use server::{DnsConfig, DnsServer};
-pub use table::NameTable;
+pub use table::{MeshRecord, NameTable, SrvRecord};

@@ -5,7 +5,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA, SRV};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use lattice_contract::ZONE;
 
@@ -130,6 +130,12 @@ fn reply_outcome(reply: &Message, limit: usize) -> Outcome {
 fn encode(reply: &Message, limit: usize) -> Vec<u8> {
     match reply.to_vec() {
         Ok(bytes) if bytes.len() <= limit => bytes,
+        // Additional records are a courtesy (RFC 2181 9): drop them before truncating.
+        Ok(_) if !reply.additionals.is_empty() => {
+            let mut without = reply.clone();
+            without.additionals.clear();
+            encode(&without, limit)
+        }
         Ok(_) => reply.truncate().to_vec().unwrap_or_default(),
         Err(error) => {
             tracing::warn!(%error, "cannot encode a DNS reply; sending SERVFAIL");
@@ -262,21 +268,45 @@ fn answer_in_zone(
         negative.ttl = zone.ttl.min(zone.negative_ttl);
         reply.add_authority(negative);
     } else {
+        // SRV targets are mesh names: their addresses go along, as Kubernetes DNS does, so
+        // a client needs no second round trip.
+        let additionals: Vec<Record> = records
+            .iter()
+            .filter_map(|record| match &record.data {
+                RData::SRV(srv) => Some(srv.target.clone()),
+                _ => None,
+            })
+            .filter_map(|target| {
+                let entry = table.service(&lowercase_wire_name(&target))?;
+                Some(service_records(&target, entry, RecordType::A, zone.ttl))
+            })
+            .flatten()
+            .collect();
         reply.add_answers(records);
+        reply.add_additionals(additionals);
     }
 }
 
 fn service_records(name: &Name, entry: &NameEntry, qtype: RecordType, ttl: u32) -> Vec<Record> {
     let a = |addr: &Ipv4Addr| Record::from_rdata(name.clone(), ttl, RData::A(A(*addr)));
     let aaaa = |addr: &Ipv6Addr| Record::from_rdata(name.clone(), ttl, RData::AAAA(AAAA(*addr)));
+    let srv = |(priority, weight, port, target): &(u16, u16, u16, Name)| {
+        Record::from_rdata(
+            name.clone(),
+            ttl,
+            RData::SRV(SRV::new(*priority, *weight, *port, target.clone())),
+        )
+    };
     match qtype {
         RecordType::A => entry.v4.iter().map(a).collect(),
         RecordType::AAAA => entry.v6.iter().map(aaaa).collect(),
+        RecordType::SRV => entry.srv.iter().map(srv).collect(),
         RecordType::ANY => entry
             .v4
             .iter()
             .map(a)
             .chain(entry.v6.iter().map(aaaa))
+            .chain(entry.srv.iter().map(srv))
             .collect(),
         _ => Vec::new(),
     }

@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use hickory_proto::rr::Name;
 use lattice_contract::ZONE;
 
 use crate::wire::lowercase_wire_name_from_dotted;
@@ -16,13 +17,36 @@ pub(crate) const A_RR_LEN: usize = 16;
 /// Offset of the TTL inside such a record; the table stores 0 there and the server patches it.
 pub(crate) const A_RR_TTL_OFFSET: usize = 6;
 
-/// The addresses of one mesh service name.
+/// What a mesh name holds, as the agent hands it to [`NameTable::from_records`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MeshRecord {
+    /// An A or AAAA record.
+    Address(IpAddr),
+    /// An SRV record (RFC 2782), as Kubernetes DNS publishes for named ports.
+    Srv(SrvRecord),
+    /// The name exists but holds nothing (yet): NODATA, not NXDOMAIN. A stateful service none
+    /// of whose instances is ready.
+    Exists,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SrvRecord {
+    pub priority: u16,
+    pub weight: u16,
+    pub port: u16,
+    /// A name without the trailing dot: `db-1.db.data.system.internal`.
+    pub target: String,
+}
+
+/// The records of one mesh name.
 #[derive(Debug, Default)]
 pub(crate) struct NameEntry {
     pub(crate) v4: Vec<Ipv4Addr>,
     pub(crate) v6: Vec<Ipv6Addr>,
     /// The A records of `v4`, wire-encoded with a pointer to the question name and TTL 0.
     pub(crate) a_records: Box<[u8]>,
+    /// (priority, weight, port, target).
+    pub(crate) srv: Vec<(u16, u16, u16, Name)>,
 }
 
 /// What the table knows about a name inside the zone.
@@ -50,9 +74,19 @@ impl NameTable {
     /// Names outside `system.internal`, the apex itself and names that are not valid DNS names
     /// are skipped with a warning: the table is built from a mesh that was already validated.
     pub fn new(entries: impl IntoIterator<Item = (String, IpAddr)>) -> Self {
+        Self::from_records(
+            entries
+                .into_iter()
+                .map(|(name, addr)| (name, MeshRecord::Address(addr))),
+        )
+    }
+
+    /// Like [`NameTable::new`], with every kind of [`MeshRecord`]. An SRV record whose target
+    /// is not a valid name is skipped with a warning.
+    pub fn from_records(entries: impl IntoIterator<Item = (String, MeshRecord)>) -> Self {
         let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
-        for (name, addr) in entries {
+        for (name, record) in entries {
             let Some(key) = lowercase_wire_name_from_dotted(&name) else {
                 tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
                 continue;
@@ -62,10 +96,22 @@ impl NameTable {
                 continue;
             }
             let entry = names.entry(key.into_boxed_slice()).or_default();
-            match addr {
-                IpAddr::V4(v4) if !entry.v4.contains(&v4) => entry.v4.push(v4),
-                IpAddr::V6(v6) if !entry.v6.contains(&v6) => entry.v6.push(v6),
-                _ => {}
+            match record {
+                MeshRecord::Address(IpAddr::V4(v4)) if !entry.v4.contains(&v4) => entry.v4.push(v4),
+                MeshRecord::Address(IpAddr::V6(v6)) if !entry.v6.contains(&v6) => entry.v6.push(v6),
+                MeshRecord::Srv(srv) => match Name::from_ascii(&srv.target) {
+                    Ok(mut target) => {
+                        target.set_fqdn(true);
+                        let record = (srv.priority, srv.weight, srv.port, target);
+                        if !entry.srv.contains(&record) {
+                            entry.srv.push(record);
+                        }
+                    }
+                    Err(_) => {
+                        tracing::warn!(%name, target = %srv.target, "skipping SRV record: target is not a valid name")
+                    }
+                },
+                MeshRecord::Address(_) | MeshRecord::Exists => {}
             }
         }
         let mut empty_non_terminals = HashSet::new();

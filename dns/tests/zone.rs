@@ -233,3 +233,75 @@ async fn metrics_count_replies_by_rcode_and_source() {
     );
     server.stop().await;
 }
+
+/// A stateful service as the agent publishes it: the service name holds the ready instances,
+/// each instance its own name, and a named port SRV records pointing at the instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srv_records_point_at_instances_whose_addresses_come_along() {
+    use lattice_dns::{MeshRecord, NameTable, SrvRecord};
+    let server = Server::start(&[], |_| {}).await;
+    let a = |ip: &str| MeshRecord::Address(ip.parse().unwrap());
+    let srv = |target: &str| {
+        MeshRecord::Srv(SrvRecord {
+            priority: 0,
+            weight: 50,
+            port: 9042,
+            target: target.to_string(),
+        })
+    };
+    let owner = "_cql._tcp.db.data.system.internal";
+    server
+        .names
+        .send(std::sync::Arc::new(NameTable::from_records([
+            ("db.data.system.internal".to_string(), a("240.240.0.2")),
+            ("db.data.system.internal".to_string(), a("240.240.0.3")),
+            ("db-0.db.data.system.internal".to_string(), a("240.240.0.2")),
+            ("db-1.db.data.system.internal".to_string(), a("240.240.0.3")),
+            (owner.to_string(), srv("db-0.db.data.system.internal")),
+            (owner.to_string(), srv("db-1.db.data.system.internal")),
+            ("idle.data.system.internal".to_string(), MeshRecord::Exists),
+        ])))
+        .unwrap();
+    let d = dig(server.addr, &[owner, "SRV"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    let mut answers: Vec<String> = d.answers().iter().map(|r| r[3..].join(" ")).collect();
+    answers.sort();
+    assert_eq!(
+        answers,
+        [
+            "SRV 0 50 9042 db-0.db.data.system.internal.",
+            "SRV 0 50 9042 db-1.db.data.system.internal."
+        ],
+        "{}",
+        d.text
+    );
+    let mut additional: Vec<String> = d
+        .additional()
+        .iter()
+        .filter(|r| r.get(3) == Some(&"A"))
+        .map(|r| format!("{} {}", r[0], r[4]))
+        .collect();
+    additional.sort();
+    assert_eq!(
+        additional,
+        [
+            "db-0.db.data.system.internal. 240.240.0.2",
+            "db-1.db.data.system.internal. 240.240.0.3"
+        ],
+        "{}",
+        d.text
+    );
+    // A name that exists with nothing in it is NODATA, not NXDOMAIN; so is AAAA of an
+    // instance, and A of the SRV owner.
+    for (name, qtype) in [
+        ("idle.data.system.internal", "A"),
+        ("db-1.db.data.system.internal", "AAAA"),
+        (owner, "A"),
+    ] {
+        let d = dig(server.addr, &[name, qtype]).await;
+        assert_eq!(d.status(), "NOERROR", "{name} {qtype}: {}", d.text);
+        assert!(d.answers().is_empty(), "{name} {qtype}: {}", d.text);
+        assert_eq!(d.authority()[0][3], "SOA", "{}", d.text);
+    }
+    server.stop().await;
+}

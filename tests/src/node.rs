@@ -127,6 +127,25 @@ impl Node {
         })
     }
 
+    /// A backend pod that answers every TCP connection on `port` with `<identity> <its address>`
+    /// once the client has sent its request and shut down its side: which pod a connection
+    /// reached, whatever sits in between.
+    pub fn tcp_identity(&self, identity: &str, host: u8, port: u16) -> anyhow::Result<Backend> {
+        let pod = self.pod(identity, host)?;
+        let answer = format!("{identity} {}\n", pod.address);
+        let server = Server::start(&pod, port, move |mut stream, stats| {
+            stats.record();
+            let _ = std::io::copy(&mut stream, &mut std::io::sink());
+            let _ = stream.write_all(answer.as_bytes());
+            let _ = stream.shutdown(Shutdown::Write);
+        })?;
+        Ok(Backend {
+            server,
+            identity: identity.to_string(),
+            pod,
+        })
+    }
+
     /// A mesh client pod: `lattice-init`, then Envoy as UID 1337, waited on until LIVE (so the
     /// agent must be serving). See [`ClientPod`].
     pub fn client(&self, label: &str, host: u8) -> anyhow::Result<ClientPod> {

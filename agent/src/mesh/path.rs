@@ -45,6 +45,19 @@ impl MeshPath {
         name.push_str(ZONE);
         name
     }
+
+    /// The path one level below: `/data/db` + `db-1` → `/data/db/db-1`, whose DNS name is
+    /// `db-1.db.data.system.internal`. How a stateful service names its instances.
+    pub fn child(&self, label: &str) -> Result<MeshPath, PathError> {
+        let path = format!("{}/{label}", self.0);
+        if !is_dns_label(label) {
+            return Err(PathError::Segment {
+                path,
+                segment: label.to_string(),
+            });
+        }
+        path.parse()
+    }
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -110,6 +123,16 @@ mod tests {
         assert_eq!(path.dns_name(), "buzz.bar.foo.system.internal");
         let path: MeshPath = "/default/web".parse().unwrap();
         assert_eq!(path.dns_name(), "web.default.system.internal");
+    }
+
+    #[test]
+    fn a_child_is_one_valid_label_below() {
+        let path: MeshPath = "/data/db".parse().unwrap();
+        let child = path.child("db-1").unwrap();
+        assert_eq!(child.dns_name(), "db-1.db.data.system.internal");
+        for bad in ["", "Db-1", "db/1", "db.1", "-db"] {
+            assert!(path.child(bad).is_err(), "{bad:?} should be refused");
+        }
     }
 
     #[test]

@@ -19,7 +19,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::mesh::{
-    AddressError, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol, ServicePort, ServiceSpec,
+    AddressError, InstanceSpec, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol, ServicePort,
+    ServiceSpec,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +64,8 @@ struct FileService {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct FilePort {
     port: i64,
+    /// Names the port in SRV records: `_<name>._tcp.<service name>`.
+    name: Option<String>,
     #[serde(default = "default_protocol")]
     protocol: String,
     target_port: Option<i64>,
@@ -76,6 +79,18 @@ fn default_protocol() -> String {
 #[serde(deny_unknown_fields)]
 struct FileEndpoint {
     address: String,
+    /// Makes the endpoint a named instance of a stateful service: `name: db-1` is reachable
+    /// as `db-1.<service name>` at an address of its own. All of a service's endpoints are
+    /// named, or none.
+    name: Option<String>,
+    /// An endpoint that is not ready gets no load-balanced traffic and is left out of a
+    /// stateful service's name; a named instance keeps its own name and address.
+    #[serde(default = "ready_by_default")]
+    ready: bool,
+}
+
+fn ready_by_default() -> bool {
+    true
 }
 
 /// Parses and validates mesh-file text. Errors name the service and the field.
@@ -100,6 +115,19 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
             return Err(format!("{at}.ports: a service needs at least one port"));
         }
         let mut endpoints = Vec::with_capacity(service.endpoints.len());
+        let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
+        let named = service
+            .endpoints
+            .iter()
+            .filter(|e| e.name.is_some())
+            .count();
+        if named != 0 && named != service.endpoints.len() {
+            return Err(format!(
+                "{at}.endpoints: {named} of {} endpoints have a name: name all of them (a \
+                 stateful service's instances) or none",
+                service.endpoints.len()
+            ));
+        }
         for (j, endpoint) in service.endpoints.iter().enumerate() {
             let ip: IpAddr = endpoint.address.parse().map_err(|_| {
                 format!(
@@ -107,7 +135,23 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
                     endpoint.address
                 )
             })?;
-            endpoints.push(ip);
+            if let Some(name) = &endpoint.name {
+                path.child(name).map_err(|_| {
+                    format!(
+                        "{at}.endpoints[{j}].name: {name:?} is not a DNS label (1-63 of a-z, \
+                         0-9 and '-', not starting or ending with '-')"
+                    )
+                })?;
+                if instances.iter().any(|(n, _, _)| n == name) {
+                    return Err(format!(
+                        "{at}.endpoints[{j}].name: {name:?} is listed twice"
+                    ));
+                }
+                instances.push((name.clone(), ip, endpoint.ready));
+            }
+            if endpoint.ready {
+                endpoints.push(ip);
+            }
         }
         let mut ports = Vec::with_capacity(service.ports.len());
         let mut port_numbers = HashSet::new();
@@ -133,8 +177,17 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
                 .protocol
                 .parse()
                 .map_err(|e| format!("{at}.ports[{j}].protocol: {e}"))?;
+            if let Some(name) = &port.name
+                && path.child(name).is_err()
+            {
+                return Err(format!(
+                    "{at}.ports[{j}].name: {name:?} is not a DNS label (1-63 of a-z, 0-9 and \
+                     '-', not starting or ending with '-')"
+                ));
+            }
             ports.push(ServicePort {
                 port: number,
+                name: port.name.as_deref().map(Arc::from),
                 protocol,
                 endpoints: endpoints
                     .iter()
@@ -142,7 +195,25 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
                     .collect(),
             });
         }
-        specs.push(ServiceSpec::new(path, ports));
+        let instances = instances
+            .into_iter()
+            .map(|(name, ip, ready)| InstanceSpec {
+                name,
+                ready,
+                endpoints: ports
+                    .iter()
+                    .zip(&service.ports)
+                    .map(|(port, file_port)| {
+                        let target = file_port
+                            .target_port
+                            .and_then(port_number)
+                            .unwrap_or(port.port);
+                        (port.port, SocketAddr::new(ip, target))
+                    })
+                    .collect(),
+            })
+            .collect();
+        specs.push(ServiceSpec::new(path, ports).with_instances(instances));
         all_routes.push((at, service.routes));
     }
     // Rules name other services and their ports, so they are read once every service is.
@@ -383,6 +454,90 @@ services:
             (GOOD.replace("/foo/db", "foo/db"), "services[1].path"),
             (GOOD.replace("9090", "0"), "targetPort: 0 is out of range"),
             ("services: [".to_string(), ""),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
+        }
+    }
+
+    const STATEFUL: &str = r#"
+services:
+  - path: /data/db
+    ports:
+      - port: 9042
+        name: cql
+      - port: 8080
+        protocol: http
+        targetPort: 8081
+    endpoints:
+      - address: 10.200.0.10
+        name: db-0
+      - address: 10.200.0.11
+        name: db-1
+        ready: false
+"#;
+
+    #[test]
+    fn named_endpoints_are_the_instances_of_a_stateful_service() {
+        let specs = parse(STATEFUL).unwrap();
+        let db = &specs[0];
+        let instances: Vec<(&str, bool, Vec<String>)> = db
+            .instances
+            .iter()
+            .map(|i| {
+                let endpoints = i.endpoints.iter().map(|(p, e)| format!("{p}->{e}"));
+                (i.name.as_str(), i.ready, endpoints.collect())
+            })
+            .collect();
+        assert_eq!(
+            instances,
+            [
+                (
+                    "db-0",
+                    true,
+                    vec![
+                        "8080->10.200.0.10:8081".to_string(),
+                        "9042->10.200.0.10:9042".to_string()
+                    ]
+                ),
+                (
+                    "db-1",
+                    false,
+                    vec![
+                        "8080->10.200.0.11:8081".to_string(),
+                        "9042->10.200.0.11:9042".to_string()
+                    ]
+                ),
+            ]
+        );
+        // The load-balanced endpoints are the ready ones; ports keep their names.
+        let cql = db.ports.iter().find(|p| p.port == 9042).unwrap();
+        assert_eq!(cql.name.as_deref(), Some("cql"));
+        let endpoints: Vec<String> = cql.endpoints.iter().map(|e| e.to_string()).collect();
+        assert_eq!(endpoints, ["10.200.0.10:9042"]);
+    }
+
+    #[test]
+    fn instance_names_are_checked() {
+        let cases = [
+            (
+                STATEFUL.replace("        name: db-0\n", ""),
+                "services[0] (/data/db).endpoints: 1 of 2 endpoints have a name",
+            ),
+            (
+                STATEFUL.replace("name: db-1", "name: db-0"),
+                "services[0] (/data/db).endpoints[1].name: \"db-0\" is listed twice",
+            ),
+            (
+                STATEFUL.replace("name: db-1", "name: DB_1"),
+                "services[0] (/data/db).endpoints[1].name: \"DB_1\" is not a DNS label",
+            ),
+            (
+                STATEFUL.replace("name: cql", "name: c.q.l"),
+                "services[0] (/data/db).ports[0].name: \"c.q.l\" is not a DNS label",
+            ),
+            (STATEFUL.replace("ready: false", "ready: maybe"), "ready"),
         ];
         for (text, expected) in cases {
             let err = parse(&text).unwrap_err();

@@ -1,17 +1,65 @@
-//! Mesh snapshot → the DNS name table: every service's name and the address it resolves to.
+//! Mesh snapshot → the DNS name table: every service's name and the address it resolves to;
+//! for a stateful service, every instance's name and address, and the ready instances'
+//! addresses under the service's name; SRV records for named ports, in Kubernetes DNS's shape.
 
 use std::net::IpAddr;
 
-use lattice_dns::NameTable;
+use lattice_dns::{MeshRecord, NameTable, SrvRecord};
 
-use crate::mesh::MeshSnapshot;
+use crate::mesh::{MeshSnapshot, Service};
 
 pub fn name_table(mesh: &MeshSnapshot) -> NameTable {
-    NameTable::new(
-        mesh.services
-            .values()
-            .map(|s| (s.dns_name.clone(), IpAddr::V4(s.address.ip()))),
-    )
+    NameTable::from_records(mesh.services.values().flat_map(|s| records(s)))
+}
+
+/// The records of one service, as (name, record).
+fn records(service: &Service) -> Vec<(String, MeshRecord)> {
+    let mut out = Vec::new();
+    let address = |ip: std::net::Ipv4Addr| MeshRecord::Address(IpAddr::V4(ip));
+    // SRV targets: the service itself, or each ready instance (as Kubernetes DNS does for a
+    // headless Service), sharing the weight equally.
+    let targets: Vec<&str> = match service.address.ip() {
+        Some(ip) => {
+            out.push((service.dns_name.clone(), address(ip)));
+            vec![service.dns_name.as_str()]
+        }
+        None => {
+            // The name exists even when no instance is ready: NODATA, not NXDOMAIN.
+            out.push((service.dns_name.clone(), MeshRecord::Exists));
+            for instance in &service.instances {
+                out.push((instance.dns_name.clone(), address(instance.address)));
+                if instance.ready {
+                    out.push((service.dns_name.clone(), address(instance.address)));
+                }
+            }
+            service
+                .instances
+                .iter()
+                .filter(|i| i.ready)
+                .map(|i| i.dns_name.as_str())
+                .collect()
+        }
+    };
+    let weight = u16::try_from(100 / targets.len().max(1))
+        .unwrap_or(1)
+        .max(1);
+    for port in &service.ports {
+        let Some(name) = &port.name else { continue };
+        let owner = format!("_{name}._tcp.{}", service.dns_name);
+        out.push((owner.clone(), MeshRecord::Exists));
+        for target in &targets {
+            out.push((
+                owner.clone(),
+                MeshRecord::Srv(SrvRecord {
+                    priority: 0,
+                    weight,
+                    port: port.port,
+                    target: (*target).to_string(),
+                }),
+            ));
+        }
+    }
+    out
 }
 
 /// Builds the name table when the mesh's shape changed, and only then: names and addresses
@@ -42,11 +90,79 @@ mod tests {
         ServiceSpec::new(
             path.parse().unwrap(),
             vec![ServicePort {
+                name: None,
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::new(vec![endpoint.parse().unwrap()]),
             }],
         )
+    }
+
+    #[test]
+    fn a_stateful_service_answers_with_ready_instances_and_srv_for_named_ports() {
+        use crate::mesh::InstanceSpec;
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let instance = |name: &str, ip: &str, ready: bool| InstanceSpec {
+            name: name.to_string(),
+            ready,
+            endpoints: vec![(9042, format!("{ip}:9042").parse().unwrap())],
+        };
+        let mut db = spec("/data/db", Protocol::Tcp, "10.0.0.10:9042");
+        db.ports[0].port = 9042;
+        db.ports[0].name = Some("cql".into());
+        state
+            .upsert(db.with_instances(vec![
+                instance("db-0", "10.0.0.10", true),
+                instance("db-1", "10.0.0.11", false),
+            ]))
+            .unwrap();
+        let mut web = spec("/a/web", Protocol::Http, "10.0.0.1:80");
+        web.ports[0].name = Some("http".into());
+        state.upsert(web).unwrap();
+        let mesh = state.snapshot();
+        let service = |path: &str| &mesh.services[&path.parse::<crate::mesh::MeshPath>().unwrap()];
+        let db = service("/data/db");
+        let (db0, db1) = (db.instances[0].address, db.instances[1].address);
+        let mut got: Vec<(String, MeshRecord)> = records(db);
+        got.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        let a = |ip: std::net::Ipv4Addr| MeshRecord::Address(IpAddr::V4(ip));
+        let srv = |target: &str| {
+            MeshRecord::Srv(SrvRecord {
+                priority: 0,
+                weight: 100,
+                port: 9042,
+                target: target.to_string(),
+            })
+        };
+        let mut expected = vec![
+            ("db.data.system.internal".to_string(), MeshRecord::Exists),
+            // Not ready: left out of the service's answer, but keeps its own name.
+            ("db-0.db.data.system.internal".to_string(), a(db0)),
+            ("db-1.db.data.system.internal".to_string(), a(db1)),
+            ("db.data.system.internal".to_string(), a(db0)),
+            (
+                "_cql._tcp.db.data.system.internal".to_string(),
+                MeshRecord::Exists,
+            ),
+            (
+                "_cql._tcp.db.data.system.internal".to_string(),
+                srv("db-0.db.data.system.internal"),
+            ),
+        ];
+        expected.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        assert_eq!(got, expected);
+
+        // A service with an address: SRV points at the service's own name.
+        let web = service("/a/web");
+        assert!(records(web).contains(&(
+            "_http._tcp.web.a.system.internal".to_string(),
+            MeshRecord::Srv(SrvRecord {
+                priority: 0,
+                weight: 100,
+                port: 8080,
+                target: "web.a.system.internal".to_string(),
+            })
+        )));
     }
 
     #[test]

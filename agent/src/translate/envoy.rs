@@ -6,7 +6,7 @@
 //! change follows the size of the change, not the size of the mesh.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
@@ -87,7 +87,7 @@ impl EnvoyTranslator {
                     if !same_shape {
                         self.remove(old);
                     }
-                    if !same_shape || old.ports != new.ports {
+                    if !same_shape || !old.same_endpoints(new) {
                         self.insert(new, !same_shape);
                     }
                     if old.routes != new.routes {
@@ -127,19 +127,29 @@ impl EnvoyTranslator {
 
     fn insert(&mut self, service: &Service, with_clusters: bool) {
         if with_clusters {
-            for resource in clusters_for(service) {
-                self.resources[ResourceType::Cluster.index()]
-                    .insert(resource.name.clone(), resource);
-            }
+            self.put(ResourceType::Cluster, clusters_for(service));
         }
-        for resource in endpoints_for(service) {
-            self.resources[ResourceType::Endpoint.index()].insert(resource.name.clone(), resource);
+        self.put(ResourceType::Endpoint, endpoints_for(service));
+    }
+
+    /// Puts `resources` in place, keeping the one already there when its content is the same:
+    /// of a service's assignments only those that changed are new, so nothing downstream
+    /// looks at the rest (one instance of a stateful service moving touches one assignment).
+    fn put(&mut self, kind: ResourceType, resources: Vec<Arc<XdsResource>>) {
+        let map = &mut self.resources[kind.index()];
+        for resource in resources {
+            if map
+                .get(resource.name.as_ref())
+                .is_some_and(|held| held.version == resource.version && held.body == resource.body)
+            {
+                continue;
+            }
+            map.insert(resource.name.clone(), resource);
         }
     }
 
     fn remove(&mut self, service: &Service) {
-        for port in &service.ports {
-            let name = cluster_name(&service.dns_name, port.port);
+        for name in cluster_names(service) {
             self.resources[ResourceType::Cluster.index()].remove(name.as_str());
             self.resources[ResourceType::Endpoint.index()].remove(name.as_str());
         }
@@ -156,20 +166,41 @@ fn ads() -> ConfigSource {
     }
 }
 
+/// Every cluster of a service: one per port, and for a stateful service one per instance and
+/// port, which reaches exactly that instance.
+fn cluster_names(service: &Service) -> impl Iterator<Item = String> + '_ {
+    let instances = service.instances.iter().flat_map(move |instance| {
+        service
+            .ports
+            .iter()
+            .map(|port| cluster_name(&instance.dns_name, port.port))
+    });
+    service
+        .ports
+        .iter()
+        .map(|port| cluster_name(&service.dns_name, port.port))
+        .chain(instances)
+}
+
 fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
+    let instances = service.instances.iter().flat_map(|instance| {
+        service.ports.iter().map(|port| {
+            let name = cluster_name(&instance.dns_name, port.port);
+            XdsResource::new(name.clone(), cluster(name, port))
+        })
+    });
     service
         .ports
         .iter()
         .map(|port| {
-            XdsResource::new(
-                cluster_name(&service.dns_name, port.port),
-                cluster(service, port),
-            )
+            let name = cluster_name(&service.dns_name, port.port);
+            XdsResource::new(name.clone(), cluster(name, port))
         })
+        .chain(instances)
         .collect()
 }
 
-fn cluster(service: &Service, port: &ServicePort) -> Cluster {
+fn cluster(name: String, port: &ServicePort) -> Cluster {
     let mut options = HashMap::new();
     if port.protocol.is_http2() {
         let http2 = HttpProtocolOptions {
@@ -190,7 +221,7 @@ fn cluster(service: &Service, port: &ServicePort) -> Cluster {
         );
     }
     Cluster {
-        name: cluster_name(&service.dns_name, port.port),
+        name,
         cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
         eds_cluster_config: Some(EdsClusterConfig {
             eds_config: Some(ads()),
@@ -216,37 +247,46 @@ fn cluster(service: &Service, port: &ServicePort) -> Cluster {
 }
 
 fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
+    let instances = service.instances.iter().flat_map(|instance| {
+        service.ports.iter().map(|port| {
+            let name = cluster_name(&instance.dns_name, port.port);
+            let assignment = load_assignment(name.clone(), instance.endpoint(port.port));
+            XdsResource::new(name, assignment)
+        })
+    });
     service
         .ports
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
-            let assignment = ClusterLoadAssignment {
-                cluster_name: name.clone(),
-                endpoints: vec![LocalityLbEndpoints {
-                    lb_endpoints: port
-                        .endpoints
-                        .iter()
-                        .map(|addr| LbEndpoint {
-                            host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(
-                                Endpoint {
-                                    address: Some(socket_address(
-                                        addr.ip().to_string(),
-                                        addr.port(),
-                                    )),
-                                    ..Endpoint::default()
-                                },
-                            )),
-                            ..LbEndpoint::default()
-                        })
-                        .collect(),
-                    ..LocalityLbEndpoints::default()
-                }],
-                ..ClusterLoadAssignment::default()
-            };
+            let assignment = load_assignment(name.clone(), port.endpoints.iter().copied());
             XdsResource::new(name, assignment)
         })
+        .chain(instances)
         .collect()
+}
+
+fn load_assignment(
+    cluster_name: String,
+    endpoints: impl IntoIterator<Item = SocketAddr>,
+) -> ClusterLoadAssignment {
+    ClusterLoadAssignment {
+        cluster_name,
+        endpoints: vec![LocalityLbEndpoints {
+            lb_endpoints: endpoints
+                .into_iter()
+                .map(|addr| LbEndpoint {
+                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                        address: Some(socket_address(addr.ip().to_string(), addr.port())),
+                        ..Endpoint::default()
+                    })),
+                    ..LbEndpoint::default()
+                })
+                .collect(),
+            ..LocalityLbEndpoints::default()
+        }],
+        ..ClusterLoadAssignment::default()
+    }
 }
 
 fn socket_address(ip: String, port: u16) -> Address {
@@ -308,8 +348,9 @@ fn http_chain(name: String, ip: Ipv4Addr, port: u16) -> FilterChain {
     }
 }
 
-fn tcp_chain(service: &Service, ip: Ipv4Addr, port: u16) -> FilterChain {
-    let cluster = cluster_name(&service.dns_name, port);
+/// A chain that passes connections to `ip:port` to the cluster of `dns_name` and `port`.
+fn tcp_chain(dns_name: &str, ip: Ipv4Addr, port: u16) -> FilterChain {
+    let cluster = cluster_name(dns_name, port);
     let proxy = TcpProxy {
         stat_prefix: cluster.clone(),
         cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.clone())),
@@ -328,7 +369,7 @@ fn tcp_chain(service: &Service, ip: Ipv4Addr, port: u16) -> FilterChain {
 
 /// The capture listener. Connections keep their original destination (restored by the
 /// original_dst listener filter) and pick a chain by it: the shared address and a port → HTTP
-/// routing by Host; a service's own address and a port → straight TCP proxy. There is no
+/// routing by Host; a service's or an instance's own address and a port → straight TCP proxy. There is no
 /// default chain, so Envoy closes anything else instead of passing it through.
 pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
     let shared = mesh.trap.shared();
@@ -344,7 +385,23 @@ pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
         .collect();
     for service in mesh.services.values() {
         if let ServiceAddress::Own(ip) = service.address {
-            chains.extend(service.ports.iter().map(|p| tcp_chain(service, ip, p.port)));
+            chains.extend(
+                service
+                    .ports
+                    .iter()
+                    .map(|p| tcp_chain(&service.dns_name, ip, p.port)),
+            );
+        }
+        // An instance's address reaches that instance alone, on every port of its service.
+        // HTTP ports are passed through as bytes too: a client that picked one instance wants
+        // no load balancing, and HTTP/1, HTTP/2 and gRPC all cross a TCP proxy unchanged.
+        for instance in &service.instances {
+            chains.extend(
+                service
+                    .ports
+                    .iter()
+                    .map(|p| tcp_chain(&instance.dns_name, instance.address, p.port)),
+            );
         }
     }
     if chains.is_empty() {
@@ -384,6 +441,7 @@ mod tests {
 
     fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
         ServicePort {
+            name: None,
             port,
             protocol,
             endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),
@@ -469,7 +527,16 @@ mod tests {
 
         let cla: ClusterLoadAssignment =
             decode(&xds.of(ResourceType::Endpoint)["buzz.bar.foo.system.internal|8080"]);
-        let addrs: Vec<String> = cla.endpoints[0]
+        let addrs = cla_addresses(&cla);
+        assert_eq!(
+            addrs,
+            ["10.0.0.1:9090", "10.0.0.2:9090"],
+            "target ports, not service ports"
+        );
+    }
+
+    fn cla_addresses(cla: &ClusterLoadAssignment) -> Vec<String> {
+        cla.endpoints[0]
             .lb_endpoints
             .iter()
             .map(|e| match &e.host_identifier {
@@ -486,12 +553,112 @@ mod tests {
                 }
                 _ => panic!("no endpoint"),
             })
-            .collect();
+            .collect()
+    }
+
+    fn stateful_db(state: &mut MeshState, db1_ip: &str) -> Arc<MeshSnapshot> {
+        let instance = |name: &str, ip: &str, ready: bool| crate::mesh::InstanceSpec {
+            name: name.to_string(),
+            ready,
+            endpoints: vec![
+                (8080, format!("{ip}:8081").parse().unwrap()),
+                (9042, format!("{ip}:9042").parse().unwrap()),
+            ],
+        };
+        let spec = ServiceSpec::new(
+            "/data/db".parse().unwrap(),
+            vec![
+                port(9042, Protocol::Tcp, &["10.1.0.10:9042"]),
+                port(8080, Protocol::Http, &["10.1.0.10:8081"]),
+            ],
+        )
+        .with_instances(vec![
+            instance("db-0", "10.1.0.10", true),
+            instance("db-1", db1_ip, false),
+        ]);
+        state.replace_all(vec![spec]).unwrap();
+        state.snapshot()
+    }
+
+    #[test]
+    fn every_instance_port_has_a_cluster_and_a_chain_that_reach_that_instance_alone() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut translator = EnvoyTranslator::default();
+        let mesh = stateful_db(&mut state, "10.1.0.11");
+        let xds = translator.translate(&mesh);
+        let names: Vec<&str> = xds.of(ResourceType::Cluster).keys().map(|k| &**k).collect();
         assert_eq!(
-            addrs,
-            ["10.0.0.1:9090", "10.0.0.2:9090"],
-            "target ports, not service ports"
+            names,
+            [
+                "db-0.db.data.system.internal|8080",
+                "db-0.db.data.system.internal|9042",
+                "db-1.db.data.system.internal|8080",
+                "db-1.db.data.system.internal|9042",
+                // The service's own clusters stay, for routes that send to it.
+                "db.data.system.internal|8080",
+                "db.data.system.internal|9042",
+            ]
         );
+        let endpoints = |xds: &XdsSnapshot, name: &str| {
+            cla_addresses(&decode(&xds.of(ResourceType::Endpoint)[name]))
+        };
+        // A not-ready instance is still reachable by its own name.
+        assert_eq!(
+            endpoints(&xds, "db-1.db.data.system.internal|8080"),
+            ["10.1.0.11:8081"]
+        );
+        assert_eq!(
+            endpoints(&xds, "db-0.db.data.system.internal|9042"),
+            ["10.1.0.10:9042"]
+        );
+
+        let db = &mesh.services[&"/data/db".parse::<crate::mesh::MeshPath>().unwrap()];
+        let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        let mut chains: Vec<(String, u32, String)> = listener
+            .filter_chains
+            .iter()
+            .map(|c| {
+                let m = c.filter_chain_match.as_ref().unwrap();
+                (
+                    m.prefix_ranges[0].address_prefix.clone(),
+                    m.destination_port.as_ref().unwrap().value,
+                    c.name.clone(),
+                )
+            })
+            .collect();
+        chains.sort();
+        let mut expected = Vec::new();
+        for instance in &db.instances {
+            for port in [8080, 9042] {
+                expected.push((
+                    instance.address.to_string(),
+                    port,
+                    format!("tcp|{}|{port}", instance.dns_name),
+                ));
+            }
+        }
+        expected.sort();
+        assert_eq!(chains, expected, "only instance addresses, every port");
+
+        // db-1 moves to a new pod: only its assignments change; clusters and listener stay.
+        let moved = stateful_db(&mut state, "10.1.0.99");
+        let next = translator.translate(&moved);
+        for kind in [ResourceType::Cluster, ResourceType::Listener] {
+            for (name, resource) in xds.of(kind) {
+                assert!(
+                    Arc::ptr_eq(resource, &next.of(kind)[name]),
+                    "{name} rebuilt"
+                );
+            }
+        }
+        assert_eq!(
+            endpoints(&next, "db-1.db.data.system.internal|9042"),
+            ["10.1.0.99:9042"]
+        );
+        assert!(Arc::ptr_eq(
+            &xds.of(ResourceType::Endpoint)["db-0.db.data.system.internal|9042"],
+            &next.of(ResourceType::Endpoint)["db-0.db.data.system.internal|9042"]
+        ));
     }
 
     #[test]

@@ -120,6 +120,7 @@ mod tests {
         let spec = ServiceSpec::new(
             "/foo/bar/buzz".parse().unwrap(),
             vec![ServicePort {
+                name: None,
                 port: 8080,
                 protocol: Protocol::Http,
                 endpoints: EndpointSet::new(vec![endpoint.parse().unwrap()]),

@@ -36,6 +36,7 @@ impl World {
         let spec = ServiceSpec::new(
             path.parse().unwrap(),
             vec![ServicePort {
+                name: None,
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),

@@ -132,6 +132,10 @@ impl Dig {
         self.section(";; AUTHORITY SECTION:")
     }
 
+    pub fn additional(&self) -> Vec<Vec<&str>> {
+        self.section(";; ADDITIONAL SECTION:")
+    }
+
     pub fn opt(&self) -> Option<&str> {
         let at = self.text.find("; EDNS: ")?;
         self.text[at..].lines().next()

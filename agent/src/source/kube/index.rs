@@ -2,7 +2,7 @@
 //! mesh path, and the [`MeshState`] they feed. Each change recomputes only the Services it
 //! touches; a re-list replaces one watch's scope at once, removing what vanished.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -14,7 +14,8 @@ use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use crate::mesh::{
-    EndpointSet, MeshPath, MeshSnapshot, MeshState, RejectedRoute, ServicePort, ServiceSpec,
+    EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, RejectedRoute, ServicePort,
+    ServiceSpec,
 };
 
 /// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
@@ -397,18 +398,56 @@ impl MeshIndex {
                     .collect();
                 ServicePort {
                     port: port.port,
+                    name: port.name.as_deref().map(Arc::from),
                     protocol: port.protocol,
                     endpoints: EndpointSet::new(endpoints),
                 }
             })
             .collect();
-        let spec = ServiceSpec::new(entry.path.clone(), ports);
+        let mut spec = ServiceSpec::new(entry.path.clone(), ports);
+        if entry.headless {
+            spec = spec.with_instances(instances(entry, &slices));
+        }
         if self.routes.is_empty() {
             return Some(spec);
         }
         let lookup = |key: &ObjectKey| self.lookup(key);
         Some(spec.with_routes(self.routes.rules_for(key, &lookup)))
     }
+}
+
+/// The named instances of a headless Service: each endpoint with a hostname, reaching every
+/// port its slice serves. While a pod is replaced two endpoints may briefly share a hostname:
+/// the ready one wins, then the one in the first slice by name, so every agent picks alike.
+fn instances(entry: &ServiceEntry, slices: &[&SliceEntry]) -> Vec<InstanceSpec> {
+    let mut by_name: BTreeMap<&str, InstanceSpec> = BTreeMap::new();
+    for slice in slices {
+        for named in &slice.named {
+            if by_name
+                .get(&*named.hostname)
+                .is_some_and(|held| held.ready || !named.ready)
+            {
+                continue;
+            }
+            let endpoints = entry
+                .ports
+                .iter()
+                .filter_map(|port| {
+                    let target = slice.port_for(port.name.as_deref())?;
+                    Some((port.port, SocketAddr::new(named.ip.into(), target)))
+                })
+                .collect();
+            by_name.insert(
+                &named.hostname,
+                InstanceSpec {
+                    name: named.hostname.to_string(),
+                    ready: named.ready,
+                    endpoints,
+                },
+            );
+        }
+    }
+    by_name.into_values().collect()
 }
 
 fn in_scope(scope: Option<&str>, key: &ObjectKey) -> bool {

@@ -62,6 +62,8 @@ pub struct ServiceEntry {
     /// resolves conflicts, so every node's agent picks the same one whatever order it saw them.
     pub created: Option<Timestamp>,
     pub ports: Box<[PortEntry]>,
+    /// `clusterIP: None`: endpoints with a `hostname` (StatefulSet pods) are named instances.
+    pub headless: bool,
 }
 
 /// What the index keeps of an IPv4 EndpointSlice: its Service, its ports by name, and the
@@ -71,6 +73,17 @@ pub struct SliceEntry {
     pub service: String,
     pub ports: Box<[(Option<Box<str>>, u16)]>,
     pub endpoints: Box<[Ipv4Addr]>,
+    /// Endpoints with a `hostname` that are not terminating, ready or not: the instances of a
+    /// headless Service. Empty for the slices of most Services.
+    pub named: Box<[NamedEndpoint]>,
+}
+
+/// An endpoint with a `hostname`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedEndpoint {
+    pub hostname: Box<str>,
+    pub ip: Ipv4Addr,
+    pub ready: bool,
 }
 
 impl SliceEntry {
@@ -175,6 +188,7 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
         path,
         created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
         ports,
+        headless: spec.and_then(|s| s.cluster_ip.as_deref()) == Some("None"),
     };
     Ok(Some(entry))
 }
@@ -209,22 +223,38 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
             ))
         })
         .collect();
+    let ready = |e: &&k8s_openapi::api::discovery::v1::Endpoint| {
+        e.conditions.as_ref().and_then(|c| c.ready) != Some(false)
+    };
+    let terminating = |e: &&k8s_openapi::api::discovery::v1::Endpoint| {
+        e.conditions.as_ref().and_then(|c| c.terminating) == Some(true)
+    };
     let mut endpoints: Vec<Ipv4Addr> = slice
         .endpoints
         .iter()
-        .filter(|e| {
-            let conditions = e.conditions.as_ref();
-            conditions.and_then(|c| c.ready) != Some(false)
-                && conditions.and_then(|c| c.terminating) != Some(true)
-        })
+        .filter(|e| ready(e) && !terminating(e))
         .flat_map(|e| &e.addresses)
         .filter_map(|a| a.parse().ok())
         .collect();
     endpoints.sort_unstable();
     endpoints.dedup();
+    // A terminating pod is on its way out; its successor (same hostname) takes over the name.
+    let named = slice
+        .endpoints
+        .iter()
+        .filter(|e| !terminating(e))
+        .filter_map(|e| {
+            Some(NamedEndpoint {
+                hostname: non_empty(&e.hostname)?,
+                ip: e.addresses.first()?.parse().ok()?,
+                ready: ready(&e),
+            })
+        })
+        .collect();
     Ok(SliceEntry {
         service: service.clone(),
         ports,
         endpoints: endpoints.into(),
+        named,
     })
 }

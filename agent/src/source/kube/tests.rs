@@ -268,6 +268,110 @@ fn headless_included_external_name_skipped() {
     );
 }
 
+fn instances(snapshot: &MeshSnapshot, path: &str) -> Vec<(String, bool, Vec<String>)> {
+    snapshot.services[&path.parse::<crate::mesh::MeshPath>().unwrap()]
+        .instances
+        .iter()
+        .map(|i| {
+            let endpoints = i.endpoints.iter().map(|(p, e)| format!("{p}->{e}"));
+            (i.name.clone(), i.ready, endpoints.collect())
+        })
+        .collect()
+}
+
+#[test]
+fn a_headless_services_hostnames_are_its_instances_ready_or_not() {
+    let mut index = MeshIndex::new(trap());
+    let mut db = service("data", "db", json!([{"name": "cql", "port": 9042}]));
+    db.spec.as_mut().unwrap().cluster_ip = Some("None".into());
+    index.apply_service(&db);
+    let endpoint = |hostname: &str, ip: &str, ready: bool, terminating: bool| {
+        json!({"addresses": [ip], "hostname": hostname,
+               "conditions": {"ready": ready, "terminating": terminating}})
+    };
+    index.apply_slice(&slice(
+        "data",
+        "db-abc",
+        "db",
+        json!([{"name": "cql", "port": 19042}]),
+        json!([
+            endpoint("db-0", "10.0.0.10", true, false),
+            endpoint("db-1", "10.0.0.11", false, false),
+            endpoint("db-2", "10.0.0.12", false, true),
+        ]),
+    ));
+    let snap = snapshot(&mut index);
+    assert_eq!(
+        instances(&snap, "/data/db"),
+        [
+            (
+                "db-0".to_string(),
+                true,
+                vec!["9042->10.0.0.10:19042".to_string()]
+            ),
+            // Not ready: still an instance, with its own name and address.
+            (
+                "db-1".to_string(),
+                false,
+                vec!["9042->10.0.0.11:19042".to_string()]
+            ),
+            // Terminating: on its way out, gone.
+        ]
+    );
+    let service = &snap.services[&"/data/db".parse::<crate::mesh::MeshPath>().unwrap()];
+    assert_eq!(service.address, crate::mesh::ServiceAddress::Instances);
+    assert_eq!(service.ports[0].name.as_deref(), Some("cql"));
+    let db1 = service.instances[1].address;
+
+    // db-1 is rescheduled: a new pod IP in another slice while the old one terminates.
+    index.apply_slice(&slice(
+        "data",
+        "db-abc",
+        "db",
+        json!([{"name": "cql", "port": 19042}]),
+        json!([
+            endpoint("db-0", "10.0.0.10", true, false),
+            endpoint("db-1", "10.0.0.11", false, true),
+        ]),
+    ));
+    index.apply_slice(&slice(
+        "data",
+        "db-def",
+        "db",
+        json!([{"name": "cql", "port": 19042}]),
+        json!([endpoint("db-1", "10.0.7.7", true, false)]),
+    ));
+    let snap = snapshot(&mut index);
+    let service = &snap.services[&"/data/db".parse::<crate::mesh::MeshPath>().unwrap()];
+    assert_eq!(service.instances[1].address, db1, "same name, same address");
+    assert_eq!(
+        instances(&snap, "/data/db")[1],
+        (
+            "db-1".to_string(),
+            true,
+            vec!["9042->10.0.7.7:19042".to_string()]
+        )
+    );
+
+    // The same hostnames behind a Service with a cluster IP are not instances.
+    let mut index = MeshIndex::new(trap());
+    index.apply_service(&service_with_ip());
+    index.apply_slice(&slice(
+        "data",
+        "web-abc",
+        "web",
+        json!([{"name": "cql", "port": 19042}]),
+        json!([endpoint("web-0", "10.0.0.20", true, false)]),
+    ));
+    assert!(instances(&snapshot(&mut index), "/data/web").is_empty());
+}
+
+fn service_with_ip() -> Service {
+    let mut web = service("data", "web", json!([{"name": "cql", "port": 9042}]));
+    web.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.10".into());
+    web
+}
+
 #[test]
 fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
     let mut index = MeshIndex::new(trap());

@@ -343,6 +343,7 @@ mod tests {
 
     fn port(number: u16) -> ServicePort {
         ServicePort {
+            name: None,
             port: number,
             protocol: Protocol::Http,
             endpoints: EndpointSet::new(vec!["10.0.0.1:80".parse().unwrap()]),
