@@ -223,11 +223,21 @@ pub struct Instance {
     /// Its own, from the trapped block; stable for as long as the instance exists.
     pub address: Ipv4Addr,
     pub ready: bool,
+    /// What its readiness means for DNS, in words, for operators reading `/debug/mesh`.
+    pub dns: &'static str,
     /// (service port, endpoint), by port.
     pub endpoints: Vec<(u16, SocketAddr)>,
 }
 
 impl Instance {
+    fn dns_note(ready: bool) -> &'static str {
+        if ready {
+            "own name, and listed under the service name"
+        } else {
+            "own name only: left out of the service name's answer until ready"
+        }
+    }
+
     /// The endpoint that serves `port` on this instance, if any.
     pub fn endpoint(&self, port: u16) -> Option<SocketAddr> {
         self.endpoints
@@ -459,6 +469,7 @@ impl MeshState {
                 dns_name: path.dns_name(),
                 address,
                 ready: instance.ready,
+                dns: Instance::dns_note(instance.ready),
                 endpoints: instance.endpoints.clone(),
             });
             if fresh {

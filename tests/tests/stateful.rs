@@ -135,7 +135,7 @@ impl Source {
 /// fixture, so it drops last.
 struct Fixture {
     client: ClientPod,
-    _agent: Agent,
+    agent: Agent,
     source: Source,
 }
 
@@ -222,7 +222,7 @@ fn instances_keep_their_names_and_addresses(kubernetes: bool) {
     let client = node.client("client", 2).unwrap();
     let fixture = Fixture {
         client,
-        _agent: agent,
+        agent,
         source,
     };
     let which = fixture.source.name();
@@ -330,6 +330,18 @@ fn instances_keep_their_names_and_addresses(kubernetes: bool) {
         fixture.connect(addresses[2]),
         Ok(answer(&pods[2])),
         "{which}"
+    );
+    // And the operator can see why.
+    let mesh = fixture.agent.mesh().unwrap();
+    let db2 = &mesh["services"]["/data/db"]["instances"][2];
+    assert_eq!(db2["name"], "db-2", "{which}: {mesh}");
+    assert_eq!(db2["ready"], false, "{which}: {db2}");
+    assert!(
+        db2["dns"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("left out of the service name"),
+        "{which}: {db2}"
     );
     let srv: BTreeSet<String> = pods[..2]
         .iter()
