@@ -27,7 +27,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     write_files(dir)?;
     // Release for a measurement; debug for a smoke run, which only checks the bench works.
     let bench_server = crate::built_executable(
-        &["-p", "lattice-dns", "--example", "bench_server"],
+        &["--workspace", "--example", "bench_server"],
         !smoke,
         "bench_server",
     )?;

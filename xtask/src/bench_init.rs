@@ -38,8 +38,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         Err(_) => 50,
     };
     ensure!(iterations > 0, "LATTICE_BENCH_INIT_ITERATIONS must be > 0");
-    let binary =
-        crate::built_executable(&["-p", "lattice-init", "--bins"], !smoke, "lattice-init")?;
+    let binary = crate::built_executable(&["--workspace", "--bins"], !smoke, "lattice-init")?;
     let backends = iptables::backends();
     ensure!(
         !backends.is_empty(),

@@ -31,14 +31,12 @@ pub fn run() -> anyhow::Result<()> {
         );
     }
     let root = super::workspace_root();
-    super::run(super::cargo().current_dir(&root).args([
-        "build",
-        "-p",
-        "lattice-agent",
-        "-p",
-        "lattice-init",
-        "--bins",
-    ]))?;
+    // `--workspace`, as the tests build, so a demo after the tests rebuilds nothing.
+    super::run(
+        super::cargo()
+            .current_dir(&root)
+            .args(["build", "--workspace", "--bins"]),
+    )?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"));

@@ -270,7 +270,10 @@ fn fuzz(seconds: u64) -> anyhow::Result<()> {
 }
 
 /// Builds `cargo build <args> [--release]` in the workspace and returns the path of the
-/// executable `name` that cargo reports (wherever CARGO_TARGET_DIR puts it).
+/// executable `name` that cargo reports (wherever CARGO_TARGET_DIR puts it). Give
+/// `--workspace` in `args`, as every build here does: selecting one package makes cargo unify
+/// the dependencies' features differently and rebuild them, which the smoke benchmarks in
+/// `cargo xtask test` would pay after the test build.
 fn built_executable(args: &[&str], release: bool, name: &str) -> anyhow::Result<PathBuf> {
     let mut command = cargo();
     command

@@ -20,17 +20,19 @@ impl ScaleTest<'_> {
         envs: impl IntoIterator<Item = (String, String)>,
     ) -> anyhow::Result<serde_json::Value> {
         let profile: &[&str] = if smoke { &[] } else { &["--release"] };
+        // `--workspace`, as `cargo xtask test` builds: selecting one package changes how
+        // cargo unifies the dependencies' features, which rebuilds them.
         let status = crate::cargo()
-            .args(["build", "-p", "lattice-agent", "--bins"])
+            .args(["build", "--workspace", "--bins"])
             .args(profile)
             .status()
-            .context("running cargo build for lattice-agent")?;
+            .context("running cargo build for the agent")?;
         if !status.success() {
-            bail!("cargo build -p lattice-agent failed: {status}");
+            bail!("cargo build --workspace --bins failed: {status}");
         }
         // `cargo test --release` runs from target/release, so the test finds the release agent.
         let output = crate::cargo()
-            .args(["test", "-p", "lattice-e2e", "--test", self.file])
+            .args(["test", "--workspace", "--test", self.file])
             .args(profile)
             .args(["--", "--ignored", "--exact", "--nocapture", self.test])
             .envs(envs)
