@@ -41,9 +41,24 @@ pub struct AgentConfig {
     )]
     pub namespaces: Vec<String>,
 
-    /// Address of the gRPC ADS server the node's Envoys connect to.
-    #[arg(long, env = "LATTICE_XDS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::UNSPECIFIED, XDS_PORT)))]
+    /// Address of the gRPC ADS server the node's Envoys connect to. Loopback by default, for
+    /// local runs; in a cluster the manifests use the node-local address (--node-local-dns),
+    /// which only this node's pods reach. An address reachable from off the node is warned
+    /// about at start.
+    #[arg(long, env = "LATTICE_XDS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, XDS_PORT)))]
     pub xds_addr: SocketAddr,
+
+    /// This node's name, as Kubernetes knows it (the manifests fill NODE_NAME from the downward
+    /// API). With Kubernetes, the agent then watches this node's Pods and accepts an ADS stream
+    /// only from one of them, sending its own node id (<pod>.<namespace>); without it,
+    /// identity checking is off. Unused with mesh files only.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+
+    /// Accept ADS streams from pods on the host network. Such pods share the node's address,
+    /// so the agent cannot tell their proxies from the node's other processes.
+    #[arg(long, env = "LATTICE_ALLOW_HOST_NETWORK_PROXIES")]
+    pub allow_host_network_proxies: bool,
 
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53.
     #[arg(long, env = "LATTICE_DNS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)))]
@@ -116,7 +131,9 @@ mod tests {
     #[test]
     fn defaults_follow_the_design() {
         let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
-        assert_eq!(config.xds_addr.port(), 15010);
+        assert_eq!(config.xds_addr.to_string(), "127.0.0.1:15010");
+        assert_eq!(config.node_name, None);
+        assert!(!config.allow_host_network_proxies);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");

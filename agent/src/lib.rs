@@ -6,12 +6,14 @@
 //! the snapshot it reads and the type it hands on, never a stage before it: a source builds the
 //! mesh model and knows nothing of translators; a translator reads the mesh and produces what a
 //! server serves, and knows nothing of sources; the xDS server knows neither the mesh nor the
-//! translators. Beside the flow: [`config`], [`admin`] (which reads the mesh and the servers'
+//! translators. Beside the flow: [`config`], [`identity`] (which proxies may connect: the
+//! Kubernetes source feeds it, the xDS server checks against it), [`admin`] (which reads the mesh and the servers'
 //! state), [`metrics`], [`readiness`] and [`node_local_address`]. `tests/layers.rs` holds the
 //! rule.
 
 pub mod admin;
 pub mod config;
+pub mod identity;
 pub mod mesh;
 pub mod metrics;
 pub mod node_local_address;

@@ -10,6 +10,7 @@ use clap::Parser;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::config::{AgentConfig, LogFormat};
+use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh;
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address::{self, NodeLocalAddress};
@@ -94,6 +95,12 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let readiness = Readiness::new();
     let xds_ready = readiness.register("xds server");
     let dns_ready = readiness.register("dns server");
+    // With Kubernetes and a node name, streams are checked against this node's pods: not
+    // ready until they are listed.
+    let mut pods_ready = matches!(source, Source::Kubernetes(_))
+        .then(|| config.node_name.as_ref())
+        .flatten()
+        .map(|_| readiness.register("this node's pods"));
     let (mesh_tx, mesh_rx) = mesh::channel();
     let (pipeline, published) = Pipeline::new(
         mesh_rx.clone(),
@@ -103,7 +110,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         &readiness,
     );
 
-    // Bind everything before serving anything.
+    // Bind everything before serving anything. The DNS and xDS servers may bind on the
+    // node-local address, so it must exist first. Dropped on an early return, it removes
+    // itself.
+    let node_dns = match config.node_local_dns {
+        Some(address) => Some(NodeLocalAddress::install(address).await?),
+        None => None,
+    };
     let xds_listener = tokio::net::TcpListener::bind(config.xds_addr)
         .await
         .with_context(|| {
@@ -112,12 +125,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 config.xds_addr
             )
         })?;
-    // The DNS server binds on the node-local address, so it must exist first. Dropped on an
-    // early return, it removes itself.
-    let node_dns = match config.node_local_dns {
-        Some(address) => Some(NodeLocalAddress::install(address).await?),
-        None => None,
-    };
+    if reachable_off_node(config.xds_addr.ip()) {
+        tracing::warn!(
+            xds = %config.xds_addr,
+            "the xDS server is bound to an address other hosts may reach: anyone who reaches it \
+             can read the mesh. Bind it to loopback or to the node-local address (--xds-addr)"
+        );
+    }
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
     let dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
@@ -143,6 +157,38 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
 
     let mut tasks: JoinSet<anyhow::Result<&'static str>> = JoinSet::new();
+    let identity = match (&source, &config.node_name) {
+        (Source::Kubernetes(client), Some(node)) => {
+            let (pods_tx, pods_rx) = identity::channel();
+            let pods_ready = pods_ready.take();
+            let (client, node, token) = (client.clone(), node.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                let mut synced = pods_tx.subscribe();
+                let announce = async move {
+                    let _ = synced.wait_for(Option::is_some).await;
+                    drop(pods_ready);
+                    std::future::pending::<()>().await
+                };
+                tokio::select! {
+                    () = source::kube::pods::watch_pods(client, node, pods_tx, token) => {},
+                    () = announce => {},
+                }
+                Ok("pod watch")
+            });
+            IdentityCheck::Pods {
+                pods: pods_rx,
+                allow_host_network: config.allow_host_network_proxies,
+            }
+        }
+        (Source::Kubernetes(_), None) => {
+            tracing::warn!(
+                "no --node-name (env NODE_NAME): proxy identity checking is off, and any \
+                 client that reaches the xDS address is served the whole mesh"
+            );
+            IdentityCheck::Off
+        }
+        (Source::File(_), _) => IdentityCheck::Off,
+    };
     let token = shutdown.clone();
     match source {
         Source::File(file) => {
@@ -183,7 +229,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         metrics.xds.clone(),
         proxies,
         shutdown.clone(),
-    );
+    )
+    .with_identity(identity);
     let token = shutdown.clone();
     tasks.spawn(async move {
         drop(xds_ready);
@@ -227,6 +274,15 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             tracing::info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// Whether hosts other than this one may reach `ip`: anything but loopback and link-local
+/// (the node-local address is link-local, so no router forwards to it).
+fn reachable_off_node(ip: std::net::IpAddr) -> bool {
+    match ip.to_canonical() {
+        std::net::IpAddr::V4(v4) => !(v4.is_loopback() || v4.is_link_local()),
+        std::net::IpAddr::V6(v6) => !(v6.is_loopback() || v6.is_unicast_link_local()),
     }
 }
 

@@ -15,9 +15,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("readiness", &[]),
     ("node_local_address", &[]),
     ("mesh", &[]),
-    ("source", &["mesh"]),
+    ("identity", &[]),
+    ("source", &["mesh", "identity"]),
     ("translate", &["mesh", "xds", "readiness"]),
-    ("xds", &[]),
+    ("xds", &["identity"]),
     ("metrics", &["mesh", "xds"]),
     ("admin", &["mesh", "metrics", "readiness", "xds"]),
 ];

@@ -28,6 +28,7 @@ pub const XDS_PORT: u16 = 15010;
 pub const ADMIN_PORT: u16 = 15020;
 /// The agent's DNS server for local runs (on 127.0.0.1); in a cluster it serves port 53.
 pub const LOCAL_DNS_PORT: u16 = 15053;
-/// The link-local address the agent adds to the node for its DNS server in a cluster; pods use
-/// it as their nameserver.
+/// The link-local address the agent adds to the node in a cluster: pods use it as their
+/// nameserver, and their Envoys reach the agent's xDS server on it (lattice-init's default).
+/// Link-local, so no router forwards it: only this node's pods reach it.
 pub const NODE_LOCAL_DNS: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use lattice_contract::{
-    DEFAULT_TRAP_CIDR, ENVOY_OUTBOUND_PORT, ENVOY_UID, TrapCidrError, TrapCidrs, XDS_PORT,
+    DEFAULT_TRAP_CIDR, ENVOY_OUTBOUND_PORT, ENVOY_UID, NODE_LOCAL_DNS, TrapCidrError, TrapCidrs,
+    XDS_PORT,
 };
 
 pub use lattice_contract::TrapCidr;
@@ -52,7 +53,8 @@ pub struct Args {
     #[arg(long, env = "LATTICE_EXCLUDE_GID", value_delimiter = ',')]
     pub exclude_gid: Vec<u32>,
 
-    /// The node agent's xDS server, HOST:PORT. Default: `$HOST_IP:15010`.
+    /// The node agent's xDS server, HOST:PORT. Default: the node-local address the agent
+    /// serves xDS on in a cluster, `169.254.20.10:15010`, which only this node's pods reach.
     #[arg(long, env = "LATTICE_XDS_ADDRESS")]
     pub xds_address: Option<String>,
 
@@ -93,7 +95,7 @@ pub struct Args {
     pub validate: bool,
 
     /// Parse and validate the flags, then exit 0 without touching the system. Values that only
-    /// exist inside a pod (`HOST_IP`, `POD_NAME`, `POD_NAMESPACE`) may be absent.
+    /// exist inside a pod (`POD_NAME`, `POD_NAMESPACE`) may be absent.
     #[arg(long, env = "LATTICE_CHECK_CONFIG", action = ArgAction::SetTrue,
           conflicts_with = "validate")]
     pub check_config: bool,
@@ -249,8 +251,6 @@ pub enum ConfigError {
         "--xds-address {value:?} is not HOST:PORT with a non-zero port; give e.g. 10.0.0.1:15010"
     )]
     XdsAddress { value: String },
-    #[error("HOST_IP {value:?} is not an IP address; set --xds-address HOST:PORT instead")]
-    HostIp { value: String },
     #[error("--node-id {value:?} must be non-empty without whitespace, e.g. <pod>.<namespace>")]
     NodeId { value: String },
     #[error("the Envoy bootstrap needs {missing}; set it, or drop --bootstrap-out")]
@@ -258,7 +258,7 @@ pub enum ConfigError {
 }
 
 impl InitConfig {
-    /// Validates the parsed flags. `env` reads the pod environment (`HOST_IP`, `POD_NAME`,
+    /// Validates the parsed flags. `env` reads the pod environment (`POD_NAME`,
     /// `POD_NAMESPACE`); it is a parameter so that tests need no process environment.
     pub fn from_args(
         args: Args,
@@ -277,21 +277,12 @@ impl InitConfig {
         };
         let capture = capture_config(&args)?;
 
-        let xds = match (&args.xds_address, env("HOST_IP")) {
-            (Some(flag), _) => Some(XdsAddress::parse(flag)?),
-            (None, Some(host_ip)) => {
-                let ip = host_ip
-                    .trim()
-                    .parse::<IpAddr>()
-                    .map_err(|_| ConfigError::HostIp {
-                        value: host_ip.clone(),
-                    })?;
-                Some(XdsAddress {
-                    host: XdsHost::Ip(ip),
-                    port: XDS_PORT,
-                })
-            }
-            (None, None) => None,
+        let xds = match &args.xds_address {
+            Some(flag) => Some(XdsAddress::parse(flag)?),
+            None => Some(XdsAddress {
+                host: XdsHost::Ip(IpAddr::V4(NODE_LOCAL_DNS)),
+                port: XDS_PORT,
+            }),
         };
         let node_id = match (&args.node_id, env("POD_NAME"), env("POD_NAMESPACE")) {
             (Some(flag), _, _) => Some(flag.clone()),
@@ -318,7 +309,7 @@ impl InitConfig {
             }
             (_, None) if needs_bootstrap => {
                 return Err(ConfigError::BootstrapIncomplete {
-                    missing: "the agent's xDS address (--xds-address, or HOST_IP)",
+                    missing: "the agent's xDS address (--xds-address)",
                 });
             }
             _ => None,
@@ -401,7 +392,6 @@ mod tests {
             Args::try_parse_from(std::iter::once("lattice-init").chain(args.iter().copied()))
                 .expect("flags parse");
         InitConfig::from_args(args, |name| match name {
-            "HOST_IP" => Some("10.0.0.1".into()),
             "POD_NAME" => Some("web-0".into()),
             "POD_NAMESPACE" => Some("shop".into()),
             _ => None,
@@ -419,7 +409,7 @@ mod tests {
         assert_eq!(config.capture.envoy_uid, 1337);
         let bootstrap = config.bootstrap.unwrap();
         assert_eq!(bootstrap.node_id, "web-0.shop");
-        assert_eq!(bootstrap.xds.to_string(), "10.0.0.1:15010");
+        assert_eq!(bootstrap.xds.to_string(), "169.254.20.10:15010");
         assert_eq!(bootstrap.mode, XdsMode::Delta);
         assert_eq!(config.action, Action::Apply { validate: false });
         assert_eq!(config.backend, BackendChoice::Auto);

@@ -261,7 +261,7 @@ pub fn run(config: &InitConfig, out: &mut impl std::io::Write) -> Result<(), Ini
         Action::CheckConfig => {
             if config.bootstrap.is_none() {
                 info!(
-                    "node id or xDS address not resolvable here (POD_NAME, POD_NAMESPACE, HOST_IP come from the pod); the bootstrap is not checked"
+                    "node id not resolvable here (POD_NAME and POD_NAMESPACE come from the pod); the bootstrap is not checked"
                 );
             }
             info!("configuration is valid; nothing changed (--check-config)");

@@ -153,17 +153,93 @@ struct Stored {
     json: Bytes,
 }
 
-/// One change, serialized once as the watch line every watcher in scope receives.
+/// One change, serialized once as the watch line every watcher in scope receives; a watcher
+/// with a field selector gets the line its selector makes of it ([`Change::line_for`]).
 struct Change {
     rv: u64,
     kind: &'static Kind,
     namespace: String,
     line: Bytes,
+    /// ADDED, MODIFIED or DELETED, and the object after the change (for DELETED, as deleted).
+    event: &'static str,
+    object: Bytes,
+    /// The object before a MODIFIED change.
+    before: Option<Bytes>,
+}
+
+impl Change {
+    /// The line a watcher with `selector` receives, if any. As on a real API server, an object
+    /// that comes to match is ADDED, and one that stops matching is DELETED, for that watcher.
+    fn line_for(&self, selector: &FieldSelector) -> Option<Bytes> {
+        if selector.is_empty() {
+            return Some(self.line.clone());
+        }
+        let now = selector.matches(&self.object);
+        let before = self.before.as_ref().is_some_and(|b| selector.matches(b));
+        let event = match (self.event, before, now) {
+            ("MODIFIED", false, true) => "ADDED",
+            ("MODIFIED", true, false) => "DELETED",
+            (_, _, true) => self.event,
+            _ => return None,
+        };
+        Some(event_line(event, &self.object))
+    }
+}
+
+/// A `fieldSelector`: `path=value` and `path!=value` terms (`==` too), comma-separated, all of
+/// which must hold. A path is a dotted JSON path (`spec.nodeName`, `metadata.name`); a missing
+/// field reads as "".
+#[derive(Clone, Debug, Default)]
+pub struct FieldSelector(Vec<(Vec<String>, bool, String)>);
+
+impl FieldSelector {
+    fn parse(text: &str) -> Result<FieldSelector, String> {
+        let mut terms = Vec::new();
+        for term in text.split(',').filter(|t| !t.is_empty()) {
+            let (path, equal, value) = if let Some((p, v)) = term.split_once("!=") {
+                (p, false, v)
+            } else if let Some((p, v)) = term.split_once("==") {
+                (p, true, v)
+            } else if let Some((p, v)) = term.split_once('=') {
+                (p, true, v)
+            } else {
+                return Err(format!("invalid field selector term {term:?}"));
+            };
+            terms.push((
+                path.split('.').map(str::to_string).collect(),
+                equal,
+                value.to_string(),
+            ));
+        }
+        Ok(FieldSelector(terms))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn matches(&self, json: &[u8]) -> bool {
+        if self.is_empty() {
+            return true;
+        }
+        let Ok(object) = serde_json::from_slice::<Value>(json) else {
+            return false;
+        };
+        self.0.iter().all(|(path, equal, value)| {
+            let field = path
+                .iter()
+                .try_fold(&object, |v, key| v.get(key))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            (field == value) == *equal
+        })
+    }
 }
 
 struct Watcher {
     kind: &'static Kind,
     namespace: Option<String>,
+    selector: FieldSelector,
     bookmarks: bool,
     tx: mpsc::UnboundedSender<Bytes>,
 }
@@ -203,7 +279,13 @@ struct Store {
 impl Store {
     fn push(&mut self, change: Change) {
         self.watchers.retain(|w| {
-            !w.sees(change.kind, &change.namespace) || w.tx.send(change.line.clone()).is_ok()
+            if !w.sees(change.kind, &change.namespace) {
+                return true;
+            }
+            match change.line_for(&w.selector) {
+                Some(line) => w.tx.send(line).is_ok(),
+                None => true,
+            }
         });
         self.history.push(change);
     }
@@ -298,11 +380,15 @@ impl Store {
         } else {
             "ADDED"
         };
+        let before = self.objects.get(&key).map(|s| s.json.clone());
         self.push(Change {
             rv,
             kind,
             namespace,
             line: event_line(kind_of_event, &json),
+            event: kind_of_event,
+            object: json.clone(),
+            before,
         });
         self.objects.insert(key, Stored { json });
         Ok(rv)
@@ -317,12 +403,15 @@ impl Store {
         self.rv += 1;
         let mut object: Value = serde_json::from_slice(&stored.json)?;
         object["metadata"]["resourceVersion"] = self.rv.to_string().into();
-        let json = serde_json::to_vec(&object)?;
+        let json = Bytes::from(serde_json::to_vec(&object)?);
         self.push(Change {
             rv: self.rv,
             kind,
             namespace: namespace.to_string(),
             line: event_line("DELETED", &json),
+            event: "DELETED",
+            object: json,
+            before: None,
         });
         Ok(true)
     }
@@ -760,16 +849,10 @@ fn route(path: &str) -> Option<Target> {
     })
 }
 
+/// The query parameters, percent-decoded (a field selector's `=` arrives as `%3D`).
 fn query(req: &Request<Incoming>) -> HashMap<String, String> {
-    req.uri()
-        .query()
-        .unwrap_or_default()
-        .split('&')
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| match pair.split_once('=') {
-            Some((k, v)) => (k.to_string(), v.to_string()),
-            None => (pair.to_string(), String::new()),
-        })
+    form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes())
+        .into_owned()
         .collect()
 }
 
@@ -800,7 +883,12 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
         return unknown_resource();
     };
     let params = query(&req);
-    for unsupported in ["labelSelector", "fieldSelector", "sendInitialEvents"] {
+    let selector =
+        match FieldSelector::parse(params.get("fieldSelector").map_or("", String::as_str)) {
+            Ok(selector) => selector,
+            Err(message) => return failure(StatusCode::BAD_REQUEST, "BadRequest", &message),
+        };
+    for unsupported in ["labelSelector", "sendInitialEvents"] {
         if params.get(unsupported).is_some_and(|v| !v.is_empty()) {
             return failure(
                 StatusCode::BAD_REQUEST,
@@ -813,9 +901,9 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
         return get(store, &target, name);
     }
     if matches!(params.get("watch").map(String::as_str), Some("1" | "true")) {
-        return watch(store, &target, &params);
+        return watch(store, &target, &params, selector);
     }
-    list(store, &target, &params)
+    list(store, &target, &params, &selector)
 }
 
 fn get(store: &Mutex<Store>, target: &Target, name: &str) -> Response<Body> {
@@ -838,7 +926,12 @@ fn get(store: &Mutex<Store>, target: &Target, name: &str) -> Response<Body> {
     }
 }
 
-fn list(store: &Mutex<Store>, target: &Target, params: &HashMap<String, String>) -> Response<Body> {
+fn list(
+    store: &Mutex<Store>,
+    target: &Target,
+    params: &HashMap<String, String>,
+    selector: &FieldSelector,
+) -> Response<Body> {
     let limit = params
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
@@ -872,6 +965,7 @@ fn list(store: &Mutex<Store>, target: &Target, params: &HashMap<String, String>)
         None => {
             let items: Arc<[Bytes]> = store
                 .in_scope(target.kind, target.namespace.as_deref())
+                .filter(|json| selector.matches(json))
                 .cloned()
                 .collect();
             store.next_page += 1;
@@ -928,6 +1022,7 @@ fn watch(
     store: &Mutex<Store>,
     target: &Target,
     params: &HashMap<String, String>,
+    selector: FieldSelector,
 ) -> Response<Body> {
     let from = match params.get("resourceVersion").map(String::as_str) {
         None | Some("" | "0") => None,
@@ -960,7 +1055,10 @@ fn watch(
         match from {
             // No version: the current state as synthetic ADDED events, then changes.
             None => {
-                for json in store.in_scope(target.kind, namespace) {
+                for json in store
+                    .in_scope(target.kind, namespace)
+                    .filter(|json| selector.matches(json))
+                {
                     let _ = tx.send(event_line("ADDED", json));
                 }
             }
@@ -977,8 +1075,9 @@ fn watch(
                 for change in &store.history[start..] {
                     if change.kind == target.kind
                         && namespace.is_none_or(|ns| ns == change.namespace)
+                        && let Some(line) = change.line_for(&selector)
                     {
-                        let _ = tx.send(change.line.clone());
+                        let _ = tx.send(line);
                     }
                 }
             }
@@ -986,6 +1085,7 @@ fn watch(
         store.watchers.push(Watcher {
             kind: target.kind,
             namespace: target.namespace.clone(),
+            selector,
             bookmarks,
             tx,
         });
@@ -1147,6 +1247,55 @@ mod tests {
         let mut rest = String::new();
         reader.read_to_string(&mut rest).unwrap();
         assert_eq!(rest, "");
+    }
+
+    fn pod(name: &str, node: &str, ip: &str) -> Value {
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"namespace": "a", "name": name},
+               "spec": {"nodeName": node},
+               "status": {"podIP": ip, "phase": "Running"}})
+    }
+
+    #[test]
+    fn field_selectors_filter_lists_and_watches_as_objects_come_and_go() {
+        let server = FakeApiServer::start().unwrap();
+        server.apply_json(pod("p1", "node-a", "10.0.0.1")).unwrap();
+        server.apply_json(pod("p2", "node-b", "10.0.0.2")).unwrap();
+        let selector = "fieldSelector=spec.nodeName%3Dnode-a";
+        let (code, list) = get(&server, &format!("/api/v1/pods?{selector}"));
+        assert_eq!(code, 200);
+        assert_eq!(names(&list), ["p1"]);
+        let (_, not) = get(
+            &server,
+            "/api/v1/pods?fieldSelector=spec.nodeName!%3Dnode-a",
+        );
+        assert_eq!(names(&not), ["p2"]);
+        let (code, _) = get(&server, "/api/v1/pods?fieldSelector=spec.nodeName");
+        assert_eq!(code, 400);
+
+        let rv = server.resource_version();
+        let mut reader = watch(
+            &server,
+            &format!("/api/v1/pods?watch=true&resourceVersion={rv}&{selector}"),
+        );
+        // p2 moves to node-a: ADDED for this watcher; p1 leaves: DELETED; others unseen.
+        server.apply_json(pod("p2", "node-a", "10.0.0.2")).unwrap();
+        server.apply_json(pod("p3", "node-b", "10.0.0.3")).unwrap();
+        server.apply_json(pod("p1", "node-b", "10.0.0.1")).unwrap();
+        let seen: Vec<(String, String)> = events(&mut reader, 2)
+            .iter()
+            .map(|e| {
+                let name = e["object"]["metadata"]["name"].as_str().unwrap();
+                (e["type"].as_str().unwrap().to_string(), name.to_string())
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("ADDED".to_string(), "p2".to_string()),
+                ("DELETED".to_string(), "p1".to_string())
+            ]
+        );
     }
 
     #[test]

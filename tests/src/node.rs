@@ -86,6 +86,16 @@ impl Node {
             dns: DNS,
             admin: ADMIN,
         };
+        self.agent_at(addrs, args, envs)
+    }
+
+    /// [`Node::agent`] on other addresses, as a DaemonSet serving on the node-local address.
+    pub fn agent_at(
+        &self,
+        addrs: AgentAddrs,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Agent> {
         let agent = Agent::start_in_netns(&self.netns, addrs, args, envs);
         agent.wait_ready()?;
         Ok(agent)
@@ -149,7 +159,18 @@ impl Node {
     /// A mesh client pod: `lattice-init`, then Envoy as UID 1337, waited on until LIVE (so the
     /// agent must be serving). See [`ClientPod`].
     pub fn client(&self, label: &str, host: u8) -> anyhow::Result<ClientPod> {
-        ClientPod::start(self, label, host)
+        ClientPod::start(self, label, host, XDS, DNS)
+    }
+
+    /// [`Node::client`] whose Envoy and resolver use the agent at `xds` and `dns`.
+    pub fn client_of(
+        &self,
+        label: &str,
+        host: u8,
+        xds: SocketAddr,
+        dns: SocketAddr,
+    ) -> anyhow::Result<ClientPod> {
+        ClientPod::start(self, label, host, xds, dns)
     }
 }
 
@@ -397,17 +418,26 @@ pub struct ClientPod {
 }
 
 impl ClientPod {
-    fn start(node: &Node, label: &str, host: u8) -> anyhow::Result<ClientPod> {
+    fn start(
+        node: &Node,
+        label: &str,
+        host: u8,
+        xds: SocketAddr,
+        dns: SocketAddr,
+    ) -> anyhow::Result<ClientPod> {
         let pod = node.pod(label, host)?;
-        let resolv = ResolvConf::write(&pod.netns, NODE_IP)?;
+        let std::net::IpAddr::V4(nameserver) = dns.ip() else {
+            anyhow::bail!("the pods' nameserver is IPv4: {dns}");
+        };
+        let resolv = ResolvConf::write(&pod.netns, nameserver)?;
         let dir = tempfile::tempdir()?;
         let bootstrap = dir.path().join("envoy.json");
         let init = pod
             .netns
             .command(bins::path("lattice-init"))
-            .arg(format!("--xds-address={XDS}"))
+            .arg(format!("--xds-address={xds}"))
             .arg(format!("--node-id={label}.default"))
-            .arg(format!("--redirect-dns={DNS}"))
+            .arg(format!("--redirect-dns={dns}"))
             .arg("--bootstrap-out")
             .arg(&bootstrap)
             .stdin(Stdio::null())

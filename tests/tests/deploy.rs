@@ -188,10 +188,6 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
         fields.get("NODE_NAME").map(String::as_str),
         Some("spec.nodeName")
     );
-    assert_eq!(
-        fields.get("HOST_IP").map(String::as_str),
-        Some("status.hostIP")
-    );
     let resources = agent.resources.as_ref().context("agent resources")?;
     assert!(resources.requests.is_some() && resources.limits.is_some());
     let security = agent
@@ -233,7 +229,6 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     );
     let fields = env_fields(init);
     for (name, path) in [
-        ("HOST_IP", "status.hostIP"),
         ("POD_NAME", "metadata.name"),
         ("POD_NAMESPACE", "metadata.namespace"),
     ] {
@@ -653,11 +648,15 @@ fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Re
             .replace(&api.url(), &format!("http://{}", proxy.addr)),
     )?;
     let kubeconfig = kubeconfig.to_string_lossy().into_owned();
-    let agent = Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.as_str())]);
+    // With NODE_NAME, as the DaemonSet sets it: the agent watches its node's Pods too.
+    let agent = Agent::start_with_env(
+        &[],
+        &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+    );
     agent.wait_ready()?;
-    // Ready means both initial lists are done; wait for the watches that follow them.
+    // Ready means the initial lists are done; wait for the watches that follow them.
     let used = wait::until(
-        "list and watch of both resources",
+        "list and watch of services, endpointslices and pods",
         Duration::from_secs(10),
         || {
             let used: BTreeSet<(String, String, String)> = proxy
@@ -667,7 +666,7 @@ fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Re
                 .collect::<anyhow::Result<_>>()
                 .map_err(|e| e.to_string())?;
             let watches = used.iter().filter(|(_, _, verb)| verb == "watch").count();
-            if watches >= 2 {
+            if watches >= 3 {
                 Ok(used)
             } else {
                 Err(format!("{used:?}"))
@@ -819,10 +818,11 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
         .context("lattice-init")?;
     let init_env = container_env(init)?;
     let (_, init_args) = command_line(init, &init_env)?;
-    let xds_address = effective(&init_args, "--xds-address", &init_defaults);
-    match xds_address {
-        Some(address) => assert!(address.ends_with(&format!(":{}", xds.port())), "{address}"),
-        // No default in --help: init's documented default is $HOST_IP:<agent xDS port>.
+    // Envoy connects where the agent serves: the node-local address, init's default.
+    assert_eq!(xds.ip().to_string(), node_local, "the agent's --xds-addr");
+    match effective(&init_args, "--xds-address", &init_defaults) {
+        Some(address) => assert_eq!(address, xds.to_string()),
+        // No default in --help (it is computed): the documented one.
         None => {
             let help = String::from_utf8(
                 run({
@@ -832,7 +832,7 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
                 })?
                 .stdout,
             )?;
-            assert!(help.contains(&format!("$HOST_IP:{}", xds.port())), "{help}");
+            assert!(help.contains(&format!("`{xds}`")), "{help}");
         }
     }
     let envoy_uid: i64 = effective(&init_args, "--envoy-uid", &init_defaults)

@@ -446,7 +446,6 @@ fn envoy_validates_the_written_bootstrap() {
             let output = pod
                 .command(bins::path("lattice-init"))
                 .args(["--bootstrap-out", out, "--xds-mode", mode])
-                .env("HOST_IP", "10.99.0.2")
                 .env("POD_NAME", "web-0")
                 .env("POD_NAMESPACE", "shop")
                 .output()
@@ -479,6 +478,12 @@ fn envoy_validates_the_written_bootstrap() {
         }
         let xds = &bootstrap["static_resources"]["clusters"][0];
         assert_eq!(xds["name"], "lattice-xds");
+        // The default: the node-local address, which only this node's pods reach.
+        assert_eq!(
+            xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+                ["address"],
+            "169.254.20.10"
+        );
         assert_eq!(
             xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
                 ["port_value"],

@@ -14,6 +14,7 @@
 
 mod index;
 mod mapping;
+pub mod pods;
 mod routes;
 
 use std::pin::Pin;

@@ -25,10 +25,16 @@ impl From<ResourceType> for TypeLabel {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
 /// The xDS recorders; cheap to clone (each metric is shared).
 #[derive(Clone, Debug)]
 pub struct XdsMetrics {
     connected_proxies: Gauge,
+    refused: Family<ReasonLabel, Counter>,
     pushes: Family<TypeLabel, Counter>,
     nacks: Family<TypeLabel, Counter>,
     snapshot_version: Gauge,
@@ -41,6 +47,7 @@ impl XdsMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = XdsMetrics {
             connected_proxies: Gauge::default(),
+            refused: Family::default(),
             pushes: Family::default(),
             nacks: Family::default(),
             snapshot_version: Gauge::default(),
@@ -53,6 +60,11 @@ impl XdsMetrics {
             "connected_proxies",
             "ADS streams currently open",
             metrics.connected_proxies.clone(),
+        );
+        xds.register(
+            "refused_streams",
+            "ADS streams refused by identity checking, by reason",
+            metrics.refused.clone(),
         );
         xds.register(
             "pushes",
@@ -90,6 +102,11 @@ impl XdsMetrics {
         self.pushes.get_or_create(&kind.into()).inc();
         self.push_latency
             .observe(changed_at.elapsed().as_secs_f64());
+    }
+
+    /// An ADS stream was refused for `reason` (identity checking).
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     pub fn nacked(&self, kind: ResourceType) {

@@ -2,6 +2,7 @@
 //! the proxy's requests and the published [`XdsSnapshot`]s, and recording what happened.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,12 +24,19 @@ use super::metrics::XdsMetrics;
 use super::snapshot::{XdsRx, XdsSnapshot};
 use super::sotw::SotwStream;
 use super::stream::{Ads, Event, Push};
+use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
 
 /// One connected proxy, as `/debug/xds` shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct ProxyStatus {
     pub node_id: String,
     pub mode: &'static str,
+    /// Where the stream comes from.
+    pub peer: Option<IpAddr>,
+    /// The pod the proxy was verified to belong to (`namespace/name`), when identity checking
+    /// is on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     pub connected_for_seconds: u64,
     /// Last ACKed version per type (`cds`, `eds`, `lds`, `rds`).
     pub acked: BTreeMap<&'static str, String>,
@@ -79,6 +87,8 @@ pub struct XdsServer {
     proxies: ProxyRegistry,
     shutdown: CancellationToken,
     next_id: Arc<AtomicU64>,
+    identity: IdentityCheck,
+    refusals: Arc<RefusalLog>,
 }
 
 impl XdsServer {
@@ -94,13 +104,23 @@ impl XdsServer {
             proxies,
             shutdown,
             next_id: Arc::new(AtomicU64::new(1)),
+            identity: IdentityCheck::Off,
+            refusals: Arc::default(),
         }
+    }
+
+    /// Checks every stream's identity as `identity` says (off by default).
+    pub fn with_identity(mut self, identity: IdentityCheck) -> Self {
+        self.identity = identity;
+        self
     }
 
     fn open<A: Ads>(
         &self,
-        inbound: Streaming<A::Request>,
+        request: Request<Streaming<A::Request>>,
     ) -> ReceiverStream<Result<A::Response, Status>> {
+        let peer = request.remote_addr().map(|addr| addr.ip().to_canonical());
+        let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let stream = StreamTask::<A> {
@@ -113,6 +133,11 @@ impl XdsServer {
             proxies: self.proxies.clone(),
             shutdown: self.shutdown.clone(),
             node_id: String::new(),
+            peer,
+            pods: self.identity.subscribe(),
+            identity: self.identity.clone(),
+            refusals: self.refusals.clone(),
+            verified: None,
         };
         tokio::spawn(stream.run());
         ReceiverStream::new(rx)
@@ -130,7 +155,7 @@ impl AggregatedDiscoveryService for XdsServer {
         &self,
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let stream = self.open::<SotwStream>(request.into_inner());
+        let stream = self.open::<SotwStream>(request);
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -138,7 +163,7 @@ impl AggregatedDiscoveryService for XdsServer {
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let stream = self.open::<DeltaStream>(request.into_inner());
+        let stream = self.open::<DeltaStream>(request);
         Ok(Response::new(Box::pin(stream)))
     }
 }
@@ -153,6 +178,37 @@ struct StreamTask<A: Ads> {
     proxies: ProxyRegistry,
     shutdown: CancellationToken,
     node_id: String,
+    peer: Option<IpAddr>,
+    identity: IdentityCheck,
+    /// Changes when this node's pods do (identity checking on).
+    pods: Option<PodsRx>,
+    refusals: Arc<RefusalLog>,
+    /// Set once the first request passed the identity check: the pod, if checking is on.
+    verified: Option<Option<PodKey>>,
+}
+
+/// How a stream ended.
+enum Ended {
+    Closed(String),
+    Refused(Refusal),
+}
+
+impl From<&str> for Ended {
+    fn from(reason: &str) -> Self {
+        Ended::Closed(reason.to_string())
+    }
+}
+
+/// Waits for the next change of this node's pods; forever when there is nothing to watch.
+async fn pods_changed(pods: &mut Option<PodsRx>) {
+    match pods {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 impl<A: Ads> StreamTask<A> {
@@ -163,19 +219,45 @@ impl<A: Ads> StreamTask<A> {
             ProxyStatus {
                 node_id: String::new(),
                 mode: A::MODE,
+                peer: self.peer,
+                pod: None,
                 connected_for_seconds: 0,
                 acked: BTreeMap::new(),
                 nacks: 0,
                 connected_at: Some(Instant::now()),
             },
         );
-        let reason = self.serve().await;
-        tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
+        match self.serve().await {
+            Ended::Closed(reason) => {
+                tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
+            }
+            Ended::Refused(refusal) => self.refuse(refusal).await,
+        }
         self.proxies.remove(self.id);
         self.metrics.stream_closed();
     }
 
-    async fn serve(&mut self) -> String {
+    /// Ends the stream with a status that says what did not match; counted, and logged at a
+    /// bounded rate.
+    async fn refuse(&mut self, refusal: Refusal) {
+        self.metrics.refused(refusal.reason());
+        if let Some(suppressed) = self.refusals.admit(&refusal) {
+            let peer = self.peer.map(|p| p.to_string()).unwrap_or_default();
+            if refusal == Refusal::NotSynced {
+                tracing::info!(stream = self.id, %peer, node = %self.node_id, "ADS stream turned away: {refusal}");
+            } else {
+                tracing::warn!(stream = self.id, %peer, node = %self.node_id, reason = refusal.reason(), suppressed, "ADS stream refused: {refusal}");
+            }
+        }
+        let status = match refusal {
+            // Envoy retries on UNAVAILABLE; the pods will be known shortly.
+            Refusal::NotSynced => Status::unavailable(refusal.to_string()),
+            _ => Status::permission_denied(refusal.to_string()),
+        };
+        let _ = self.tx.send(Err(status)).await;
+    }
+
+    async fn serve(&mut self) -> Ended {
         // Hold requests until the mesh is known: answering from nothing would let Envoy start
         // on an empty config.
         let mut snapshot = loop {
@@ -190,9 +272,34 @@ impl<A: Ads> StreamTask<A> {
         loop {
             let pushes = tokio::select! {
                 message = self.inbound.message() => match message {
-                    Ok(Some(request)) => self.on_request(&request, &snapshot),
+                    Ok(Some(request)) => {
+                        if self.verified.is_none() {
+                            let node_id = A::node(&request).map(|n| n.id.as_str());
+                            match self.identity.verify(self.peer, node_id) {
+                                Ok(pod) => {
+                                    let shown = pod.as_ref().map(PodKey::to_string);
+                                    self.proxies.update(self.id, |p| p.pod = shown);
+                                    self.verified = Some(pod);
+                                }
+                                Err(refusal) => {
+                                    self.node_id = node_id.unwrap_or_default().to_string();
+                                    return Ended::Refused(refusal);
+                                }
+                            }
+                        }
+                        self.on_request(&request, &snapshot)
+                    }
                     Ok(None) => return "proxy closed the stream".into(),
-                    Err(status) => return format!("stream error: {status}"),
+                    Err(status) => return Ended::Closed(format!("stream error: {status}")),
+                },
+                () = pods_changed(&mut self.pods) => {
+                    if let (Some(Some(pod)), Some(peer), Some(pods)) = (&self.verified, self.peer, &self.pods) {
+                        let holds = pods.borrow().as_ref().is_some_and(|d| d.holds(pod, peer));
+                        if !holds {
+                            return Ended::Refused(Refusal::Gone { pod: pod.clone(), ip: peer });
+                        }
+                    }
+                    Vec::new()
                 },
                 changed = self.snapshots.changed() => {
                     if changed.is_err() {

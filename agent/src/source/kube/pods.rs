@@ -1,0 +1,179 @@
+//! This node's Pods, for proxy identity: one cluster-wide watch with the field selector
+//! `spec.nodeName=<node>`, so the agent holds its own node's pods only (a few hundred at most,
+//! whatever the cluster's size), folded into the [`PodDirectory`] the xDS server checks
+//! streams against. Nothing is published before the first complete list.
+
+use std::collections::BTreeMap;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::identity::{PodDirectory, PodEntry, PodKey, PodsTx};
+
+/// The entries of one pod: one per pod IP, while it may run a proxy (it has an IP and has not
+/// finished). A pod that is Pending has one as soon as its sandbox is up, which is before its
+/// containers start, so its proxy's first connection finds it.
+pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
+    let key = PodKey {
+        namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+        name: pod.metadata.name.clone().unwrap_or_default(),
+    };
+    let status = pod.status.as_ref();
+    if matches!(
+        status.and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    ) {
+        return Vec::new();
+    }
+    let host_network = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.host_network)
+        .unwrap_or(false);
+    let mut ips: Vec<&str> = status
+        .and_then(|s| s.pod_ips.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|ip| ip.ip.as_str())
+        .collect();
+    if ips.is_empty() {
+        ips.extend(status.and_then(|s| s.pod_ip.as_deref()));
+    }
+    ips.into_iter()
+        .filter_map(|ip| ip.parse().ok())
+        .map(|ip| PodEntry {
+            key: key.clone(),
+            ip,
+            host_network,
+        })
+        .collect()
+}
+
+/// Follows this node's pods until shutdown, publishing the directory after the first
+/// complete list and after every change. Watch failures are retried with backoff; the last
+/// published directory keeps serving meanwhile.
+pub async fn watch_pods(
+    client: kube::Client,
+    node: String,
+    tx: PodsTx,
+    shutdown: CancellationToken,
+) {
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut events = watcher(Api::<Pod>::all(client), config)
+        .default_backoff()
+        .boxed();
+    let mut pods: BTreeMap<PodKey, Vec<PodEntry>> = BTreeMap::new();
+    // The pods of a re-list in progress: they replace `pods` whole when it completes.
+    let mut relist: Option<BTreeMap<PodKey, Vec<PodEntry>>> = None;
+    let mut synced = false;
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return,
+            event = events.next() => match event {
+                Some(event) => event,
+                None => return,
+            },
+        };
+        let publish = match event {
+            Ok(watcher::Event::Init) => {
+                relist = Some(BTreeMap::new());
+                false
+            }
+            Ok(watcher::Event::InitApply(pod)) => {
+                if let Some(relist) = &mut relist {
+                    let entries = pod_entries(&pod);
+                    if let Some(first) = entries.first() {
+                        relist.insert(first.key.clone(), entries);
+                    }
+                }
+                false
+            }
+            Ok(watcher::Event::InitDone) => {
+                pods = relist.take().unwrap_or_default();
+                if !synced {
+                    info!(node = %node, pods = pods.len(), "this node's pods listed: proxy identity checking is on");
+                }
+                synced = true;
+                true
+            }
+            Ok(watcher::Event::Apply(pod)) => {
+                let entries = pod_entries(&pod);
+                let key = PodKey {
+                    namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+                    name: pod.metadata.name.clone().unwrap_or_default(),
+                };
+                if entries.is_empty() {
+                    pods.remove(&key);
+                } else {
+                    pods.insert(key, entries);
+                }
+                synced
+            }
+            Ok(watcher::Event::Delete(pod)) => {
+                pods.remove(&PodKey {
+                    namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+                    name: pod.metadata.name.clone().unwrap_or_default(),
+                });
+                synced
+            }
+            Err(error) => {
+                warn!(%error, "watching this node's pods failed; retrying, proxies are checked against the last list");
+                false
+            }
+        };
+        if publish {
+            let directory = PodDirectory::new(pods.values().flatten().cloned());
+            tx.send_replace(Some(std::sync::Arc::new(directory)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn pod(value: serde_json::Value) -> Pod {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn a_pod_gives_an_entry_per_ip_until_it_finishes() {
+        let running = pod(json!({
+            "metadata": {"namespace": "shop", "name": "web-1"},
+            "spec": {"nodeName": "node-a", "containers": []},
+            "status": {"phase": "Running", "podIP": "10.0.0.2",
+                       "podIPs": [{"ip": "10.0.0.2"}, {"ip": "fd00::2"}]},
+        }));
+        let entries = pod_entries(&running);
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].key.node_id(), "web-1.shop");
+        assert!(!entries[0].host_network);
+
+        let pending_without_ip = pod(json!({
+            "metadata": {"namespace": "shop", "name": "web-2"},
+            "spec": {"containers": []},
+            "status": {"phase": "Pending"},
+        }));
+        assert!(pod_entries(&pending_without_ip).is_empty());
+
+        let finished = pod(json!({
+            "metadata": {"namespace": "shop", "name": "job"},
+            "spec": {"containers": []},
+            "status": {"phase": "Succeeded", "podIP": "10.0.0.3"},
+        }));
+        assert!(pod_entries(&finished).is_empty());
+
+        let host = pod(json!({
+            "metadata": {"namespace": "kube-system", "name": "proxy"},
+            "spec": {"hostNetwork": true, "containers": []},
+            "status": {"phase": "Running", "podIP": "192.168.1.5"},
+        }));
+        assert!(pod_entries(&host)[0].host_network);
+    }
+}
