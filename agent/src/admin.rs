@@ -82,11 +82,24 @@ async fn metrics_text(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
+/// Where Envoy's view of endpoint health is: Envoy reports it to a control plane only over
+/// HDS, which the agent does not serve, so an operator reads it from the proxy.
+const HEALTH_NOTE: &str = "each service's health policy is under services.*.health; the health \
+    of each endpoint as a pod's Envoy sees it is on that Envoy's admin port: curl \
+    127.0.0.1:15000/clusters in the pod (health_flags per host: /failed_active_hc, \
+    /failed_outlier_check), and stats cluster.<name>.outlier_detection.ejections_active";
+
 async fn debug_mesh(State(state): State<AdminState>) -> Response {
     let snapshot = state.mesh.borrow().clone();
-    match snapshot {
-        Some(snapshot) => axum::Json(snapshot).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response(),
+    let Some(snapshot) = snapshot else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response();
+    };
+    match serde_json::to_value(&*snapshot) {
+        Ok(mut value) => {
+            value["health_note"] = HEALTH_NOTE.into();
+            axum::Json(value).into_response()
+        }
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{error}\n")).into_response(),
     }
 }
 

@@ -7,6 +7,7 @@
 //! knows about Kubernetes, files, Envoy or DNS.
 
 mod address;
+pub mod health;
 mod metrics;
 mod path;
 pub mod route;
@@ -22,6 +23,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError};
+pub use health::HealthPolicy;
 pub use metrics::MeshMetrics;
 pub use path::{MeshPath, PathError};
 pub use route::{RejectedRoute, RouteRule, Rules};
@@ -156,6 +158,8 @@ pub struct ServiceSpec {
     /// Named instances, by name. A service with instances is stateful: its name answers with
     /// the ready instances' addresses, and each instance has a name and address of its own.
     pub instances: Vec<InstanceSpec>,
+    /// How its endpoints are judged healthy.
+    pub health: HealthPolicy,
 }
 
 impl ServiceSpec {
@@ -167,7 +171,13 @@ impl ServiceSpec {
             ports,
             routes: Rules::from([]),
             instances: Vec::new(),
+            health: HealthPolicy::default(),
         }
+    }
+
+    pub fn with_health(mut self, health: HealthPolicy) -> Self {
+        self.health = health;
+        self
     }
 
     /// Makes the service stateful with these instances (sorted by name here).
@@ -259,15 +269,18 @@ pub struct Service {
     /// A stateful service's instances, by name; empty for every other service.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub instances: Vec<Instance>,
+    pub health: HealthPolicy,
 }
 
 impl Service {
-    /// Same names, addresses, readiness and ports (ignoring endpoints and routes): if two
-    /// versions of a service have the same shape, only their endpoints or routes need pushing.
+    /// Same names, addresses, readiness, health policy and ports (ignoring endpoints and
+    /// routes): if two versions of a service have the same shape, only their endpoints or
+    /// routes need pushing.
     /// An instance's readiness is shape because it decides the service name's DNS answer.
     pub fn same_shape(&self, other: &Service) -> bool {
         self.address == other.address
             && self.path == other.path
+            && self.health == other.health
             && self.ports.len() == other.ports.len()
             && self
                 .ports
@@ -426,6 +439,7 @@ impl MeshState {
             && existing.address == address
             && existing.ports == spec.ports
             && existing.routes == spec.routes
+            && existing.health == spec.health
             && existing.instances == instances
         {
             return Ok(false);
@@ -437,6 +451,7 @@ impl MeshState {
             ports: spec.ports,
             routes: spec.routes,
             instances,
+            health: spec.health,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));

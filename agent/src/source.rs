@@ -3,6 +3,7 @@
 //! snapshots on the mesh channel.
 
 pub mod file;
+pub mod health;
 pub mod kube;
 
 use std::time::Duration;

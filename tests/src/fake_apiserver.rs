@@ -733,6 +733,15 @@ impl FakeApiServer {
         std::fs::write(path, self.kubeconfig())
             .with_context(|| format!("writing kubeconfig {}", path.display()))
     }
+
+    /// A kubeconfig for this server in a new temporary directory (removed when the returned
+    /// guard drops), and its path for `KUBECONFIG`.
+    pub fn kubeconfig_file(&self) -> anyhow::Result<(tempfile::TempDir, String)> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("kubeconfig");
+        self.write_kubeconfig(&path)?;
+        Ok((dir, path.to_string_lossy().into_owned()))
+    }
 }
 
 impl Drop for FakeApiServer {

@@ -116,13 +116,16 @@ impl Node {
     ) -> anyhow::Result<Backend> {
         let pod = self.pod(identity, host)?;
         let answer = identity.to_string();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let health = healthy.clone();
         let server = Server::start(&pod, port, move |stream, stats| {
-            serve_http(stream, &answer, stats, behaviour)
+            serve_http(stream, &answer, stats, behaviour, &health)
         })?;
         Ok(Backend {
             server,
             identity: identity.to_string(),
             pod,
+            healthy,
         })
     }
 
@@ -134,6 +137,7 @@ impl Node {
             server,
             identity: identity.to_string(),
             pod,
+            healthy: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -153,6 +157,7 @@ impl Node {
             server,
             identity: identity.to_string(),
             pod,
+            healthy: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -190,6 +195,8 @@ pub enum Behaviour {
     FailEveryOther,
     /// `200` with its identity, after this long.
     Slow(Duration),
+    /// `503` to every request.
+    Fail,
 }
 
 /// The request heads a backend keeps, newest last: enough for a test to read what the last
@@ -304,8 +311,15 @@ impl Drop for Server {
 }
 
 /// HTTP/1.1 with keep-alive (Envoy pools its upstream connections): every request is answered
-/// with the identity as the body, as `behaviour` says.
-fn serve_http(stream: TcpStream, identity: &str, stats: &Stats, behaviour: Behaviour) {
+/// with the identity as the body, as `behaviour` says. `GET /healthz` is the health check:
+/// `200` or `503` as `healthy` says, and not counted in `stats`, which count real traffic.
+fn serve_http(
+    stream: TcpStream,
+    identity: &str,
+    stats: &Stats,
+    behaviour: Behaviour,
+    healthy: &AtomicBool,
+) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
@@ -335,15 +349,24 @@ fn serve_http(stream: TcpStream, identity: &str, stats: &Stats, behaviour: Behav
                 close = true;
             }
         }
-        let before = stats.record();
-        stats.keep_head(head);
-        let status = match behaviour {
-            Behaviour::FailEveryOther if before.is_multiple_of(2) => "503 Service Unavailable",
-            Behaviour::Slow(delay) => {
-                std::thread::sleep(delay);
+        let status = if head.starts_with("GET /healthz ") {
+            if healthy.load(Ordering::SeqCst) {
                 "200 OK"
+            } else {
+                "503 Service Unavailable"
             }
-            _ => "200 OK",
+        } else {
+            let before = stats.record();
+            stats.keep_head(head);
+            match behaviour {
+                Behaviour::FailEveryOther if before.is_multiple_of(2) => "503 Service Unavailable",
+                Behaviour::Fail => "503 Service Unavailable",
+                Behaviour::Slow(delay) => {
+                    std::thread::sleep(delay);
+                    "200 OK"
+                }
+                _ => "200 OK",
+            }
         };
         let body = format!("{identity}\n");
         let response = format!(
@@ -371,11 +394,19 @@ pub struct Backend {
     pub server: Server,
     pub identity: String,
     pub pod: Pod,
+    /// What an HTTP backend answers to `GET /healthz`.
+    healthy: Arc<AtomicBool>,
 }
 
 impl Backend {
     pub fn stats(&self) -> &Stats {
         &self.server.stats
+    }
+
+    /// Makes an HTTP backend's health check (`GET /healthz`) pass or fail; real requests are
+    /// answered as before.
+    pub fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::SeqCst);
     }
 }
 

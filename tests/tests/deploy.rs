@@ -654,25 +654,35 @@ fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Re
         &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
     );
     agent.wait_ready()?;
-    // Ready means the initial lists are done; wait for the watches that follow them.
-    let used = wait::until(
-        "list and watch of services, endpointslices and pods",
+    // Ready means the initial lists are done; the watches that follow them start a moment
+    // later, each on its own: wait until every list and watch granted has been used (or time
+    // out, and the assertions below say which was not).
+    let wanted: BTreeSet<(String, String, String)> =
+        granted.iter().filter(|g| g.2 != "get").cloned().collect();
+    let seen = |proxy: &RecordingProxy| -> Result<BTreeSet<(String, String, String)>, String> {
+        proxy
+            .requests()
+            .iter()
+            .map(|r| rbac_of(r))
+            .collect::<anyhow::Result<_>>()
+            .map_err(|e| e.to_string())
+    };
+    let _ = wait::until(
+        "a list and a watch of every resource granted",
         Duration::from_secs(10),
         || {
-            let used: BTreeSet<(String, String, String)> = proxy
-                .requests()
-                .iter()
-                .map(|r| rbac_of(r))
-                .collect::<anyhow::Result<_>>()
-                .map_err(|e| e.to_string())?;
-            let watches = used.iter().filter(|(_, _, verb)| verb == "watch").count();
-            if watches >= 3 {
-                Ok(used)
+            let used = seen(&proxy)?;
+            if wanted.is_subset(&used) {
+                Ok(())
             } else {
-                Err(format!("{used:?}"))
+                Err(format!(
+                    "{:?}",
+                    wanted.difference(&used).collect::<Vec<_>>()
+                ))
             }
         },
-    )?;
+    );
+    let used = seen(&proxy).map_err(anyhow::Error::msg)?;
     drop(agent);
 
     for request in &used {

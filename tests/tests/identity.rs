@@ -143,9 +143,7 @@ fn only_this_nodes_pods_get_the_mesh_and_only_as_themselves() {
             .apply_json(pod(name, node_name, Ipv4Addr::new(10, 200, 0, host)))
             .unwrap();
     }
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
     let agent = node
         .agent_at(
             AgentAddrs {
@@ -155,7 +153,7 @@ fn only_this_nodes_pods_get_the_mesh_and_only_as_themselves() {
             },
             &["--node-local-dns", &NODE_LOCAL.to_string()],
             &[
-                ("KUBECONFIG", kubeconfig.to_str().unwrap()),
+                ("KUBECONFIG", kubeconfig.as_str()),
                 ("NODE_NAME", this_node),
             ],
         )

@@ -58,6 +58,8 @@ struct FileService {
     endpoints: Vec<FileEndpoint>,
     #[serde(default)]
     routes: Vec<routes::FileRoute>,
+    /// Active health checks and outlier detection (docs/mesh-file.md).
+    health: Option<super::health::HealthSpec>,
 }
 
 #[derive(Deserialize)]
@@ -114,6 +116,8 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
         if service.ports.is_empty() {
             return Err(format!("{at}.ports: a service needs at least one port"));
         }
+        let health =
+            super::health::policy(service.health).map_err(|e| format!("{at}.health.{e}"))?;
         let mut endpoints = Vec::with_capacity(service.endpoints.len());
         let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
         let named = service
@@ -213,7 +217,11 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
                     .collect(),
             })
             .collect();
-        specs.push(ServiceSpec::new(path, ports).with_instances(instances));
+        specs.push(
+            ServiceSpec::new(path, ports)
+                .with_instances(instances)
+                .with_health(health),
+        );
         all_routes.push((at, service.routes));
     }
     // Rules name other services and their ports, so they are read once every service is.
@@ -543,6 +551,27 @@ services:
             let err = parse(&text).unwrap_err();
             assert!(err.contains(expected), "expected {expected:?} in {err:?}");
         }
+    }
+
+    #[test]
+    fn a_health_block_sets_the_policy_and_its_errors_name_the_service() {
+        let text = GOOD.replace(
+            "  - path: /foo/db\n",
+            "  - path: /foo/db\n    health:\n      check: {tcp: {}, interval: 2s}\n      outlier: {enabled: false}\n",
+        );
+        let specs = parse(&text).unwrap();
+        assert_eq!(specs[0].health, crate::mesh::HealthPolicy::default());
+        let db = &specs[1].health;
+        assert_eq!(
+            db.check.as_ref().map(|c| c.interval),
+            Some(std::time::Duration::from_secs(2))
+        );
+        assert_eq!(db.outlier, None);
+        let err = parse(&text.replace("interval: 2s", "interval: 0s")).unwrap_err();
+        assert!(
+            err.contains("services[1] (/foo/db).health.check.interval: must be more than 0"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -58,6 +58,11 @@ pub enum KubeSourceError {
         source: PathError,
     },
     #[error(
+        "service {service} is skipped: annotation {} is not a valid health policy: {message}",
+        crate::source::health::HEALTH_ANNOTATION
+    )]
+    InvalidHealth { service: String, message: String },
+    #[error(
         "service {service} is skipped: mesh path {path} is held by service {owner} (the oldest \
          claim wins); give one of them another {PATH_ANNOTATION}"
     )]

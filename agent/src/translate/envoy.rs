@@ -12,7 +12,13 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
     ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
 };
-use envoy_types::pb::envoy::config::cluster::v3::{CircuitBreakers, Cluster, circuit_breakers};
+use envoy_types::pb::envoy::config::cluster::v3::{
+    CircuitBreakers, Cluster, OutlierDetection, circuit_breakers,
+};
+use envoy_types::pb::envoy::config::core::v3::HealthCheck;
+use envoy_types::pb::envoy::config::core::v3::health_check::{
+    self, HttpHealthCheck, TcpHealthCheck,
+};
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
     SocketAddress, TrafficDirection, address, config_source, socket_address,
@@ -33,6 +39,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
     ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config,
 };
+use envoy_types::pb::envoy::r#type::v3::{CodecClientType, Int64Range};
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use envoy_types::util::pack_any;
 use imbl::ordmap::DiffItem;
@@ -43,6 +50,7 @@ mod routes;
 
 pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
 
+use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
 use crate::mesh::{MeshSnapshot, Service, ServiceAddress, ServiceMap, ServicePort};
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
@@ -183,10 +191,12 @@ fn cluster_names(service: &Service) -> impl Iterator<Item = String> + '_ {
 }
 
 fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
+    // An instance's cluster has one endpoint, which the client chose: it gets no health
+    // policy, since ejecting or failing its only host helps nobody.
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            XdsResource::new(name.clone(), cluster(name, port))
+            XdsResource::new(name.clone(), cluster(name, port, None))
         })
     });
     service
@@ -194,13 +204,15 @@ fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
-            XdsResource::new(name.clone(), cluster(name, port))
+            let health = (service.dns_name.as_str(), &service.health);
+            XdsResource::new(name.clone(), cluster(name, port, Some(health)))
         })
         .chain(instances)
         .collect()
 }
 
-fn cluster(name: String, port: &ServicePort) -> Cluster {
+/// `health`: the service's DNS name (the `Host` of HTTP checks) and its health policy.
+fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy)>) -> Cluster {
     let mut options = HashMap::new();
     if port.protocol.is_http2() {
         let http2 = HttpProtocolOptions {
@@ -242,7 +254,86 @@ fn cluster(name: String, port: &ServicePort) -> Cluster {
             }],
             ..CircuitBreakers::default()
         }),
+        outlier_detection: health
+            .and_then(|(_, policy)| policy.outlier.as_ref())
+            .map(outlier_detection),
+        health_checks: health
+            .and_then(|(host, policy)| Some(health_check(policy.check.as_ref()?, host, port)))
+            .into_iter()
+            .collect(),
         ..Cluster::default()
+    }
+}
+
+fn duration(d: std::time::Duration) -> Duration {
+    Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+fn uint(value: u32) -> Option<UInt32Value> {
+    Some(UInt32Value { value })
+}
+
+/// A count of 0 turns its trigger off (enforcement 0 %); success-rate ejection is off (see
+/// [`crate::mesh::health::OutlierDetection`] for why).
+fn outlier_detection(policy: &crate::mesh::health::OutlierDetection) -> OutlierDetection {
+    let enforce = |count: u32| uint(if count == 0 { 0 } else { 100 });
+    let count = |count: u32| uint(count.max(1));
+    OutlierDetection {
+        consecutive_5xx: count(policy.consecutive_5xx),
+        enforcing_consecutive_5xx: enforce(policy.consecutive_5xx),
+        consecutive_gateway_failure: count(policy.consecutive_gateway_errors),
+        enforcing_consecutive_gateway_failure: enforce(policy.consecutive_gateway_errors),
+        // Connect failures, resets and timeouts are counted apart from the upstream's answers.
+        split_external_local_origin_errors: true,
+        consecutive_local_origin_failure: count(policy.consecutive_connect_failures),
+        enforcing_consecutive_local_origin_failure: enforce(policy.consecutive_connect_failures),
+        enforcing_success_rate: uint(0),
+        enforcing_local_origin_success_rate: uint(0),
+        interval: Some(duration(policy.interval)),
+        base_ejection_time: Some(duration(policy.ejection_time)),
+        max_ejection_time: Some(duration(std::time::Duration::from_secs(300))),
+        max_ejection_percent: uint(policy.max_ejection_percent),
+        ..OutlierDetection::default()
+    }
+}
+
+fn health_check(check: &ActiveCheck, host: &str, port: &ServicePort) -> HealthCheck {
+    let checker = match &check.kind {
+        CheckKind::Http { path, statuses } => {
+            health_check::HealthChecker::HttpHealthCheck(HttpHealthCheck {
+                host: host.to_string(),
+                path: path.clone(),
+                expected_statuses: statuses
+                    .iter()
+                    .map(|&(start, end)| Int64Range {
+                        start: i64::from(start),
+                        end: i64::from(end),
+                    })
+                    .collect(),
+                codec_client_type: if port.protocol.is_http2() {
+                    CodecClientType::Http2
+                } else {
+                    CodecClientType::Http1
+                } as i32,
+                ..HttpHealthCheck::default()
+            })
+        }
+        // No payload: healthy when the connection opens.
+        CheckKind::Tcp => health_check::HealthChecker::TcpHealthCheck(TcpHealthCheck::default()),
+    };
+    HealthCheck {
+        timeout: Some(duration(check.timeout)),
+        interval: Some(duration(check.interval)),
+        // Envoy checks a cluster that has had no traffic yet only every 60 s by default: the
+        // configured interval holds from the start instead.
+        no_traffic_interval: Some(duration(check.interval)),
+        unhealthy_threshold: uint(check.unhealthy_threshold),
+        healthy_threshold: uint(check.healthy_threshold),
+        health_checker: Some(checker),
+        ..HealthCheck::default()
     }
 }
 
@@ -602,6 +693,10 @@ mod tests {
         let endpoints = |xds: &XdsSnapshot, name: &str| {
             cla_addresses(&decode(&xds.of(ResourceType::Endpoint)[name]))
         };
+        // An instance cluster has no health policy: its one host is the client's choice.
+        let instance: Cluster =
+            decode(&xds.of(ResourceType::Cluster)["db-0.db.data.system.internal|9042"]);
+        assert!(instance.outlier_detection.is_none() && instance.health_checks.is_empty());
         // A not-ready instance is still reachable by its own name.
         assert_eq!(
             endpoints(&xds, "db-1.db.data.system.internal|8080"),
@@ -659,6 +754,87 @@ mod tests {
             &xds.of(ResourceType::Endpoint)["db-0.db.data.system.internal|9042"],
             &next.of(ResourceType::Endpoint)["db-0.db.data.system.internal|9042"]
         ));
+    }
+
+    #[test]
+    fn every_service_cluster_has_outlier_detection_and_active_checks_only_when_asked() {
+        use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let checked = HealthPolicy {
+            check: Some(ActiveCheck {
+                kind: CheckKind::Http {
+                    path: "/healthz".to_string(),
+                    statuses: vec![(200, 300)],
+                },
+                interval: std::time::Duration::from_millis(1500),
+                timeout: std::time::Duration::from_millis(500),
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+            }),
+            outlier: None,
+        };
+        state
+            .replace_all(vec![
+                ServiceSpec::new(
+                    "/a/plain".parse().unwrap(),
+                    vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
+                ),
+                ServiceSpec::new(
+                    "/a/checked".parse().unwrap(),
+                    vec![port(8080, Protocol::Grpc, &["10.0.0.2:80"])],
+                )
+                .with_health(checked),
+            ])
+            .unwrap();
+        let xds = EnvoyTranslator::default().translate(&state.snapshot());
+        let plain: Cluster = decode(&xds.of(ResourceType::Cluster)["plain.a.system.internal|8080"]);
+        let outlier = plain
+            .outlier_detection
+            .expect("outlier detection by default");
+        let value = |v: Option<UInt32Value>| v.map(|v| v.value);
+        assert_eq!(value(outlier.consecutive_5xx), Some(5));
+        assert_eq!(
+            value(outlier.enforcing_consecutive_gateway_failure),
+            Some(100)
+        );
+        assert_eq!(value(outlier.enforcing_success_rate), Some(0));
+        assert_eq!(value(outlier.max_ejection_percent), Some(50));
+        assert!(outlier.split_external_local_origin_errors);
+        assert!(
+            plain.health_checks.is_empty(),
+            "active checks are off by default"
+        );
+
+        let checked: Cluster =
+            decode(&xds.of(ResourceType::Cluster)["checked.a.system.internal|8080"]);
+        assert!(checked.outlier_detection.is_none(), "turned off");
+        let check = &checked.health_checks[0];
+        assert_eq!(
+            check.interval,
+            Some(Duration {
+                seconds: 1,
+                nanos: 500_000_000
+            })
+        );
+        assert_eq!(check.no_traffic_interval, check.interval);
+        assert_eq!(value(check.unhealthy_threshold), Some(2));
+        let Some(health_check::HealthChecker::HttpHealthCheck(http)) = &check.health_checker else {
+            panic!("an HTTP check: {check:?}")
+        };
+        assert_eq!(http.path, "/healthz");
+        assert_eq!(http.host, "checked.a.system.internal");
+        assert_eq!(
+            http.codec_client_type,
+            CodecClientType::Http2 as i32,
+            "gRPC port"
+        );
+        assert_eq!(
+            http.expected_statuses,
+            [Int64Range {
+                start: 200,
+                end: 300
+            }]
+        );
     }
 
     #[test]

@@ -404,7 +404,8 @@ impl MeshIndex {
                 }
             })
             .collect();
-        let mut spec = ServiceSpec::new(entry.path.clone(), ports);
+        let mut spec =
+            ServiceSpec::new(entry.path.clone(), ports).with_health(entry.health.clone());
         if entry.headless {
             spec = spec.with_instances(instances(entry, &slices));
         }

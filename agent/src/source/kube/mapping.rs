@@ -8,7 +8,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use super::KubeSourceError;
-use crate::mesh::{MeshPath, Protocol};
+use crate::mesh::{HealthPolicy, MeshPath, Protocol};
+use crate::source::health::{HEALTH_ANNOTATION, from_annotation};
 
 /// The annotation that places a Service at a mesh path of its choosing.
 pub const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
@@ -64,6 +65,8 @@ pub struct ServiceEntry {
     pub ports: Box<[PortEntry]>,
     /// `clusterIP: None`: endpoints with a `hostname` (StatefulSet pods) are named instances.
     pub headless: bool,
+    /// From the `lattice.mlab.com/health` annotation, else the defaults.
+    pub health: HealthPolicy,
 }
 
 /// What the index keeps of an IPv4 EndpointSlice: its Service, its ports by name, and the
@@ -147,11 +150,17 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
     if spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
         return Ok(None);
     }
-    let annotation = service
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(PATH_ANNOTATION));
+    let annotations = service.metadata.annotations.as_ref();
+    let annotation = annotations.and_then(|a| a.get(PATH_ANNOTATION));
+    let health = match annotations.and_then(|a| a.get(HEALTH_ANNOTATION)) {
+        None => HealthPolicy::default(),
+        Some(value) => {
+            from_annotation(value).map_err(|message| KubeSourceError::InvalidHealth {
+                service: key.to_string(),
+                message,
+            })?
+        }
+    };
     let path = match annotation {
         Some(value) => value
             .parse()
@@ -189,6 +198,7 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
         created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
         ports,
         headless: spec.and_then(|s| s.cluster_ip.as_deref()) == Some("None"),
+        health,
     };
     Ok(Some(entry))
 }

@@ -373,6 +373,38 @@ fn service_with_ip() -> Service {
 }
 
 #[test]
+fn the_health_annotation_sets_the_policy_and_a_bad_one_skips_the_service() {
+    let mut index = MeshIndex::new(trap());
+    let mut web = service("a", "web", json!([{"name": "http", "port": 80}]));
+    web.metadata.annotations = Some(
+        [(
+            crate::source::health::HEALTH_ANNOTATION.to_string(),
+            r#"{"check": {"http": {"path": "/healthz"}}}"#.to_string(),
+        )]
+        .into(),
+    );
+    index.apply_service(&web);
+    let mut bad = service("a", "bad", json!([{"name": "http", "port": 80}]));
+    bad.metadata.annotations = Some(
+        [(
+            crate::source::health::HEALTH_ANNOTATION.to_string(),
+            "check: {}".to_string(),
+        )]
+        .into(),
+    );
+    index.apply_service(&bad);
+    let snap = snapshot(&mut index);
+    let paths: Vec<&str> = snap.services.keys().map(|p| p.as_str()).collect();
+    assert_eq!(paths, ["/a/web"], "the bad annotation's Service is skipped");
+    let health = &snap.services[&"/a/web".parse::<crate::mesh::MeshPath>().unwrap()].health;
+    assert!(matches!(
+        health.check.as_ref().map(|c| &c.kind),
+        Some(crate::mesh::health::CheckKind::Http { path, .. }) if path == "/healthz"
+    ));
+    assert!(health.outlier.is_some(), "outlier detection stays on");
+}
+
+#[test]
 fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
     let mut index = MeshIndex::new(trap());
     let svc = service("a", "web", json!([{"name": "http", "port": 80}]));
