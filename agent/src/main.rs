@@ -35,11 +35,31 @@ fn main() -> ExitCode {
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!("{error:#}");
-            eprintln!("lattice-agent: {error:#}");
+            let text = report(error.as_ref());
+            // In the log (JSON when asked for), and plainly, whatever RUST_LOG filters.
+            tracing::error!("{text}");
+            eprintln!("lattice-agent: {text}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line. The crate's errors already say their cause in their
+/// message, so a cause is added only when the text so far does not hold it yet (anyhow's
+/// `{:#}` would print it twice).
+fn report(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = String::new();
+    for cause in std::iter::successors(Some(error), |e| e.source()) {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
 }
 
 fn init_logging(format: LogFormat) {
@@ -260,13 +280,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     shutdown.cancel();
     while let Some(done) = tasks.join_next().await {
         if let Ok(Err(error)) = done {
-            tracing::warn!("{error:#}");
+            tracing::warn!("{}", report(error.as_ref()));
         }
     }
     if let Some(node_dns) = node_dns
         && let Err(error) = node_dns.remove().await
     {
-        tracing::warn!("{error:#}");
+        tracing::warn!("{}", report(&error));
     }
     match failure {
         Some(error) => Err(error),
