@@ -260,28 +260,31 @@ fn port_number(value: i64) -> Option<u16> {
     u16::try_from(value).ok().filter(|&p| p != 0)
 }
 
-/// Reads, parses and validates the file.
-pub fn load(path: &Path) -> Result<Vec<ServiceSpec>, MeshFileError> {
+/// Reads, parses and validates the file: its text and its services.
+pub fn load(path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
     let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    parse(&text).map_err(|message| MeshFileError::Syntax {
+    let specs = parse(&text).map_err(|message| MeshFileError::Syntax {
         path: path.to_path_buf(),
         message,
-    })
+    })?;
+    Ok((text, specs))
 }
 
 /// The mesh-file source, loaded once (so a bad file fails start-up) and then followed.
 pub struct FileSource {
     path: PathBuf,
     state: MeshState,
+    /// The text the state was built from.
+    text: String,
 }
 
 impl FileSource {
     /// Loads the file and builds the first mesh. Fails on any error, naming the file.
     pub fn load(path: &Path, trap: TrapCidrs) -> Result<FileSource, MeshFileError> {
-        let specs = load(path)?;
+        let (text, specs) = load(path)?;
         let mut state = MeshState::new(trap);
         state
             .replace_all(specs)
@@ -292,6 +295,7 @@ impl FileSource {
         Ok(FileSource {
             path: path.to_path_buf(),
             state,
+            text,
         })
     }
 
@@ -341,11 +345,17 @@ impl FileSource {
             .watch(&dir, RecursiveMode::NonRecursive)
             .map_err(|source| self.watch_error(source))?;
 
-        let mut last_text = std::fs::read_to_string(&self.path).unwrap_or_default();
+        // Compared with what was loaded, not with what the file holds now: an edit made between
+        // the load and the start of the watch raised no event, so the file is read once more
+        // right away and such an edit is applied.
+        let mut last_text = std::mem::take(&mut self.text);
+        let mut look_now = true;
         loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
-                event = events.recv() => if event.is_none() { return Ok(()) },
+            if !std::mem::take(&mut look_now) {
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(()),
+                    event = events.recv() => if event.is_none() { return Ok(()) },
+                }
             }
             let text = match std::fs::read_to_string(&self.path) {
                 Ok(text) => text,
@@ -571,6 +581,43 @@ services:
         assert!(
             err.contains("services[1] (/foo/db).health.check.interval: must be more than 0"),
             "{err}"
+        );
+    }
+
+    /// The watch starts after the load: an edit in between must not be lost.
+    #[tokio::test]
+    async fn an_edit_between_load_and_watch_is_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mesh.yaml");
+        std::fs::write(&path, GOOD).unwrap();
+        let source = FileSource::load(&path, "240.240.0.0/16".parse().unwrap()).unwrap();
+        std::fs::write(&path, GOOD.replace("10.200.0.9", "10.200.0.10")).unwrap();
+        let (tx, mut rx) = crate::mesh::channel();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(source.run(tx, shutdown.clone()));
+        let edited = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            loop {
+                let seen = rx.borrow_and_update().clone();
+                if let Some(mesh) = seen {
+                    let db = &mesh.services[&"/foo/db".parse::<MeshPath>().unwrap()];
+                    let endpoints: Vec<String> = db.ports[0]
+                        .endpoints
+                        .iter()
+                        .map(|e| e.to_string())
+                        .collect();
+                    if endpoints == ["10.200.0.10:5432"] {
+                        return;
+                    }
+                }
+                rx.changed().await.unwrap();
+            }
+        })
+        .await;
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
+        assert!(
+            edited.is_ok(),
+            "the edit made before the watch started was never applied"
         );
     }
 
