@@ -64,14 +64,6 @@ impl PodDirectory {
         PodDirectory { by_ip }
     }
 
-    pub fn len(&self) -> usize {
-        self.by_ip.values().map(Vec::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_ip.is_empty()
-    }
-
     /// Whether `pod` still runs at `ip`.
     pub fn holds(&self, pod: &PodKey, ip: IpAddr) -> bool {
         self.by_ip

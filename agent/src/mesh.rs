@@ -228,6 +228,9 @@ impl ServiceAddress {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Instance {
     pub name: String,
+    /// `/data/db/db-1`: what holds its address, and the name no service may take.
+    #[serde(skip)]
+    pub path: MeshPath,
     /// `db-1.db.data.system.internal` for instance `db-1` of `/data/db`.
     pub dns_name: String,
     /// Its own, from the trapped block; stable for as long as the instance exists.
@@ -339,10 +342,6 @@ impl MeshSnapshot {
             .map(|p| p.endpoints.len())
             .sum()
     }
-
-    pub fn instance_count(&self) -> usize {
-        self.services.values().map(|s| s.instances.len()).sum()
-    }
 }
 
 /// The mutable side: sources apply changes here, then take a snapshot to publish.
@@ -424,16 +423,13 @@ impl MeshState {
                 .iter()
                 .filter(|old| !instances.iter().any(|new| new.name == old.name))
             {
-                if let Ok(path) = spec.path.child(&gone.name) {
-                    self.addresses.release(&path);
-                    self.instance_of.remove(&path);
-                }
+                self.addresses.release(&gone.path);
+                self.instance_of.remove(&gone.path);
             }
         }
         for instance in &instances {
-            if let Ok(path) = spec.path.child(&instance.name) {
-                self.instance_of.insert(path, spec.path.clone());
-            }
+            self.instance_of
+                .insert(instance.path.clone(), spec.path.clone());
         }
         if let Some(existing) = &existing
             && existing.address == address
@@ -482,6 +478,7 @@ impl MeshState {
             instances.push(Instance {
                 name: instance.name.clone(),
                 dns_name: path.dns_name(),
+                path: path.clone(),
                 address,
                 ready: instance.ready,
                 dns: Instance::dns_note(instance.ready),
@@ -501,10 +498,8 @@ impl MeshState {
             return false;
         };
         for instance in &service.instances {
-            if let Ok(instance_path) = path.child(&instance.name) {
-                self.addresses.release(&instance_path);
-                self.instance_of.remove(&instance_path);
-            }
+            self.addresses.release(&instance.path);
+            self.instance_of.remove(&instance.path);
         }
         self.changed = true;
         self.reshaped = true;
@@ -800,7 +795,9 @@ mod tests {
 
         // Removing the service frees every instance address.
         assert!(state.remove(&"/data/db".parse().unwrap()));
-        assert_eq!(state.snapshot().instance_count(), 0);
+        let snapshot = state.snapshot();
+        let instances: usize = snapshot.services.values().map(|s| s.instances.len()).sum();
+        assert_eq!(instances, 0);
     }
 
     #[test]

@@ -190,7 +190,7 @@ impl Change {
 /// which must hold. A path is a dotted JSON path (`spec.nodeName`, `metadata.name`); a missing
 /// field reads as "".
 #[derive(Clone, Debug, Default)]
-pub struct FieldSelector(Vec<(Vec<String>, bool, String)>);
+struct FieldSelector(Vec<(Vec<String>, bool, String)>);
 
 impl FieldSelector {
     fn parse(text: &str) -> Result<FieldSelector, String> {

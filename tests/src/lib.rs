@@ -9,6 +9,7 @@ pub mod envoy;
 pub mod fake_apiserver;
 pub mod iptables;
 pub mod k8s_objects;
+pub mod mesh_source;
 pub mod netns;
 pub mod node;
 pub mod wait;

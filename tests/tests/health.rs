@@ -17,9 +17,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use lattice_e2e::agent::Agent;
-use lattice_e2e::fake_apiserver::FakeApiServer;
-use lattice_e2e::node::{Backend, Behaviour, ClientPod, MeshFile, Node, Request};
+use lattice_e2e::mesh_source::MeshSource as Source;
+use lattice_e2e::node::{Backend, Behaviour, ClientPod, Node, Request};
 use lattice_e2e::wait;
 use serde_json::{Value, json};
 
@@ -57,23 +56,14 @@ fn policies() -> [(&'static str, Value); 2] {
     ]
 }
 
-/// Where the agent's mesh comes from.
-enum Source {
-    File(MeshFile),
-    Kube {
-        /// Serves the agent; dropped (stopped) with the source.
-        _server: FakeApiServer,
-        _dir: tempfile::TempDir,
-        kubeconfig: String,
-    },
-}
-
-impl Source {
-    /// The services and their backends (`service → backends`), with their policies.
-    fn start(node: &Node, kubernetes: bool, services: &[(&str, Vec<&Backend>)]) -> Source {
-        let policies = policies();
-        let policy = |name: &str| &policies.iter().find(|(n, _)| *n == name).unwrap().1;
-        if !kubernetes {
+/// The source, holding the services and their backends (`service → backends`) with their
+/// policies.
+fn start(node: &Node, kubernetes: bool, services: &[(&str, Vec<&Backend>)]) -> Source {
+    let policies = policies();
+    let policy = |name: &str| &policies.iter().find(|(n, _)| *n == name).unwrap().1;
+    let source = Source::start(node, kubernetes).unwrap();
+    match &source {
+        Source::File(file) => {
             let services: Vec<Value> = services
                 .iter()
                 .map(|(name, backends)| {
@@ -87,60 +77,43 @@ impl Source {
                     })
                 })
                 .collect();
-            let file = MeshFile::new(&[]).unwrap();
             file.write_text(&serde_norway::to_string(&json!({ "services": services })).unwrap())
                 .unwrap();
-            return Source::File(file);
         }
-        let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
-        for (name, backends) in services {
-            server
-                .apply_json(json!({
-                    "apiVersion": "v1", "kind": "Service",
-                    "metadata": {"namespace": "shop", "name": name,
-                                 "annotations": {"lattice.mlab.com/health": policy(name).to_string()}},
-                    "spec": {"ports": [{"name": "http", "port": PORT, "protocol": "TCP"}]},
-                }))
-                .unwrap();
-            let endpoints: Vec<Value> = backends
-                .iter()
-                .map(|b| json!({"addresses": [b.pod.address.to_string()], "conditions": {"ready": true}}))
-                .collect();
-            server
-                .apply_json(json!({
-                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"namespace": "shop", "name": format!("{name}-1"),
-                                 "labels": {"kubernetes.io/service-name": name}},
-                    "addressType": "IPv4",
-                    "ports": [{"name": "http", "port": PORT, "protocol": "TCP"}],
-                    "endpoints": endpoints,
-                }))
-                .unwrap();
-        }
-        let (dir, kubeconfig) = server.kubeconfig_file().unwrap();
-        Source::Kube {
-            _server: server,
-            kubeconfig,
-            _dir: dir,
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        match self {
-            Source::File(_) => "mesh file",
-            Source::Kube { .. } => "Service annotation",
-        }
-    }
-
-    fn agent(&self, node: &Node) -> Agent {
-        match self {
-            Source::File(file) => node
-                .agent(&["--mesh-file", file.path().to_str().unwrap()], &[])
-                .unwrap(),
-            Source::Kube { kubeconfig, .. } => {
-                node.agent(&[], &[("KUBECONFIG", kubeconfig)]).unwrap()
+        Source::Kube { server, .. } => {
+            for (name, backends) in services {
+                server
+                    .apply_json(json!({
+                        "apiVersion": "v1", "kind": "Service",
+                        "metadata": {"namespace": "shop", "name": name,
+                                     "annotations": {"lattice.mlab.com/health": policy(name).to_string()}},
+                        "spec": {"ports": [{"name": "http", "port": PORT, "protocol": "TCP"}]},
+                    }))
+                    .unwrap();
+                let endpoints: Vec<Value> = backends
+                    .iter()
+                    .map(|b| json!({"addresses": [b.pod.address.to_string()], "conditions": {"ready": true}}))
+                    .collect();
+                server
+                    .apply_json(json!({
+                        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                        "metadata": {"namespace": "shop", "name": format!("{name}-1"),
+                                     "labels": {"kubernetes.io/service-name": name}},
+                        "addressType": "IPv4",
+                        "ports": [{"name": "http", "port": PORT, "protocol": "TCP"}],
+                        "endpoints": endpoints,
+                    }))
+                    .unwrap();
             }
         }
+    }
+    source
+}
+
+fn source_name(source: &Source) -> &'static str {
+    match source {
+        Source::File(_) => "mesh file",
+        Source::Kube { .. } => "Service annotation",
     }
 }
 
@@ -187,13 +160,13 @@ fn health_and_failover(kubernetes: bool) {
     let bad = node
         .http_backend_with("bad", 24, PORT, Behaviour::Fail)
         .unwrap();
-    let source = Source::start(
+    let source = start(
         &node,
         kubernetes,
         &[("pair", vec![&a, &b]), ("flaky", vec![&good, &bad])],
     );
-    let which = source.name();
-    let _agent = source.agent(&node);
+    let which = source_name(&source);
+    let _agent = source.agent(&node).unwrap();
     let client = node.client("client", 2).unwrap();
 
     // Active checks: b starts failing its check, and soon gets no traffic at all.

@@ -21,8 +21,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lattice_e2e::agent::Agent;
-use lattice_e2e::fake_apiserver::FakeApiServer;
-use lattice_e2e::node::{Backend, ClientPod, MeshFile, Node};
+use lattice_e2e::mesh_source::MeshSource as Source;
+use lattice_e2e::node::{Backend, ClientPod, Node};
 use lattice_e2e::wait;
 use serde_json::{Value, json};
 
@@ -48,23 +48,17 @@ struct Published {
     ready: bool,
 }
 
-/// Where the agent's mesh comes from.
-enum Source {
-    File(MeshFile),
-    Kube {
-        server: FakeApiServer,
-        _dir: tempfile::TempDir,
-        kubeconfig: String,
-    },
+/// `/data/db` in either source's terms.
+trait Db {
+    fn name(&self) -> &'static str;
+    /// Makes `/data/db`'s instances exactly `instances`.
+    fn publish(&self, instances: &[Published]);
 }
 
-impl Source {
-    fn start(node: &Node, kubernetes: bool) -> Source {
-        if !kubernetes {
-            let file = MeshFile::new(&[]).unwrap();
-            return Source::File(file);
-        }
-        let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+/// The source, with the headless Service `data/db` in place for Kubernetes.
+fn start(node: &Node, kubernetes: bool) -> Source {
+    let source = Source::start(node, kubernetes).unwrap();
+    if let Source::Kube { server, .. } = &source {
         server
             .apply_json(json!({
                 "apiVersion": "v1", "kind": "Service",
@@ -73,14 +67,11 @@ impl Source {
                          "ports": [{"name": "peer", "port": PORT, "protocol": "TCP"}]},
             }))
             .unwrap();
-        let (dir, kubeconfig) = server.kubeconfig_file().unwrap();
-        Source::Kube {
-            server,
-            kubeconfig,
-            _dir: dir,
-        }
     }
+    source
+}
 
+impl Db for Source {
     fn name(&self) -> &'static str {
         match self {
             Source::File(_) => "mesh file",
@@ -88,7 +79,6 @@ impl Source {
         }
     }
 
-    /// Makes `/data/db`'s instances exactly `instances`.
     fn publish(&self, instances: &[Published]) {
         match self {
             Source::File(file) => {
@@ -205,7 +195,7 @@ fn instances_keep_their_names_and_addresses(kubernetes: bool) {
         .into_iter()
         .map(|(name, host)| node.tcp_identity(name, host, PORT).unwrap())
         .collect();
-    let source = Source::start(&node, kubernetes);
+    let source = start(&node, kubernetes);
     let published = |pods: &[Backend], ready: [bool; 3]| -> Vec<Published> {
         ["db-0", "db-1", "db-2"]
             .iter()
@@ -221,12 +211,7 @@ fn instances_keep_their_names_and_addresses(kubernetes: bool) {
             .collect()
     };
     source.publish(&published(&pods, [true; 3]));
-    let agent = match &source {
-        Source::File(file) => node
-            .agent(&["--mesh-file", file.path().to_str().unwrap()], &[])
-            .unwrap(),
-        Source::Kube { kubeconfig, .. } => node.agent(&[], &[("KUBECONFIG", kubeconfig)]).unwrap(),
-    };
+    let agent = source.agent(&node).unwrap();
     let client = node.client("client", 2).unwrap();
     let fixture = Fixture {
         client,

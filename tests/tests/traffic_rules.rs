@@ -26,9 +26,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lattice_e2e::agent::Agent;
-use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::k8s_objects::{http_route, service_parent};
-use lattice_e2e::node::{Backend, Behaviour, ClientPod, MeshFile, Node, Reply, Request};
+use lattice_e2e::mesh_source::MeshSource as Source;
+use lattice_e2e::node::{Backend, Behaviour, ClientPod, Node, Reply, Request};
 use lattice_e2e::wait;
 use serde_json::{Value, json};
 
@@ -218,17 +218,14 @@ fn pairs(list: &[(&str, &str)]) -> Value {
         .collect()
 }
 
-/// Where the agent's mesh comes from.
-enum Source {
-    File(MeshFile),
-    Kube {
-        server: FakeApiServer,
-        _dir: tempfile::TempDir,
-        kubeconfig: String,
-    },
+/// `web`'s rules in either source's terms.
+trait Rules {
+    fn name(&self) -> &'static str;
+    fn set_rules(&self, backends: &[Backend], name: &str, rules: &[Rule]) -> Instant;
+    fn route_names(&self, name: &str, count: usize) -> BTreeSet<String>;
 }
 
-impl Source {
+impl Rules for Source {
     fn name(&self) -> &'static str {
         match self {
             Source::File(_) => "mesh file",
@@ -296,7 +293,7 @@ impl Source {
         Instant::now()
     }
 
-    /// The names Envoy's routes carry for `rules` written by [`Source::set_rules`].
+    /// The names Envoy's routes carry for `rules` written by [`Rules::set_rules`].
     fn route_names(&self, name: &str, count: usize) -> BTreeSet<String> {
         (0..count)
             .map(|i| match self {
@@ -332,8 +329,8 @@ impl Fixture {
                     .unwrap()
             })
             .collect();
-        let source = if kubernetes {
-            let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+        let source = Source::start(&node, kubernetes).unwrap();
+        if let Source::Kube { server, .. } = &source {
             for backend in &backends {
                 server
                     .apply_json(json!({
@@ -355,27 +352,9 @@ impl Fixture {
                     }))
                     .unwrap();
             }
-            let dir = tempfile::tempdir().unwrap();
-            let kubeconfig = dir.path().join("kubeconfig");
-            server.write_kubeconfig(&kubeconfig).unwrap();
-            Source::Kube {
-                server,
-                kubeconfig: kubeconfig.to_string_lossy().into_owned(),
-                _dir: dir,
-            }
-        } else {
-            let file = MeshFile::new(&[]).unwrap();
-            Source::File(file)
-        };
+        }
         source.set_rules(&backends, "none", &[]);
-        let agent = match &source {
-            Source::File(file) => node
-                .agent(&["--mesh-file", file.path().to_str().unwrap()], &[])
-                .unwrap(),
-            Source::Kube { kubeconfig, .. } => {
-                node.agent(&[], &[("KUBECONFIG", kubeconfig)]).unwrap()
-            }
-        };
+        let agent = source.agent(&node).unwrap();
         let client = node.client("client", 2).unwrap();
         let fixture = Fixture {
             client,

@@ -446,6 +446,14 @@ services:
         assert!(specs[1].needs_own_address());
     }
 
+    /// Each text is refused with an error that contains its expected part.
+    fn refused<const N: usize>(cases: [(String, &str); N]) {
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
+        }
+    }
+
     #[test]
     fn errors_name_the_service_and_field() {
         let cases = [
@@ -473,10 +481,7 @@ services:
             (GOOD.replace("9090", "0"), "targetPort: 0 is out of range"),
             ("services: [".to_string(), ""),
         ];
-        for (text, expected) in cases {
-            let err = parse(&text).unwrap_err();
-            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
-        }
+        refused(cases);
     }
 
     const STATEFUL: &str = r#"
@@ -557,10 +562,7 @@ services:
             ),
             (STATEFUL.replace("ready: false", "ready: maybe"), "ready"),
         ];
-        for (text, expected) in cases {
-            let err = parse(&text).unwrap_err();
-            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
-        }
+        refused(cases);
     }
 
     #[test]

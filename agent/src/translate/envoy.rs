@@ -626,6 +626,18 @@ mod tests {
         );
     }
 
+    /// Each chain of the listener with the destination address and port it matches.
+    fn chain_matches(listener: &Listener) -> impl Iterator<Item = (String, u32, &FilterChain)> {
+        listener.filter_chains.iter().map(|c| {
+            let m = c.filter_chain_match.as_ref().unwrap();
+            (
+                m.prefix_ranges[0].address_prefix.clone(),
+                m.destination_port.as_ref().unwrap().value,
+                c,
+            )
+        })
+    }
+
     fn cla_addresses(cla: &ClusterLoadAssignment) -> Vec<String> {
         cla.endpoints[0]
             .lb_endpoints
@@ -709,17 +721,8 @@ mod tests {
 
         let db = &mesh.services[&"/data/db".parse::<crate::mesh::MeshPath>().unwrap()];
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
-        let mut chains: Vec<(String, u32, String)> = listener
-            .filter_chains
-            .iter()
-            .map(|c| {
-                let m = c.filter_chain_match.as_ref().unwrap();
-                (
-                    m.prefix_ranges[0].address_prefix.clone(),
-                    m.destination_port.as_ref().unwrap().value,
-                    c.name.clone(),
-                )
-            })
+        let mut chains: Vec<(String, u32, String)> = chain_matches(&listener)
+            .map(|(ip, port, chain)| (ip, port, chain.name.clone()))
             .collect();
         chains.sort();
         let mut expected = Vec::new();
@@ -850,17 +853,8 @@ mod tests {
             listener.default_filter_chain.is_none(),
             "unmatched connections must be closed"
         );
-        let chains: Vec<(String, u32, &str)> = listener
-            .filter_chains
-            .iter()
-            .map(|c| {
-                let m = c.filter_chain_match.as_ref().unwrap();
-                (
-                    m.prefix_ranges[0].address_prefix.clone(),
-                    m.destination_port.as_ref().unwrap().value,
-                    c.filters[0].name.as_str(),
-                )
-            })
+        let chains: Vec<(String, u32, &str)> = chain_matches(&listener)
+            .map(|(ip, port, chain)| (ip, port, chain.filters[0].name.as_str()))
             .collect();
         assert_eq!(
             chains,

@@ -289,11 +289,18 @@ fn a_headless_services_hostnames_are_its_instances_ready_or_not() {
         json!({"addresses": [ip], "hostname": hostname,
                "conditions": {"ready": ready, "terminating": terminating}})
     };
-    index.apply_slice(&slice(
-        "data",
+    // One of db's slices, serving port cql on 19042.
+    let db_slice = |name: &str, endpoints: Value| {
+        slice(
+            "data",
+            name,
+            "db",
+            json!([{"name": "cql", "port": 19042}]),
+            endpoints,
+        )
+    };
+    index.apply_slice(&db_slice(
         "db-abc",
-        "db",
-        json!([{"name": "cql", "port": 19042}]),
         json!([
             endpoint("db-0", "10.0.0.10", true, false),
             endpoint("db-1", "10.0.0.11", false, false),
@@ -324,21 +331,15 @@ fn a_headless_services_hostnames_are_its_instances_ready_or_not() {
     let db1 = service.instances[1].address;
 
     // db-1 is rescheduled: a new pod IP in another slice while the old one terminates.
-    index.apply_slice(&slice(
-        "data",
+    index.apply_slice(&db_slice(
         "db-abc",
-        "db",
-        json!([{"name": "cql", "port": 19042}]),
         json!([
             endpoint("db-0", "10.0.0.10", true, false),
             endpoint("db-1", "10.0.0.11", false, true),
         ]),
     ));
-    index.apply_slice(&slice(
-        "data",
+    index.apply_slice(&db_slice(
         "db-def",
-        "db",
-        json!([{"name": "cql", "port": 19042}]),
         json!([endpoint("db-1", "10.0.7.7", true, false)]),
     ));
     let snap = snapshot(&mut index);
