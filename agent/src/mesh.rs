@@ -102,20 +102,95 @@ pub struct ServicePort {
     pub endpoints: EndpointSet,
 }
 
-/// The endpoints of one service port: sorted, deduplicated, shared cheaply.
+/// Which provider reported something: `kubernetes`, or `file:<path>` for a mesh file. Shown
+/// on `/debug/mesh` and in Envoy's endpoint metadata, so an operator can tell where an address
+/// came from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct Provider(Arc<str>);
+
+impl Provider {
+    pub fn new(name: impl Into<Arc<str>>) -> Self {
+        Provider(name.into())
+    }
+
+    /// Shared: every Kubernetes endpoint names it, so it is allocated once.
+    pub fn kubernetes() -> Self {
+        static KUBERNETES: std::sync::LazyLock<Provider> =
+            std::sync::LazyLock::new(|| Provider::new("kubernetes"));
+        KUBERNETES.clone()
+    }
+
+    pub fn file(path: &std::path::Path) -> Self {
+        Provider::new(format!("file:{}", path.display()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One endpoint of a service port: where to connect, who said so, and where it runs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Endpoint {
+    pub address: SocketAddr,
+    pub provider: Provider,
+    /// The zone it runs in, where the provider knows (`topology.kubernetes.io/zone`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zone: Option<Arc<str>>,
+    /// The node it runs on, where the provider knows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<Arc<str>>,
+}
+
+impl Endpoint {
+    pub fn new(address: SocketAddr, provider: Provider) -> Self {
+        Endpoint {
+            address,
+            provider,
+            zone: None,
+            node: None,
+        }
+    }
+}
+
+/// The endpoints of one service port: sorted by address, one per address, shared cheaply.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(transparent)]
-pub struct EndpointSet(Arc<[SocketAddr]>);
+pub struct EndpointSet(Arc<[Endpoint]>);
 
 impl EndpointSet {
-    pub fn new(mut endpoints: Vec<SocketAddr>) -> Self {
-        endpoints.sort_unstable();
-        endpoints.dedup();
+    /// Where two entries share an address, the first in the given order is kept: sources list
+    /// the one they prefer first (the catalog lists providers in their configured order).
+    pub fn new(mut endpoints: Vec<Endpoint>) -> Self {
+        endpoints.sort_by_key(|e| e.address);
+        endpoints.dedup_by_key(|e| e.address);
         EndpointSet(endpoints.into())
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &SocketAddr> {
+    /// Test fixtures: endpoints at these addresses (`"10.0.0.1:80"`), from a `test` provider.
+    #[cfg(test)]
+    pub fn parsed(addresses: &[&str]) -> Self {
+        let provider = Provider::new("test");
+        addresses
+            .iter()
+            .map(|a| Endpoint::new(a.parse().expect("a socket address"), provider.clone()))
+            .collect()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Endpoint> {
         self.0.iter()
+    }
+
+    /// The addresses alone, in order.
+    pub fn addresses(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.0.iter().map(|e| e.address)
     }
 
     pub fn len(&self) -> usize {
@@ -127,8 +202,8 @@ impl EndpointSet {
     }
 }
 
-impl FromIterator<SocketAddr> for EndpointSet {
-    fn from_iter<I: IntoIterator<Item = SocketAddr>>(iter: I) -> Self {
+impl FromIterator<Endpoint> for EndpointSet {
+    fn from_iter<I: IntoIterator<Item = Endpoint>>(iter: I) -> Self {
         EndpointSet::new(iter.into_iter().collect())
     }
 }
@@ -579,7 +654,7 @@ mod tests {
                 name: None,
                 port: 8080,
                 protocol,
-                endpoints: EndpointSet::new(vec!["10.0.0.1:8080".parse().unwrap()]),
+                endpoints: EndpointSet::parsed(&["10.0.0.1:8080"]),
             }],
         )
     }
@@ -689,7 +764,7 @@ mod tests {
         let first = state.snapshot();
 
         let mut moved = spec("/a/web", Protocol::Http);
-        moved.ports[0].endpoints = EndpointSet::new(vec!["10.0.0.2:8080".parse().unwrap()]);
+        moved.ports[0].endpoints = EndpointSet::parsed(&["10.0.0.2:8080"]);
         state.upsert(moved).unwrap();
         let endpoints = state.snapshot();
         assert_eq!(endpoints.version, first.version + 1);

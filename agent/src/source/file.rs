@@ -19,8 +19,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::mesh::{
-    AddressError, InstanceSpec, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol, ServicePort,
-    ServiceSpec,
+    AddressError, Endpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol,
+    Provider, ServicePort, ServiceSpec,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +96,7 @@ fn ready_by_default() -> bool {
 }
 
 /// Parses and validates mesh-file text. Errors name the service and the field.
-pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
+pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String> {
     let file: MeshFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
     let mut seen = HashSet::new();
     let mut specs = Vec::with_capacity(file.services.len());
@@ -195,7 +195,7 @@ pub fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
                 protocol,
                 endpoints: endpoints
                     .iter()
-                    .map(|&ip| SocketAddr::new(ip, target))
+                    .map(|&ip| Endpoint::new(SocketAddr::new(ip, target), provider.clone()))
                     .collect(),
             });
         }
@@ -266,7 +266,7 @@ pub fn load(path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let specs = parse(&text).map_err(|message| MeshFileError::Syntax {
+    let specs = parse(&text, &Provider::file(path)).map_err(|message| MeshFileError::Syntax {
         path: path.to_path_buf(),
         message,
     })?;
@@ -387,10 +387,11 @@ impl FileSource {
     }
 
     fn apply(&mut self, text: &str) -> Result<Arc<MeshSnapshot>, MeshFileError> {
-        let specs = parse(text).map_err(|message| MeshFileError::Syntax {
-            path: self.path.clone(),
-            message,
-        })?;
+        let specs =
+            parse(text, &Provider::file(&self.path)).map_err(|message| MeshFileError::Syntax {
+                path: self.path.clone(),
+                message,
+            })?;
         self.state
             .replace_all(specs)
             .map_err(|source| MeshFileError::Addresses {
@@ -411,6 +412,10 @@ impl FileSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
+        super::parse(text, &Provider::new("file:test"))
+    }
 
     const GOOD: &str = r#"
 services:
@@ -439,7 +444,7 @@ services:
         assert_eq!(buzz.ports[0].protocol, Protocol::Http);
         let endpoints: Vec<String> = buzz.ports[0]
             .endpoints
-            .iter()
+            .addresses()
             .map(|e| e.to_string())
             .collect();
         assert_eq!(endpoints, ["10.200.0.3:9090", "10.200.0.4:9090"]);
@@ -537,7 +542,7 @@ services:
         // The load-balanced endpoints are the ready ones; ports keep their names.
         let cql = db.ports.iter().find(|p| p.port == 9042).unwrap();
         assert_eq!(cql.name.as_deref(), Some("cql"));
-        let endpoints: Vec<String> = cql.endpoints.iter().map(|e| e.to_string()).collect();
+        let endpoints: Vec<String> = cql.endpoints.addresses().map(|e| e.to_string()).collect();
         assert_eq!(endpoints, ["10.200.0.10:9042"]);
     }
 
@@ -604,7 +609,7 @@ services:
                     let db = &mesh.services[&"/foo/db".parse::<MeshPath>().unwrap()];
                     let endpoints: Vec<String> = db.ports[0]
                         .endpoints
-                        .iter()
+                        .addresses()
                         .map(|e| e.to_string())
                         .collect();
                     if endpoints == ["10.200.0.10:5432"] {

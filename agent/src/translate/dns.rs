@@ -93,7 +93,7 @@ mod tests {
                 name: None,
                 port: 8080,
                 protocol,
-                endpoints: EndpointSet::new(vec![endpoint.parse().unwrap()]),
+                endpoints: EndpointSet::parsed(&[endpoint]),
             }],
         )
     }

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::config::core::v3::health_check::{
 };
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
-    SocketAddress, TrafficDirection, address, config_source, socket_address,
+    Metadata, SocketAddress, TrafficDirection, address, config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -40,7 +40,7 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_optio
     ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config,
 };
 use envoy_types::pb::envoy::r#type::v3::{CodecClientType, Int64Range};
-use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
+use envoy_types::pb::google::protobuf::{Any, Duration, Struct, UInt32Value, Value, value};
 use envoy_types::util::pack_any;
 use imbl::ordmap::DiffItem;
 use lattice_contract::ENVOY_OUTBOUND_PORT;
@@ -51,7 +51,7 @@ mod routes;
 pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
-use crate::mesh::{MeshSnapshot, Service, ServiceAddress, ServiceMap, ServicePort};
+use crate::mesh::{MeshSnapshot, Provider, Service, ServiceAddress, ServiceMap, ServicePort};
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
 /// The one listener every captured connection lands on, on
@@ -341,7 +341,8 @@ fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            let assignment = load_assignment(name.clone(), instance.endpoint(port.port));
+            let endpoint = instance.endpoint(port.port).map(|address| (address, None));
+            let assignment = load_assignment(name.clone(), endpoint);
             XdsResource::new(name, assignment)
         })
     });
@@ -350,33 +351,64 @@ fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
-            let assignment = load_assignment(name.clone(), port.endpoints.iter().copied());
+            let endpoints = port
+                .endpoints
+                .iter()
+                .map(|e| (e.address, Some(&e.provider)));
+            let assignment = load_assignment(name.clone(), endpoints);
             XdsResource::new(name, assignment)
         })
         .chain(instances)
         .collect()
 }
 
-fn load_assignment(
+/// The filter-metadata namespace the agent writes endpoint metadata under.
+pub const METADATA_NAMESPACE: &str = "lattice";
+
+/// Each endpoint, with the provider that reported it where known.
+fn load_assignment<'a>(
     cluster_name: String,
-    endpoints: impl IntoIterator<Item = SocketAddr>,
+    endpoints: impl IntoIterator<Item = (SocketAddr, Option<&'a Provider>)>,
 ) -> ClusterLoadAssignment {
     ClusterLoadAssignment {
         cluster_name,
         endpoints: vec![LocalityLbEndpoints {
             lb_endpoints: endpoints
                 .into_iter()
-                .map(|addr| LbEndpoint {
+                .map(|(addr, provider)| LbEndpoint {
                     host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
                         address: Some(socket_address(addr.ip().to_string(), addr.port())),
                         ..Endpoint::default()
                     })),
+                    metadata: provider.map(provider_metadata),
                     ..LbEndpoint::default()
                 })
                 .collect(),
             ..LocalityLbEndpoints::default()
         }],
         ..ClusterLoadAssignment::default()
+    }
+}
+
+/// `filter_metadata.lattice.provider`: where the endpoint came from, shown in Envoy's
+/// `/clusters?format=json` and config dump, for operators.
+fn provider_metadata(provider: &Provider) -> Metadata {
+    let fields = [(
+        "provider".to_string(),
+        Value {
+            kind: Some(value::Kind::StringValue(provider.to_string())),
+        },
+    )];
+    Metadata {
+        filter_metadata: [(
+            METADATA_NAMESPACE.to_string(),
+            Struct {
+                fields: fields.into_iter().collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Metadata::default()
     }
 }
 
@@ -535,7 +567,7 @@ mod tests {
             name: None,
             port,
             protocol,
-            endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),
+            endpoints: EndpointSet::parsed(endpoints),
         }
     }
 

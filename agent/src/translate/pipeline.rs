@@ -123,7 +123,7 @@ mod tests {
                 name: None,
                 port: 8080,
                 protocol: Protocol::Http,
-                endpoints: EndpointSet::new(vec![endpoint.parse().unwrap()]),
+                endpoints: EndpointSet::parsed(&[endpoint]),
             }],
         );
         state.upsert(spec).unwrap();

@@ -39,7 +39,7 @@ impl World {
                 name: None,
                 port: 8080,
                 protocol,
-                endpoints: EndpointSet::new(endpoints.iter().map(|e| e.parse().unwrap()).collect()),
+                endpoints: EndpointSet::parsed(endpoints),
             }],
         );
         self.state.upsert(spec).unwrap();

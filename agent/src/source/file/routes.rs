@@ -433,9 +433,12 @@ fn list<T: ToString>(items: impl Iterator<Item = T>) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::parse;
     use super::*;
-    use crate::mesh::ServiceSpec;
+    use crate::mesh::{Provider, ServiceSpec};
+
+    fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
+        super::super::parse(text, &Provider::new("file:test"))
+    }
 
     const MESH: &str = r#"
 services:

@@ -14,8 +14,8 @@ use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use crate::mesh::{
-    EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, RejectedRoute, ServicePort,
-    ServiceSpec,
+    Endpoint, EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Provider,
+    RejectedRoute, ServicePort, ServiceSpec,
 };
 
 /// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
@@ -390,10 +390,12 @@ impl MeshIndex {
                     .iter()
                     .filter_map(|slice| Some((slice, slice.port_for(port.name.as_deref())?)))
                     .flat_map(|(slice, target)| {
-                        slice
-                            .endpoints
-                            .iter()
-                            .map(move |ip| SocketAddr::new((*ip).into(), target))
+                        slice.endpoints.iter().map(move |ip| {
+                            Endpoint::new(
+                                SocketAddr::new((*ip).into(), target),
+                                Provider::kubernetes(),
+                            )
+                        })
                     })
                     .collect();
                 ServicePort {

@@ -1,7 +1,6 @@
 //! The source without I/O: fake objects applied to the index and the watch set, assertions on
 //! the snapshots they publish.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
@@ -85,7 +84,7 @@ fn view(snapshot: &MeshSnapshot) -> View {
                     (
                         p.port,
                         p.protocol,
-                        p.endpoints.iter().map(SocketAddr::to_string).collect(),
+                        p.endpoints.addresses().map(|a| a.to_string()).collect(),
                     )
                 })
                 .collect();

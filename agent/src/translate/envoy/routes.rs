@@ -346,7 +346,7 @@ mod tests {
             name: None,
             port: number,
             protocol: Protocol::Http,
-            endpoints: EndpointSet::new(vec!["10.0.0.1:80".parse().unwrap()]),
+            endpoints: EndpointSet::parsed(&["10.0.0.1:80"]),
         }
     }
 
