@@ -12,6 +12,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::catalog::StatusRx;
 use crate::mesh::MeshRx;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -21,6 +22,8 @@ use crate::xds::ProxyRegistry;
 #[derive(Clone)]
 pub struct AdminState {
     pub mesh: MeshRx,
+    /// The providers the catalog merges, and where they disagree.
+    pub catalog: StatusRx,
     pub metrics: Arc<Metrics>,
     pub proxies: ProxyRegistry,
     pub readiness: Readiness,
@@ -89,13 +92,23 @@ const HEALTH_NOTE: &str = "each service's health policy is under services.*.heal
     127.0.0.1:15000/clusters in the pod (health_flags per host: /failed_active_hc, \
     /failed_outlier_check), and stats cluster.<name>.outlier_detection.ejections_active";
 
+/// The merged mesh, with the providers it came from (each endpoint names its own) and the
+/// conflicts between them. Before every provider's first view: 503, with the providers, so an
+/// operator sees which one is missing.
 async fn debug_mesh(State(state): State<AdminState>) -> Response {
     let snapshot = state.mesh.borrow().clone();
+    let catalog = state.catalog.borrow().clone();
     let Some(snapshot) = snapshot else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "mesh not synced yet\n").into_response();
+        let body = serde_json::json!({
+            "synced": false,
+            "providers": catalog.providers,
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
     };
     match serde_json::to_value(&*snapshot) {
         Ok(mut value) => {
+            value["providers"] = serde_json::to_value(&catalog.providers).unwrap_or_default();
+            value["conflicts"] = serde_json::to_value(&catalog.conflicts).unwrap_or_default();
             value["health_note"] = HEALTH_NOTE.into();
             axum::Json(value).into_response()
         }

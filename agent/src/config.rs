@@ -21,16 +21,22 @@ pub enum LogFormat {
 /// Lattice node agent: serves the mesh to this node's Envoys over ADS (SotW and Delta xDS),
 /// answers `*.system.internal` DNS from it, and forwards every other name upstream.
 ///
-/// The mesh comes from a YAML mesh file (--mesh-file), followed live, or, without one, from the
+/// The mesh comes from YAML mesh files (--mesh-file), followed live, or, without one, from the
 /// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices, and the Gateway
 /// API's HTTPRoutes and GRPCRoutes on Services for traffic rules (when their CRDs are installed).
+/// With --kubernetes, both: every provider's services are merged into one catalog.
 #[derive(Clone, Debug, Parser, Serialize)]
 #[command(name = "lattice-agent", version, about, long_about)]
 pub struct AgentConfig {
-    /// Serve the mesh described in this YAML file and follow its edits. Without it, the agent
-    /// watches Kubernetes.
-    #[arg(long, env = "LATTICE_MESH_FILE", value_name = "PATH")]
-    pub mesh_file: Option<PathBuf>,
+    /// Serve the mesh described in this YAML file and follow its edits. Repeat for several
+    /// files: they are merged with each other (and with Kubernetes, with --kubernetes) into one
+    /// catalog. Without it, the agent watches Kubernetes.
+    #[arg(long = "mesh-file", env = "LATTICE_MESH_FILE", value_name = "PATH")]
+    pub mesh_files: Vec<PathBuf>,
+
+    /// Watch Kubernetes beside the mesh files (on by itself when no --mesh-file is given).
+    #[arg(long, env = "LATTICE_KUBERNETES")]
+    pub kubernetes: bool,
 
     /// Kubernetes namespaces to watch (repeat or comma-separate); all namespaces when empty.
     #[arg(
@@ -105,6 +111,11 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
+    /// Whether Kubernetes is a provider: asked for, or no mesh file given.
+    pub fn watches_kubernetes(&self) -> bool {
+        self.kubernetes || self.mesh_files.is_empty()
+    }
+
     pub fn debounce(&self) -> Duration {
         Duration::from_millis(self.debounce_ms)
     }
@@ -133,6 +144,11 @@ mod tests {
         let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
         assert_eq!(config.xds_addr.to_string(), "127.0.0.1:15010");
         assert_eq!(config.node_name, None);
+        assert!(config.mesh_files.is_empty() && !config.kubernetes);
+        assert!(
+            config.watches_kubernetes(),
+            "Kubernetes when no mesh file is given"
+        );
         assert!(!config.allow_host_network_proxies);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");

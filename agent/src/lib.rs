@@ -1,8 +1,9 @@
-//! Lattice node agent: watches the mesh (a mesh file or Kubernetes), translates it to Envoy
-//! resources and DNS names, and serves them to the Envoys and pods on this node.
+//! Lattice node agent: watches the mesh (mesh files, Kubernetes, or both), translates it to
+//! Envoy resources and DNS names, and serves them to the Envoys and pods on this node.
 //!
-//! Data flows one way, and the module tree reads in its order: [`source`] → [`mesh`] snapshot
-//! → [`translate`] → the [`xds`] server and the DNS server (`lattice_dns`). Each stage imports
+//! Data flows one way, and the module tree reads in its order: each [`source`] (a provider)
+//! → its own [`mesh`] view → the [`catalog`], which merges the views into one [`mesh`]
+//! snapshot → [`translate`] → the [`xds`] server and the DNS server (`lattice_dns`). Each stage imports
 //! the snapshot it reads and the type it hands on, never a stage before it: a source builds the
 //! mesh model and knows nothing of translators; a translator reads the mesh and produces what a
 //! server serves, and knows nothing of sources; the xDS server knows neither the mesh nor the
@@ -12,6 +13,7 @@
 //! rule.
 
 pub mod admin;
+pub mod catalog;
 pub mod config;
 pub mod identity;
 pub mod mesh;

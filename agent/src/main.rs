@@ -9,9 +9,10 @@ use anyhow::Context;
 use clap::Parser;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use lattice_agent::admin::{AdminServer, AdminState};
+use lattice_agent::catalog::{Catalog, Feed};
 use lattice_agent::config::{AgentConfig, LogFormat};
 use lattice_agent::identity::{self, IdentityCheck};
-use lattice_agent::mesh;
+use lattice_agent::mesh::{self, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address::{self, NodeLocalAddress};
 use lattice_agent::readiness::Readiness;
@@ -74,13 +75,6 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-enum Source {
-    // Boxed: the mesh state (address book, instance index) outweighs a kube client, and the
-    // source lives once per process.
-    File(Box<FileSource>),
-    Kubernetes(kube::Client),
-}
-
 async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let upstreams = if config.upstream_dns.is_empty() {
         lattice_dns::upstreams_from_resolv_conf(Path::new("/etc/resolv.conf"))?
@@ -93,16 +87,22 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         "lattice-agent starting"
     );
 
-    let source = match &config.mesh_file {
-        Some(path) => Source::File(Box::new(FileSource::load(path, config.trap_cidr.clone())?)),
-        None => {
-            let client = kube::Client::try_default().await.context(
-                "cannot configure the Kubernetes client (no in-cluster config and no usable \
-                 KUBECONFIG); pass --mesh-file to run without a cluster",
-            )?;
-            Source::Kubernetes(client)
-        }
+    // Providers, in rank order: Kubernetes first, then the mesh files as given. Every file
+    // is loaded now, so a bad one fails start-up.
+    let kubernetes = match config.watches_kubernetes() {
+        true => Some(kube::Client::try_default().await.context(
+            "cannot configure the Kubernetes client (no in-cluster config and no usable \
+             KUBECONFIG); pass --mesh-file without --kubernetes to run without a cluster",
+        )?),
+        false => None,
     };
+    let mut files = Vec::with_capacity(config.mesh_files.len());
+    for (i, path) in config.mesh_files.iter().enumerate() {
+        if config.mesh_files[..i].contains(path) {
+            anyhow::bail!("--mesh-file {} is given twice", path.display());
+        }
+        files.push(FileSource::load(path, config.trap_cidr.clone())?);
+    }
     node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {
         println!("configuration is valid");
@@ -117,9 +117,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let dns_ready = readiness.register("dns server");
     // With Kubernetes and a node name, streams are checked against this node's pods: not
     // ready until they are listed.
-    let mut pods_ready = matches!(source, Source::Kubernetes(_))
-        .then(|| config.node_name.as_ref())
-        .flatten()
+    let mut pods_ready = kubernetes
+        .as_ref()
+        .and(config.node_name.as_ref())
         .map(|_| readiness.register("this node's pods"));
     let (mesh_tx, mesh_rx) = mesh::channel();
     let (pipeline, published) = Pipeline::new(
@@ -155,8 +155,32 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
     let dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
+    let mut feeds = Vec::new();
+    let (kube_tx, kube_rx) = mesh::provider::channel();
+    if kubernetes.is_some() {
+        feeds.push(Feed {
+            provider: Provider::kubernetes(),
+            reports: kube_rx,
+        });
+    }
+    let mut file_txs = Vec::with_capacity(files.len());
+    for file in &files {
+        let (tx, rx) = mesh::provider::channel();
+        feeds.push(Feed {
+            provider: file.provider(),
+            reports: rx,
+        });
+        file_txs.push(tx);
+    }
+    let (catalog, catalog_status) = Catalog::new(
+        config.trap_cidr.clone(),
+        feeds,
+        &readiness,
+        metrics.mesh.clone(),
+    );
     let admin_state = AdminState {
         mesh: mesh_rx,
+        catalog: catalog_status,
         metrics: metrics.clone(),
         proxies: proxies.clone(),
         readiness,
@@ -177,8 +201,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
 
     let mut tasks: JoinSet<anyhow::Result<&'static str>> = JoinSet::new();
-    let identity = match (&source, &config.node_name) {
-        (Source::Kubernetes(client), Some(node)) => {
+    let identity = match (&kubernetes, &config.node_name) {
+        (Some(client), Some(node)) => {
             let (pods_tx, pods_rx) = identity::channel();
             let pods_ready = pods_ready.take();
             let (client, node, token) = (client.clone(), node.clone(), shutdown.clone());
@@ -200,34 +224,38 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 allow_host_network: config.allow_host_network_proxies,
             }
         }
-        (Source::Kubernetes(_), None) => {
+        (Some(_), None) => {
             tracing::warn!(
                 "no --node-name (env NODE_NAME): proxy identity checking is off, and any \
                  client that reaches the xDS address is served the whole mesh"
             );
             IdentityCheck::Off
         }
-        (Source::File(_), _) => IdentityCheck::Off,
+        (None, _) => IdentityCheck::Off,
     };
-    let token = shutdown.clone();
-    match source {
-        Source::File(file) => {
-            tasks.spawn(async move {
-                file.run(mesh_tx, token).await?;
-                Ok("mesh-file source")
-            });
-        }
-        Source::Kubernetes(client) => {
-            let kube_config = KubeSourceConfig {
-                namespaces: config.namespaces.clone(),
-                trap: config.trap_cidr.clone(),
-            };
-            tasks.spawn(async move {
-                source::kube::run(client, kube_config, mesh_tx, token).await?;
-                Ok("kubernetes source")
-            });
-        }
+    for (file, tx) in files.into_iter().zip(file_txs) {
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            file.run(tx, token).await?;
+            Ok("mesh-file source")
+        });
     }
+    if let Some(client) = kubernetes {
+        let kube_config = KubeSourceConfig {
+            namespaces: config.namespaces.clone(),
+            trap: config.trap_cidr.clone(),
+        };
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            source::kube::run(client, kube_config, kube_tx, token).await?;
+            Ok("kubernetes source")
+        });
+    }
+    let token = shutdown.clone();
+    tasks.spawn(async move {
+        catalog.run(mesh_tx, token).await;
+        Ok("catalog")
+    });
     let token = shutdown.clone();
     tasks.spawn(async move {
         pipeline.run(token).await;

@@ -10,6 +10,7 @@ mod address;
 pub mod health;
 mod metrics;
 mod path;
+pub mod provider;
 pub mod route;
 
 use std::fmt;
@@ -26,6 +27,7 @@ pub use address::{AddressBook, AddressError};
 pub use health::HealthPolicy;
 pub use metrics::MeshMetrics;
 pub use path::{MeshPath, PathError};
+pub use provider::{Provider, ProviderReport, ProviderRx, ProviderTx, Stale};
 pub use route::{RejectedRoute, RouteRule, Rules};
 
 /// How a service port speaks, which decides how Envoy routes it.
@@ -100,40 +102,6 @@ pub struct ServicePort {
     pub protocol: Protocol,
     /// Sorted and deduplicated, so equal sets compare equal.
     pub endpoints: EndpointSet,
-}
-
-/// Which provider reported something: `kubernetes`, or `file:<path>` for a mesh file. Shown
-/// on `/debug/mesh` and in Envoy's endpoint metadata, so an operator can tell where an address
-/// came from.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(transparent)]
-pub struct Provider(Arc<str>);
-
-impl Provider {
-    pub fn new(name: impl Into<Arc<str>>) -> Self {
-        Provider(name.into())
-    }
-
-    /// Shared: every Kubernetes endpoint names it, so it is allocated once.
-    pub fn kubernetes() -> Self {
-        static KUBERNETES: std::sync::LazyLock<Provider> =
-            std::sync::LazyLock::new(|| Provider::new("kubernetes"));
-        KUBERNETES.clone()
-    }
-
-    pub fn file(path: &std::path::Path) -> Self {
-        Provider::new(format!("file:{}", path.display()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for Provider {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
 }
 
 /// One endpoint of a service port: where to connect, who said so, and where it runs.
@@ -564,6 +532,11 @@ impl MeshState {
             }
         }
         Ok(instances)
+    }
+
+    /// The service at `path`, as last upserted.
+    pub fn service(&self, path: &MeshPath) -> Option<&Arc<Service>> {
+        self.services.get(path)
     }
 
     /// Removes one service, freeing its address and its instances'. Returns whether it existed.

@@ -5,12 +5,13 @@
 //! never registered cannot hold readiness back, and one that fails before it is ready keeps
 //! the agent unready, which is what a probe should see.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 /// The components not ready yet, by name (a name may be registered more than once).
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<Mutex<BTreeMap<&'static str, usize>>>);
+pub struct Readiness(Arc<Mutex<BTreeMap<Cow<'static, str>, usize>>>);
 
 impl Readiness {
     pub fn new() -> Self {
@@ -18,8 +19,9 @@ impl Readiness {
     }
 
     /// A token that holds readiness back until it is dropped.
-    pub fn register(&self, component: &'static str) -> ReadyToken {
-        *self.lock().entry(component).or_default() += 1;
+    pub fn register(&self, component: impl Into<Cow<'static, str>>) -> ReadyToken {
+        let component = component.into();
+        *self.lock().entry(component.clone()).or_default() += 1;
         ReadyToken {
             readiness: self.clone(),
             component,
@@ -27,11 +29,11 @@ impl Readiness {
     }
 
     /// The components still not ready, sorted; empty when the agent is ready.
-    pub fn pending(&self) -> Vec<&'static str> {
-        self.lock().keys().copied().collect()
+    pub fn pending(&self) -> Vec<String> {
+        self.lock().keys().map(|k| k.to_string()).collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, usize>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Cow<'static, str>, usize>> {
         // A panic while holding this lock leaves a consistent map (each change is one step).
         self.0.lock().unwrap_or_else(|poison| poison.into_inner())
     }
@@ -42,16 +44,16 @@ impl Readiness {
 #[must_use = "readiness is reached when the token is dropped: keep it until the component is ready"]
 pub struct ReadyToken {
     readiness: Readiness,
-    component: &'static str,
+    component: Cow<'static, str>,
 }
 
 impl Drop for ReadyToken {
     fn drop(&mut self) {
         let mut pending = self.readiness.lock();
-        if let Some(count) = pending.get_mut(self.component) {
+        if let Some(count) = pending.get_mut(&self.component) {
             *count -= 1;
             if *count == 0 {
-                pending.remove(self.component);
+                pending.remove(&self.component);
             }
         }
     }

@@ -17,10 +17,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("mesh", &[]),
     ("identity", &[]),
     ("source", &["mesh", "identity"]),
+    ("catalog", &["mesh", "readiness"]),
     ("translate", &["mesh", "xds", "readiness"]),
     ("xds", &["identity"]),
     ("metrics", &["mesh", "xds"]),
-    ("admin", &["mesh", "metrics", "readiness", "xds"]),
+    ("admin", &["catalog", "mesh", "metrics", "readiness", "xds"]),
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

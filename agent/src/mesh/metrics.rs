@@ -11,6 +11,8 @@ pub struct MeshMetrics {
     endpoints: Gauge,
     route_rules: Gauge,
     rejected_routes: Gauge,
+    conflicts: Gauge,
+    stale_providers: Gauge,
 }
 
 impl MeshMetrics {
@@ -38,7 +40,24 @@ impl MeshMetrics {
             "Routes (and route parents) the agent refused; /debug/routes says why",
             metrics.rejected_routes.clone(),
         );
+        mesh.register(
+            "conflicts",
+            "Service paths on which providers disagree; /debug/mesh says how",
+            metrics.conflicts.clone(),
+        );
+        mesh.register(
+            "stale_providers",
+            "Providers whose last good view serves while they cannot refresh it",
+            metrics.stale_providers.clone(),
+        );
         metrics
+    }
+
+    /// Records what the catalog reports: paths in conflict and stale providers.
+    pub fn observe_catalog(&self, conflicts: usize, stale_providers: usize) {
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.conflicts.set(count(conflicts));
+        self.stale_providers.set(count(stale_providers));
     }
 
     /// Records `mesh`, whose endpoints the caller has counted already.

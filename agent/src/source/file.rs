@@ -18,9 +18,10 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::mesh::provider::Report as _;
 use crate::mesh::{
-    AddressError, Endpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, MeshTx, Protocol,
-    Provider, ServicePort, ServiceSpec,
+    AddressError, Endpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
+    ProviderTx, ServicePort, ServiceSpec,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -299,10 +300,15 @@ impl FileSource {
         })
     }
 
+    /// The provider this file is: `file:<path>`.
+    pub fn provider(&self) -> Provider {
+        Provider::file(&self.path)
+    }
+
     /// Publishes the loaded mesh, then every good edit, until shutdown.
     pub async fn run(
         mut self,
-        tx: MeshTx,
+        tx: ProviderTx,
         shutdown: CancellationToken,
     ) -> Result<(), MeshFileError> {
         let snapshot = self.state.snapshot();
@@ -312,7 +318,7 @@ impl FileSource {
             endpoints = snapshot.endpoint_count(),
             "mesh file loaded"
         );
-        tx.send_replace(Some(snapshot));
+        tx.view(snapshot);
 
         let (events_tx, mut events) = mpsc::channel::<()>(1);
         let file_name = self.path.file_name().map(|n| n.to_os_string());
@@ -361,10 +367,14 @@ impl FileSource {
                 Ok(text) => text,
                 Err(error) => {
                     tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
+                    tx.stale(format!("cannot read the file: {error}"));
+                    // Read again when it is back, even with the same text as the last good.
+                    last_text.clear();
                     continue;
                 }
             };
             if text == last_text {
+                tx.fresh();
                 continue;
             }
             last_text = text;
@@ -377,10 +387,14 @@ impl FileSource {
                         endpoints = snapshot.endpoint_count(),
                         "mesh file changed"
                     );
-                    tx.send_replace(Some(snapshot));
+                    tx.view(snapshot);
+                    tx.fresh();
                 }
                 Err(error) => {
                     tracing::warn!(%error, "mesh file edit rejected; keeping the last good mesh");
+                    tx.stale(format!(
+                        "edit rejected, the last good version serves: {error}"
+                    ));
                 }
             }
         }
@@ -599,12 +613,12 @@ services:
         std::fs::write(&path, GOOD).unwrap();
         let source = FileSource::load(&path, "240.240.0.0/16".parse().unwrap()).unwrap();
         std::fs::write(&path, GOOD.replace("10.200.0.9", "10.200.0.10")).unwrap();
-        let (tx, mut rx) = crate::mesh::channel();
+        let (tx, mut rx) = crate::mesh::provider::channel();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(source.run(tx, shutdown.clone()));
         let edited = tokio::time::timeout(std::time::Duration::from_secs(10), async {
             loop {
-                let seen = rx.borrow_and_update().clone();
+                let seen = rx.borrow_and_update().view.clone();
                 if let Some(mesh) = seen {
                     let db = &mesh.services[&"/foo/db".parse::<MeshPath>().unwrap()];
                     let endpoints: Vec<String> = db.ports[0]

@@ -32,7 +32,8 @@ use lattice_contract::TrapCidrs;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::mesh::{AddressError, MeshSnapshot, MeshTx, PathError};
+use crate::mesh::provider::Report as _;
+use crate::mesh::{AddressError, MeshSnapshot, PathError, ProviderTx};
 
 pub use index::MeshIndex;
 pub use mapping::{PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
@@ -176,7 +177,7 @@ type WatchEvent = (usize, Result<Change, watcher::Error>);
 pub async fn run(
     client: kube::Client,
     config: KubeSourceConfig,
-    tx: MeshTx,
+    tx: ProviderTx,
     shutdown: CancellationToken,
 ) -> Result<(), KubeSourceError> {
     let mut namespaces: Vec<Option<String>> = if config.namespaces.is_empty() {
@@ -263,7 +264,7 @@ where
 async fn follow(
     events: impl Stream<Item = WatchEvent> + Unpin,
     mut watches: WatchSet,
-    tx: &MeshTx,
+    tx: &ProviderTx,
     shutdown: &CancellationToken,
 ) -> Result<(), KubeSourceError> {
     let mut batches = events.ready_chunks(1024);
@@ -279,7 +280,11 @@ async fn follow(
             watches.handle(watch, result);
         }
         if let Some(snapshot) = watches.publishable() {
-            tx.send_replace(Some(snapshot));
+            tx.view(snapshot);
+        }
+        match watches.failing() {
+            Some(reason) => tx.stale(reason),
+            None => tx.fresh(),
         }
     }
 }
@@ -295,6 +300,8 @@ struct WatchSet {
     listed: Vec<bool>,
     /// Per watch: whether the API server said its resource does not exist (optional only).
     missing: Vec<bool>,
+    /// Per watch: why it is failing, until it delivers an event again.
+    failing: Vec<Option<String>>,
     started: Instant,
     ready: bool,
 }
@@ -308,6 +315,7 @@ impl WatchSet {
             pending: (0..n).map(|_| None).collect(),
             listed: vec![false; n],
             missing: vec![false; n],
+            failing: vec![None; n],
             started: Instant::now(),
             ready: false,
         }
@@ -317,16 +325,24 @@ impl WatchSet {
         let Some(scope) = self.scopes.get(watch).cloned() else {
             return;
         };
+        // A watch that delivers again has recovered. One that recovered with nothing to say
+        // stays marked until its next event: the watcher does not surface a quiet reconnect.
+        if result.is_ok() {
+            self.failing[watch] = None;
+        }
         match result {
             Err(err) if scope.resource.is_optional() && is_not_found(&err) => {
                 self.absent(watch, &scope)
             }
-            Err(err) => warn!(
-                resource = scope.resource.as_str(),
-                namespace = scope.namespace.as_deref().unwrap_or("*"),
-                "Kubernetes watch failed, retrying with backoff: {}",
-                error_chain(&err)
-            ),
+            Err(err) => {
+                let reason = error_chain(&err);
+                warn!(
+                    resource = scope.resource.as_str(),
+                    namespace = scope.namespace.as_deref().unwrap_or("*"),
+                    "Kubernetes watch failed, retrying with backoff: {reason}",
+                );
+                self.failing[watch] = Some(format!("{} watch: {reason}", scope.resource.as_str()));
+            }
             Ok(Change::Init) => self.pending[watch] = Some(Vec::new()),
             Ok(Change::InitApply(object)) => {
                 if let Some(pending) = &mut self.pending[watch] {
@@ -435,6 +451,11 @@ impl WatchSet {
             Object::Route(key, _) => self.index.delete_route(key),
             Object::Grant(key, _) => self.index.delete_grant(key),
         }
+    }
+
+    /// Why the view may be out of date: the first failing watch's error, if any.
+    fn failing(&self) -> Option<String> {
+        self.failing.iter().flatten().next().cloned()
     }
 
     /// The snapshot to publish now: none before every initial list is complete, and none

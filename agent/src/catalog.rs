@@ -1,0 +1,154 @@
+//! The catalog: every provider's view merged into the one mesh snapshot the translators and the
+//! admin server read.
+//!
+//! Each provider (Kubernetes, each mesh file) publishes its own complete view on a channel of
+//! its own ([`crate::mesh::provider`]). The catalog waits for every provider's first view, merges
+//! them all at once (so the first snapshot does not depend on which provider answered first),
+//! then follows each provider's changes: a change costs the services it touched, found by
+//! diffing the provider's previous and new views.
+//!
+//! The merge rules per service path are in [`merge`]: one provider's service is served as it
+//! says; several providers' services are served as one, their endpoints united, when their ports
+//! and protocols agree; a provider that disagrees is reported as a conflict and does not disturb
+//! what is served.
+
+mod merge;
+
+use futures::FutureExt as _;
+use lattice_contract::TrapCidrs;
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+pub use merge::{Conflict, Merger};
+
+use crate::mesh::{MeshMetrics, MeshTx, Provider, ProviderRx, Stale};
+use crate::readiness::{Readiness, ReadyToken};
+
+/// One provider as `/debug/mesh` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProviderStatus {
+    pub name: Provider,
+    /// Whether its first complete view has arrived: the catalog publishes nothing before
+    /// every provider's has.
+    pub synced: bool,
+    /// Services in its view.
+    pub services: usize,
+    /// Set while its view may be out of date; its last good view keeps serving.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale: Option<Stale>,
+}
+
+/// What the catalog is merging, and what it refused to: for operators.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CatalogStatus {
+    pub providers: Vec<ProviderStatus>,
+    pub conflicts: Vec<Conflict>,
+}
+
+pub type StatusRx = watch::Receiver<CatalogStatus>;
+
+/// A provider the catalog merges: its name, in the order providers rank (an address several
+/// providers report is attributed to the first), and its channel.
+pub struct Feed {
+    pub provider: Provider,
+    pub reports: ProviderRx,
+}
+
+/// The running catalog: feeds in, merged snapshots out on the mesh channel.
+pub struct Catalog {
+    merger: Merger,
+    feeds: Vec<ProviderRx>,
+    /// Per provider: held until its first view arrives (`/readyz` names it meanwhile).
+    ready: Vec<Option<ReadyToken>>,
+    status: watch::Sender<CatalogStatus>,
+    metrics: MeshMetrics,
+}
+
+impl Catalog {
+    pub fn new(
+        trap: TrapCidrs,
+        feeds: Vec<Feed>,
+        readiness: &Readiness,
+        metrics: MeshMetrics,
+    ) -> (Catalog, StatusRx) {
+        let providers = feeds.iter().map(|f| f.provider.clone()).collect();
+        let ready = feeds
+            .iter()
+            .map(|f| Some(readiness.register(format!("provider {}", f.provider))))
+            .collect();
+        let merger = Merger::new(trap, providers);
+        let (status, status_rx) = watch::channel(merger.status());
+        let catalog = Catalog {
+            merger,
+            feeds: feeds.into_iter().map(|f| f.reports).collect(),
+            ready,
+            status,
+            metrics,
+        };
+        (catalog, status_rx)
+    }
+
+    /// Merges until shutdown, publishing each merged snapshot on `mesh` (nothing before every
+    /// provider's first view).
+    pub async fn run(mut self, mesh: MeshTx, shutdown: CancellationToken) {
+        // The first pass reads what providers published before the catalog started.
+        let mut first = true;
+        loop {
+            // `changed()` marks what it saw as seen: the provider it woke for is read below
+            // by index, the others if they changed meanwhile.
+            let mut woken = None;
+            if !std::mem::take(&mut first) {
+                let changed = futures::future::select_all(
+                    self.feeds.iter_mut().map(|rx| rx.changed().boxed()),
+                );
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    (result, index, _) = changed => {
+                        if result.is_err() {
+                            // A provider's task ended; the agent is stopping or has failed.
+                            shutdown.cancelled().await;
+                            return;
+                        }
+                        woken = Some(index);
+                    }
+                }
+            }
+            let mut changed = false;
+            for (index, feed) in self.feeds.iter_mut().enumerate() {
+                let unread = woken == Some(index)
+                    || feed.has_changed().unwrap_or(false)
+                    || first_look(&self.ready, index);
+                if !unread {
+                    continue;
+                }
+                let report = feed.borrow_and_update().clone();
+                if report.view.is_some() {
+                    self.ready[index] = None;
+                }
+                changed |= self.merger.update(index, report);
+            }
+            if changed && let Some(snapshot) = self.merger.snapshot() {
+                mesh.send_replace(Some(snapshot));
+            }
+            let status = self.merger.status();
+            let stale = status
+                .providers
+                .iter()
+                .filter(|p| p.stale.is_some())
+                .count();
+            self.metrics.observe_catalog(status.conflicts.len(), stale);
+            self.status.send_if_modified(|old| {
+                let modified = *old != status;
+                *old = status;
+                modified
+            });
+        }
+    }
+}
+
+/// A provider whose first view has not been taken yet is read even if its channel says it has
+/// not changed (it published before the catalog subscribed).
+fn first_look(ready: &[Option<ReadyToken>], index: usize) -> bool {
+    ready.get(index).is_some_and(Option::is_some)
+}
