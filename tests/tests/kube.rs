@@ -111,7 +111,11 @@ fn truth(server: &FakeApiServer) -> Mesh {
             }
             endpoints.sort();
             endpoints.dedup();
-            let endpoints: Vec<String> = endpoints.iter().map(|e| e.to_string()).collect();
+            // Every endpoint from the API server is reported as the kubernetes provider's.
+            let endpoints: Vec<Value> = endpoints
+                .iter()
+                .map(|e| json!({"address": e.to_string(), "provider": "kubernetes"}))
+                .collect();
             ports.push((
                 port.port,
                 json!({"port": port.port, "protocol": protocol, "endpoints": endpoints}),
