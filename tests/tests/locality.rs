@@ -10,7 +10,9 @@
 //!   priorities Envoy would spread them over both);
 //! - failover: the local backend fails its health check, then drops off the network: each time
 //!   every request soon reaches the remote backend, and none fails once it has;
-//! - return: the local backend recovers and gets all the traffic again.
+//! - return: the local backend recovers and gets all the traffic again;
+//! - an agent that cannot learn its zone (no Node, or no zone label) still gets ready, and says
+//!   why on `/debug/mesh`.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -18,6 +20,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use lattice_e2e::agent::Agent;
+use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::mesh_source::MeshSource as Source;
 use lattice_e2e::node::{Backend, ClientPod, Node};
 use lattice_e2e::wait;
@@ -248,4 +252,57 @@ fn a_mesh_file_service_prefers_the_agents_zone_and_fails_over() {
 #[test]
 fn a_kubernetes_service_prefers_the_nodes_zone_and_fails_over() {
     prefers_its_zone_and_fails_over(true);
+}
+
+/// The agent's `node` on `/debug/mesh`.
+fn node_view(agent: &Agent) -> Value {
+    let (_, mesh) = agent.get("/debug/mesh").unwrap();
+    serde_json::from_str::<Value>(&mesh).unwrap()["node"].clone()
+}
+
+#[test]
+fn an_agent_that_cannot_learn_its_zone_serves_and_says_why() {
+    let server = FakeApiServer::start().unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let env = [
+        ("KUBECONFIG", kubeconfig.as_str()),
+        ("NODE_NAME", NODE_NAME),
+    ];
+
+    // No such Node: the get is refused for good (404), and the agent serves anyway.
+    let agent = Agent::start_with_env(&[], &env);
+    agent.wait_ready().unwrap();
+    let node = node_view(&agent);
+    assert_eq!(node["zone"], Value::Null, "{node:#}");
+    assert_eq!(node["zone_source"], "unknown");
+    let note = node["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains(&format!("cannot read node {NODE_NAME}")),
+        "{note}"
+    );
+    assert!(agent.log().contains("cannot read node"), "{}", agent.log());
+    drop(agent);
+
+    // A Node without the zone label.
+    server
+        .apply_json(json!({"apiVersion": "v1", "kind": "Node",
+                           "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/os": "linux"}}}))
+        .unwrap();
+    let agent = Agent::start_with_env(&[], &env);
+    agent.wait_ready().unwrap();
+    let note = node_view(&agent)["note"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        note.contains("has no topology.kubernetes.io/zone label"),
+        "{note}"
+    );
+    // --node-zone wins over the Node.
+    drop(agent);
+    let agent = Agent::start_with_env(&["--node-zone", OWN_ZONE], &env);
+    agent.wait_ready().unwrap();
+    let node = node_view(&agent);
+    assert_eq!(node["zone"], OWN_ZONE, "{node:#}");
+    assert_eq!(node["zone_source"], "flag");
 }
