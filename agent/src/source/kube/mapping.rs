@@ -317,7 +317,8 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
             }
         }
     }
-    endpoints.sort_unstable_by_key(|e| e.ip);
+    // Stable: of two entries for one address, the first in the slice is kept.
+    endpoints.sort_by_key(|e| e.ip);
     endpoints.dedup_by_key(|e| e.ip);
     // A terminating pod is on its way out; its successor (same hostname) takes over the name.
     let named = slice
