@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::StatusRx;
-use crate::mesh::MeshRx;
+use crate::mesh::{MeshRx, NodeLocality};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::xds::ProxyRegistry;
@@ -24,6 +24,8 @@ pub struct AdminState {
     pub mesh: MeshRx,
     /// The providers the catalog merges, and where they disagree.
     pub catalog: StatusRx,
+    /// This node's name and zone, which decide endpoint priorities (`None` until known).
+    pub node: tokio::sync::watch::Receiver<Option<NodeLocality>>,
     pub metrics: Arc<Metrics>,
     pub proxies: ProxyRegistry,
     pub readiness: Readiness,
@@ -109,6 +111,7 @@ async fn debug_mesh(State(state): State<AdminState>) -> Response {
         Ok(mut value) => {
             value["providers"] = serde_json::to_value(&catalog.providers).unwrap_or_default();
             value["conflicts"] = serde_json::to_value(&catalog.conflicts).unwrap_or_default();
+            value["node"] = serde_json::to_value(&*state.node.borrow()).unwrap_or_default();
             value["health_note"] = HEALTH_NOTE.into();
             axum::Json(value).into_response()
         }

@@ -57,9 +57,18 @@ pub struct AgentConfig {
     /// This node's name, as Kubernetes knows it (the manifests fill NODE_NAME from the downward
     /// API). With Kubernetes, the agent then watches this node's Pods and accepts an ADS stream
     /// only from one of them, sending its own node id (<pod>.<namespace>); without it,
-    /// identity checking is off. Unused with mesh files only.
+    /// identity checking is off. It also says which endpoints run on this node, for Services
+    /// that prefer them (trafficDistribution PreferSameNode, node hints, a mesh file's node:).
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
     pub node_name: Option<String>,
+
+    /// This node's zone. Endpoints in it are preferred for Services that ask for it
+    /// (trafficDistribution PreferSameZone or PreferSameNode, or zone hints), while every other
+    /// endpoint stays as failover. Without it, with Kubernetes and --node-name, the agent reads
+    /// the Node's topology.kubernetes.io/zone label once at start; otherwise the zone is
+    /// unknown and no service prefers by zone.
+    #[arg(long, env = "NODE_ZONE", value_name = "ZONE")]
+    pub node_zone: Option<String>,
 
     /// Accept ADS streams from pods on the host network. Such pods share the node's address,
     /// so the agent cannot tell their proxies from the node's other processes.
@@ -144,6 +153,7 @@ mod tests {
         let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
         assert_eq!(config.xds_addr.to_string(), "127.0.0.1:15010");
         assert_eq!(config.node_name, None);
+        assert_eq!(config.node_zone, None);
         assert!(config.mesh_files.is_empty() && !config.kubernetes);
         assert!(
             config.watches_kubernetes(),

@@ -12,7 +12,8 @@ use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
 use lattice_agent::config::{AgentConfig, LogFormat};
 use lattice_agent::identity::{self, IdentityCheck};
-use lattice_agent::mesh::{self, Provider};
+use lattice_agent::mesh::locality::{ZoneSource, place_name};
+use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address::{self, NodeLocalAddress};
 use lattice_agent::readiness::Readiness;
@@ -25,6 +26,15 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let config = AgentConfig::parse();
+    if let Some(Err(error)) = config.node_zone.as_deref().map(place_name) {
+        use clap::CommandFactory as _;
+        AgentConfig::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for --node-zone: {error}"),
+            )
+            .exit();
+    }
     init_logging(config.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -122,8 +132,17 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         .and(config.node_name.as_ref())
         .map(|_| readiness.register("this node's pods"));
     let (mesh_tx, mesh_rx) = mesh::channel();
+    let (locality_tx, locality_rx) = tokio::sync::watch::channel(None);
+    let zone_lookup = match node_locality(&config, kubernetes.is_some()) {
+        Some(locality) => {
+            locality_tx.send_replace(Some(locality));
+            None
+        }
+        None => Some(readiness.register("this node's zone")),
+    };
     let (pipeline, published) = Pipeline::new(
         mesh_rx.clone(),
+        locality_rx.clone(),
         config.debounce(),
         metrics.xds.clone(),
         metrics.mesh.clone(),
@@ -181,6 +200,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let admin_state = AdminState {
         mesh: mesh_rx,
         catalog: catalog_status,
+        node: locality_rx.clone(),
         metrics: metrics.clone(),
         proxies: proxies.clone(),
         readiness,
@@ -233,6 +253,24 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }
         (None, _) => IdentityCheck::Off,
     };
+    if let (Some(ready), Some(client), Some(node)) = (zone_lookup, &kubernetes, &config.node_name) {
+        let (client, node, token) = (client.clone(), node.clone(), shutdown.clone());
+        let mut known = locality_rx.clone();
+        tasks.spawn(async move {
+            let announce = async move {
+                let _ = known.wait_for(Option::is_some).await;
+                drop(ready);
+                std::future::pending::<()>().await
+            };
+            tokio::select! {
+                () = source::kube::node::read_zone(client, node, locality_tx, token.clone()) => {},
+                () = announce => {},
+            }
+            // Read once: done, but the agent is not.
+            token.cancelled().await;
+            Ok("node zone lookup")
+        });
+    }
     for (file, tx) in files.into_iter().zip(file_txs) {
         let token = shutdown.clone();
         tasks.spawn(async move {
@@ -323,6 +361,29 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// This node's locality when it is known without asking Kubernetes: from `--node-zone`, or
+/// unknown when there is no Node to read (`None`: read the Node's zone label).
+fn node_locality(config: &AgentConfig, kubernetes: bool) -> Option<NodeLocality> {
+    let name = config.node_name.as_deref().map(std::sync::Arc::from);
+    // --node-zone was checked in main: an invalid one never gets here.
+    if let Some(zone) = config.node_zone.as_deref().and_then(|z| place_name(z).ok()) {
+        tracing::info!(%zone, "this node's zone, from --node-zone");
+        return Some(NodeLocality::with_zone(name, zone, ZoneSource::Flag));
+    }
+    if kubernetes && name.is_some() {
+        return None;
+    }
+    let why = if kubernetes {
+        "no --node-zone, and no --node-name to read the Node's zone label"
+    } else {
+        "no --node-zone (NODE_ZONE)"
+    };
+    tracing::info!(
+        "this node's zone is unknown ({why}): services are served without a zone preference"
+    );
+    Some(NodeLocality::without_zone(name, why))
 }
 
 /// Whether hosts other than this one may reach `ip`: anything but loopback and link-local

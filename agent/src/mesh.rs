@@ -8,6 +8,7 @@
 
 mod address;
 pub mod health;
+pub mod locality;
 mod metrics;
 mod path;
 pub mod provider;
@@ -25,6 +26,7 @@ use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError};
 pub use health::HealthPolicy;
+pub use locality::{Hints, NodeLocality, TrafficDistribution};
 pub use metrics::MeshMetrics;
 pub use path::{MeshPath, PathError};
 pub use provider::{Provider, ProviderReport, ProviderRx, ProviderTx, Stale};
@@ -115,6 +117,9 @@ pub struct Endpoint {
     /// The node it runs on, where the provider knows.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<Arc<str>>,
+    /// The zones and nodes whose clients should prefer it (EndpointSlice hints).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hints: Option<Arc<Hints>>,
 }
 
 impl Endpoint {
@@ -124,6 +129,7 @@ impl Endpoint {
             provider,
             zone: None,
             node: None,
+            hints: None,
         }
     }
 }
@@ -203,6 +209,8 @@ pub struct ServiceSpec {
     pub instances: Vec<InstanceSpec>,
     /// How its endpoints are judged healthy.
     pub health: HealthPolicy,
+    /// Which endpoints a client should prefer (this node's, this zone's), if any.
+    pub traffic_distribution: TrafficDistribution,
 }
 
 impl ServiceSpec {
@@ -215,7 +223,13 @@ impl ServiceSpec {
             routes: Rules::from([]),
             instances: Vec::new(),
             health: HealthPolicy::default(),
+            traffic_distribution: TrafficDistribution::Any,
         }
+    }
+
+    pub fn with_traffic_distribution(mut self, distribution: TrafficDistribution) -> Self {
+        self.traffic_distribution = distribution;
+        self
     }
 
     pub fn with_health(mut self, health: HealthPolicy) -> Self {
@@ -316,6 +330,9 @@ pub struct Service {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub instances: Vec<Instance>,
     pub health: HealthPolicy,
+    /// Shown only when the service asks for a preference.
+    #[serde(skip_serializing_if = "TrafficDistribution::is_any")]
+    pub traffic_distribution: TrafficDistribution,
 }
 
 impl Service {
@@ -341,9 +358,10 @@ impl Service {
                 .all(|(a, b)| a.name == b.name && a.address == b.address && a.ready == b.ready)
     }
 
-    /// Same endpoints on every port and every instance.
+    /// Same endpoints on every port and every instance, preferred alike.
     pub fn same_endpoints(&self, other: &Service) -> bool {
         self.ports == other.ports
+            && self.traffic_distribution == other.traffic_distribution
             && self.instances.len() == other.instances.len()
             && self
                 .instances
@@ -479,6 +497,7 @@ impl MeshState {
             && existing.ports == spec.ports
             && existing.routes == spec.routes
             && existing.health == spec.health
+            && existing.traffic_distribution == spec.traffic_distribution
             && existing.instances == instances
         {
             return Ok(false);
@@ -491,6 +510,7 @@ impl MeshState {
             routes: spec.routes,
             instances,
             health: spec.health,
+            traffic_distribution: spec.traffic_distribution,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));

@@ -33,12 +33,19 @@ impl MeshSource {
 
     /// The agent in the node, reading this source, once it is ready.
     pub fn agent(&self, node: &Node) -> anyhow::Result<Agent> {
+        self.agent_with(node, &[])
+    }
+
+    /// [`MeshSource::agent`] with more arguments.
+    pub fn agent_with(&self, node: &Node, args: &[&str]) -> anyhow::Result<Agent> {
         match self {
             MeshSource::File(file) => {
                 let path = file.path().to_string_lossy();
-                node.agent(&["--mesh-file", &path], &[])
+                let mut all = vec!["--mesh-file", &path];
+                all.extend(args);
+                node.agent(&all, &[])
             }
-            MeshSource::Kube { kubeconfig, .. } => node.agent(&[], &[("KUBECONFIG", kubeconfig)]),
+            MeshSource::Kube { kubeconfig, .. } => node.agent(args, &[("KUBECONFIG", kubeconfig)]),
         }
     }
 }

@@ -4,8 +4,8 @@
 //! - defined by one provider: served as that provider says;
 //! - defined by several: served as one service whose ports carry the union of their
 //!   endpoints, when their **shape** agrees (the same port numbers with the same protocols,
-//!   and none of them stateful) and their routing rules and health policies do not contradict
-//!   each other (one may set them, or all the same);
+//!   and none of them stateful) and their routing rules, health policies and traffic
+//!   distributions do not contradict each other (one may set them, or all the same);
 //! - when they disagree, the shape already served wins: providers that still agree with it
 //!   keep their endpoints flowing; a provider that disagrees is a conflict (shown on
 //!   `/debug/mesh`, counted, logged) and contributes what it last contributed while it agreed,
@@ -346,11 +346,22 @@ fn agrees(
     {
         return Err("its health policy differs from another provider's".to_string());
     }
+    if !definition.traffic_distribution.is_any()
+        && contributions.values().any(|c| {
+            !c.traffic_distribution.is_any()
+                && c.traffic_distribution != definition.traffic_distribution
+        })
+    {
+        return Err(format!(
+            "its traffic distribution {} differs from another provider's",
+            definition.traffic_distribution
+        ));
+    }
     Ok(())
 }
 
 /// The one service the contributions make: their shape, endpoints united in rank order, the
-/// first port name, routing rules and health policy any of them sets.
+/// first port name, routing rules, health policy and traffic distribution any of them sets.
 fn merged_spec(
     path: &MeshPath,
     shape: &Shape,
@@ -387,6 +398,11 @@ fn merged_spec(
         .find(|h| **h != HealthPolicy::default())
         .cloned()
         .unwrap_or_default();
+    let traffic_distribution = contributions
+        .values()
+        .map(|c| c.traffic_distribution)
+        .find(|d| !d.is_any())
+        .unwrap_or_default();
     let instances = contributions
         .values()
         .flat_map(|c| &c.instances)
@@ -398,6 +414,7 @@ fn merged_spec(
         .collect();
     let mut spec = ServiceSpec::new(path.clone(), ports)
         .with_health(health)
+        .with_traffic_distribution(traffic_distribution)
         .with_instances(instances);
     if let Some(routes) = routes {
         spec.routes = routes;
@@ -659,6 +676,69 @@ mod tests {
         merger.update(0, view(vec![]));
         merger.update(1, view(vec![]));
         assert!(merger.snapshot().unwrap().services.is_empty());
+    }
+
+    #[test]
+    fn a_traffic_distribution_set_by_one_provider_holds_and_a_different_one_conflicts() {
+        use crate::mesh::TrafficDistribution::{PreferSameNode, PreferSameZone};
+        let (kube, file) = providers();
+        let distribution = |merger: &mut Merger| {
+            let mesh = merger.snapshot().expect("merged");
+            mesh.services[&"/a/web".parse::<MeshPath>().unwrap()].traffic_distribution
+        };
+        let mut merger = Merger::new(trap(), vec![kube.clone(), file.clone()]);
+        merger.update(
+            0,
+            view(vec![service(&kube, "/a/web", &[HTTP], &["10.0.0.1"])]),
+        );
+        // The file alone sets it: the merged service prefers, with both providers' endpoints.
+        merger.update(
+            1,
+            view(vec![
+                service(&file, "/a/web", &[HTTP], &["10.0.0.9"])
+                    .with_traffic_distribution(PreferSameZone),
+            ]),
+        );
+        assert_eq!(distribution(&mut merger), PreferSameZone);
+        assert!(merger.status().conflicts.is_empty());
+        // Kubernetes says the same: still one service.
+        merger.update(
+            0,
+            view(vec![
+                service(&kube, "/a/web", &[HTTP], &["10.0.0.1"])
+                    .with_traffic_distribution(PreferSameZone),
+            ]),
+        );
+        assert!(merger.status().conflicts.is_empty());
+        assert_eq!(
+            endpoints(&mut merger, "/a/web"),
+            [["10.0.0.1:80@kubernetes", "10.0.0.9:80@file:/etc/mesh.yaml"]]
+        );
+        // The file changes its mind: a conflict; what it contributed before keeps serving,
+        // and so does the distribution.
+        merger.update(
+            1,
+            view(vec![
+                service(&file, "/a/web", &[HTTP], &["10.0.0.8"])
+                    .with_traffic_distribution(PreferSameNode),
+            ]),
+        );
+        assert_eq!(distribution(&mut merger), PreferSameZone);
+        let status = merger.status();
+        let [conflict] = &status.conflicts[..] else {
+            panic!("{status:?}")
+        };
+        assert_eq!(conflict.refused[0].provider, file);
+        assert!(conflict.refused[0].kept_previous);
+        assert!(
+            conflict.refused[0].reason.contains("PreferSameNode"),
+            "{}",
+            conflict.refused[0].reason
+        );
+        assert_eq!(
+            endpoints(&mut merger, "/a/web"),
+            [["10.0.0.1:80@kubernetes", "10.0.0.9:80@file:/etc/mesh.yaml"]]
+        );
     }
 
     #[test]

@@ -18,10 +18,11 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
 use crate::mesh::{
     AddressError, Endpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
-    ProviderTx, ServicePort, ServiceSpec,
+    ProviderTx, ServicePort, ServiceSpec, TrafficDistribution,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +52,7 @@ struct MeshFile {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct FileService {
     path: String,
     ports: Vec<FilePort>,
@@ -61,6 +62,9 @@ struct FileService {
     routes: Vec<routes::FileRoute>,
     /// Active health checks and outlier detection (docs/mesh-file.md).
     health: Option<super::health::HealthSpec>,
+    /// `PreferSameZone` or `PreferSameNode`: which endpoints clients prefer (Kubernetes'
+    /// spelling and meaning).
+    traffic_distribution: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -90,6 +94,10 @@ struct FileEndpoint {
     /// stateful service's name; a named instance keeps its own name and address.
     #[serde(default = "ready_by_default")]
     ready: bool,
+    /// The zone it runs in: Envoy's locality, and what PreferSameZone compares.
+    zone: Option<String>,
+    /// The node it runs in (as `--node-name` names nodes): what PreferSameNode compares.
+    node: Option<String>,
 }
 
 fn ready_by_default() -> bool {
@@ -119,6 +127,12 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
         }
         let health =
             super::health::policy(service.health).map_err(|e| format!("{at}.health.{e}"))?;
+        let traffic_distribution = match &service.traffic_distribution {
+            None => TrafficDistribution::Any,
+            Some(value) => value
+                .parse()
+                .map_err(|e| format!("{at}.trafficDistribution: {e}"))?,
+        };
         let mut endpoints = Vec::with_capacity(service.endpoints.len());
         let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
         let named = service
@@ -154,8 +168,17 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                 }
                 instances.push((name.clone(), ip, endpoint.ready));
             }
+            let place = |field: &str, value: &Option<String>| {
+                value
+                    .as_deref()
+                    .map(place_name)
+                    .transpose()
+                    .map_err(|e| format!("{at}.endpoints[{j}].{field}: {e}"))
+            };
+            let zone = place("zone", &endpoint.zone)?;
+            let node = place("node", &endpoint.node)?;
             if endpoint.ready {
-                endpoints.push(ip);
+                endpoints.push((ip, zone, node));
             }
         }
         let mut ports = Vec::with_capacity(service.ports.len());
@@ -196,7 +219,11 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                 protocol,
                 endpoints: endpoints
                     .iter()
-                    .map(|&ip| Endpoint::new(SocketAddr::new(ip, target), provider.clone()))
+                    .map(|(ip, zone, node)| Endpoint {
+                        zone: zone.clone(),
+                        node: node.clone(),
+                        ..Endpoint::new(SocketAddr::new(*ip, target), provider.clone())
+                    })
                     .collect(),
             });
         }
@@ -221,7 +248,8 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
         specs.push(
             ServiceSpec::new(path, ports)
                 .with_instances(instances)
-                .with_health(health),
+                .with_health(health)
+                .with_traffic_distribution(traffic_distribution),
         );
         all_routes.push((at, service.routes));
     }
@@ -603,6 +631,49 @@ services:
             err.contains("services[1] (/foo/db).health.check.interval: must be more than 0"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn zones_nodes_and_a_traffic_distribution_are_read_and_checked() {
+        let text = GOOD
+            .replace(
+                "      - address: 10.200.0.3\n",
+                "      - address: 10.200.0.3\n        zone: europe-west1-b\n        node: node-1\n",
+            )
+            .replace(
+                "  - path: /foo/bar/buzz\n",
+                "  - path: /foo/bar/buzz\n    trafficDistribution: PreferSameZone\n",
+            );
+        let specs = parse(&text).unwrap();
+        let buzz = &specs[0];
+        assert_eq!(
+            buzz.traffic_distribution,
+            TrafficDistribution::PreferSameZone
+        );
+        assert_eq!(specs[1].traffic_distribution, TrafficDistribution::Any);
+        let places: Vec<(Option<&str>, Option<&str>)> = buzz.ports[0]
+            .endpoints
+            .iter()
+            .map(|e| (e.zone.as_deref(), e.node.as_deref()))
+            .collect();
+        assert_eq!(
+            places,
+            [(Some("europe-west1-b"), Some("node-1")), (None, None)]
+        );
+        refused([
+            (
+                text.replace("PreferSameZone", "preferSameZone"),
+                "services[0] (/foo/bar/buzz).trafficDistribution: unknown traffic distribution \"preferSameZone\"",
+            ),
+            (
+                text.replace("europe-west1-b", "\"europe west\""),
+                "services[0] (/foo/bar/buzz).endpoints[0].zone: \"europe west\" is not a valid name",
+            ),
+            (
+                text.replace("node-1", "-node"),
+                "services[0] (/foo/bar/buzz).endpoints[0].node: \"-node\" is not a valid name",
+            ),
+        ]);
     }
 
     /// The watch starts after the load: an edit in between must not be lost.

@@ -14,6 +14,7 @@
 
 mod index;
 mod mapping;
+pub mod node;
 pub mod pods;
 mod routes;
 

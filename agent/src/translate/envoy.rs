@@ -5,7 +5,7 @@
 //! what it built last time and reuses it for services that did not change, so the cost of a
 //! change follows the size of the change, not the size of the mesh.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::config::core::v3::health_check::{
 };
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
-    Metadata, SocketAddress, TrafficDirection, address, config_source, socket_address,
+    Locality, Metadata, SocketAddress, TrafficDirection, address, config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -51,7 +51,10 @@ mod routes;
 pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
-use crate::mesh::{MeshSnapshot, Provider, Service, ServiceAddress, ServiceMap, ServicePort};
+use crate::mesh::{
+    MeshSnapshot, NodeLocality, Provider, Service, ServiceAddress, ServiceMap, ServicePort,
+    TrafficDistribution,
+};
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
 /// The one listener every captured connection lands on, on
@@ -70,15 +73,37 @@ pub fn route_name(port: u16) -> String {
 
 /// Keeps the last translation and updates it by what changed in the mesh: the persistent maps
 /// make both the comparison and the snapshot handed out cost the size of the change.
-#[derive(Default)]
 pub struct EnvoyTranslator {
+    /// This node, whose Envoys every assignment is for: it decides endpoint priorities.
+    node: NodeLocality,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
     resources: [ResourceMap; 4],
 }
 
+impl Default for EnvoyTranslator {
+    /// A translator for a node whose name and zone are unknown: no endpoint is preferred.
+    fn default() -> Self {
+        EnvoyTranslator::new(NodeLocality::without_zone(None, "unknown"))
+    }
+}
+
 impl EnvoyTranslator {
+    pub fn new(node: NodeLocality) -> Self {
+        EnvoyTranslator {
+            node,
+            mesh: None,
+            shape_version: None,
+            resources: Default::default(),
+        }
+    }
+
+    /// The node this translator prefers endpoints for.
+    pub fn node(&self) -> &NodeLocality {
+        &self.node
+    }
+
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
         // Ports whose route configuration must be rebuilt though the shape did not change: a
@@ -137,7 +162,7 @@ impl EnvoyTranslator {
         if with_clusters {
             self.put(ResourceType::Cluster, clusters_for(service));
         }
-        self.put(ResourceType::Endpoint, endpoints_for(service));
+        self.put(ResourceType::Endpoint, endpoints_for(service, &self.node));
     }
 
     /// Puts `resources` in place, keeping the one already there when its content is the same:
@@ -337,24 +362,37 @@ fn health_check(check: &ActiveCheck, host: &str, port: &ServicePort) -> HealthCh
     }
 }
 
-fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
+fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>> {
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            let endpoint = instance.endpoint(port.port).map(|address| (address, None));
+            let endpoint = instance.endpoint(port.port).map(|address| Placed {
+                address,
+                provider: None,
+                zone: None,
+                priority: 0,
+            });
             let assignment = load_assignment(name.clone(), endpoint);
             XdsResource::new(name, assignment)
         })
     });
+    let distribution = preference(service);
     service
         .ports
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
+            let priorities = node.priorities(distribution, port.endpoints.iter());
             let endpoints = port
                 .endpoints
                 .iter()
-                .map(|e| (e.address, Some(&e.provider)));
+                .zip(priorities)
+                .map(|(e, priority)| Placed {
+                    address: e.address,
+                    provider: Some(&e.provider),
+                    zone: e.zone.as_deref(),
+                    priority,
+                });
             let assignment = load_assignment(name.clone(), endpoints);
             XdsResource::new(name, assignment)
         })
@@ -362,30 +400,71 @@ fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .collect()
 }
 
+/// The preference a service's endpoints are ranked by. A service that Envoy cannot judge
+/// unhealthy (neither outlier detection nor active checks) gets none: Envoy moves traffic to a
+/// lower priority only when the preferred endpoints are unhealthy, so a dead preferred
+/// endpoint would keep its traffic.
+fn preference(service: &Service) -> TrafficDistribution {
+    if service.health.outlier.is_none() && service.health.check.is_none() {
+        return TrafficDistribution::Any;
+    }
+    service.traffic_distribution
+}
+
 /// The filter-metadata namespace the agent writes endpoint metadata under.
 pub const METADATA_NAMESPACE: &str = "lattice";
 
-/// Each endpoint, with the provider that reported it where known.
+/// One endpoint of an assignment: where it is, who reported it, its zone and its priority.
+struct Placed<'a> {
+    address: SocketAddr,
+    provider: Option<&'a Provider>,
+    zone: Option<&'a str>,
+    priority: u32,
+}
+
+/// The endpoints grouped by priority and zone (one `LocalityLbEndpoints` each, the zone as
+/// its locality), each with the provider that reported it where known. Envoy sends a
+/// priority's share of traffic to its healthy endpoints and the rest (all of it when they are
+/// unhealthy) to the next priority.
 fn load_assignment<'a>(
     cluster_name: String,
-    endpoints: impl IntoIterator<Item = (SocketAddr, Option<&'a Provider>)>,
+    endpoints: impl IntoIterator<Item = Placed<'a>>,
 ) -> ClusterLoadAssignment {
+    let mut groups: BTreeMap<(u32, Option<&str>), Vec<LbEndpoint>> = BTreeMap::new();
+    for placed in endpoints {
+        groups
+            .entry((placed.priority, placed.zone))
+            .or_default()
+            .push(LbEndpoint {
+                host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                    address: Some(socket_address(
+                        placed.address.ip().to_string(),
+                        placed.address.port(),
+                    )),
+                    ..Endpoint::default()
+                })),
+                metadata: placed.provider.map(provider_metadata),
+                ..LbEndpoint::default()
+            });
+    }
+    // An assignment without endpoints keeps its one empty group.
+    if groups.is_empty() {
+        groups.insert((0, None), Vec::new());
+    }
     ClusterLoadAssignment {
         cluster_name,
-        endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: endpoints
-                .into_iter()
-                .map(|(addr, provider)| LbEndpoint {
-                    host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
-                        address: Some(socket_address(addr.ip().to_string(), addr.port())),
-                        ..Endpoint::default()
-                    })),
-                    metadata: provider.map(provider_metadata),
-                    ..LbEndpoint::default()
-                })
-                .collect(),
-            ..LocalityLbEndpoints::default()
-        }],
+        endpoints: groups
+            .into_iter()
+            .map(|((priority, zone), lb_endpoints)| LocalityLbEndpoints {
+                locality: zone.map(|zone| Locality {
+                    zone: zone.to_string(),
+                    ..Locality::default()
+                }),
+                lb_endpoints,
+                priority,
+                ..LocalityLbEndpoints::default()
+            })
+            .collect(),
         ..ClusterLoadAssignment::default()
     }
 }
@@ -869,6 +948,182 @@ mod tests {
                 start: 200,
                 end: 300
             }]
+        );
+    }
+
+    /// Each group of an assignment: (priority, zone, addresses).
+    fn groups(cla: &ClusterLoadAssignment) -> Vec<(u32, String, Vec<String>)> {
+        cla.endpoints
+            .iter()
+            .map(|group| {
+                let zone = group.locality.as_ref().map(|l| l.zone.clone());
+                let single = ClusterLoadAssignment {
+                    endpoints: vec![group.clone()],
+                    ..ClusterLoadAssignment::default()
+                };
+                (
+                    group.priority,
+                    zone.unwrap_or_default(),
+                    cla_addresses(&single),
+                )
+            })
+            .collect()
+    }
+
+    /// `/a/<name>` on 8080 with three endpoints: .1 in zone a on node n1, .2 in zone a on n2,
+    /// .3 in zone b.
+    fn placed(name: &str, distribution: crate::mesh::TrafficDistribution) -> ServiceSpec {
+        let endpoint = |ip: &str, zone: &str, node: &str| crate::mesh::Endpoint {
+            zone: Some(Arc::from(zone)),
+            node: Some(Arc::from(node)),
+            ..crate::mesh::Endpoint::new(ip.parse().unwrap(), Provider::new("test"))
+        };
+        let endpoints = EndpointSet::new(vec![
+            endpoint("10.0.0.1:80", "a", "n1"),
+            endpoint("10.0.0.2:80", "a", "n2"),
+            endpoint("10.0.0.3:80", "b", "n3"),
+        ]);
+        let port = ServicePort {
+            name: None,
+            port: 8080,
+            protocol: Protocol::Http,
+            endpoints,
+        };
+        ServiceSpec::new(format!("/a/{name}").parse().unwrap(), vec![port])
+            .with_traffic_distribution(distribution)
+    }
+
+    fn strings(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn endpoint_priorities_follow_each_services_preference_for_this_node() {
+        use crate::mesh::TrafficDistribution::{Any, PreferSameNode, PreferSameZone};
+        use crate::mesh::locality::ZoneSource;
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let blind = HealthPolicy {
+            check: None,
+            outlier: None,
+        };
+        state
+            .replace_all(vec![
+                placed("plain", Any),
+                placed("zoned", PreferSameZone),
+                placed("noded", PreferSameNode),
+                placed("blind", PreferSameZone).with_health(blind),
+            ])
+            .unwrap();
+        let mesh = state.snapshot();
+        let here = NodeLocality::with_zone(Some(Arc::from("n1")), Arc::from("a"), ZoneSource::Flag);
+        let mut translator = EnvoyTranslator::new(here);
+        let xds = translator.translate(&mesh);
+        let of = |xds: &XdsSnapshot, name: &str| {
+            groups(&decode(
+                &xds.of(ResourceType::Endpoint)[&*format!("{name}.a.system.internal|8080")],
+            ))
+        };
+        // No preference: one priority, zones still recorded as localities.
+        assert_eq!(
+            of(&xds, "plain"),
+            [
+                (0, "a".to_string(), strings(&["10.0.0.1:80", "10.0.0.2:80"])),
+                (0, "b".to_string(), strings(&["10.0.0.3:80"])),
+            ]
+        );
+        assert_eq!(
+            of(&xds, "zoned"),
+            [
+                (0, "a".to_string(), strings(&["10.0.0.1:80", "10.0.0.2:80"])),
+                (1, "b".to_string(), strings(&["10.0.0.3:80"])),
+            ]
+        );
+        assert_eq!(
+            of(&xds, "noded"),
+            [
+                (0, "a".to_string(), strings(&["10.0.0.1:80"])),
+                (1, "a".to_string(), strings(&["10.0.0.2:80"])),
+                (2, "b".to_string(), strings(&["10.0.0.3:80"])),
+            ]
+        );
+        // Envoy could not see a preferred endpoint die: no preference.
+        assert_eq!(of(&xds, "blind"), of(&xds, "plain"));
+
+        // Unknown zone: PreferSameZone has nothing to go by; PreferSameNode still has the node.
+        let blindfolded = NodeLocality::without_zone(Some(Arc::from("n1")), "no --node-zone");
+        let unknown = EnvoyTranslator::new(blindfolded).translate(&mesh);
+        assert_eq!(of(&unknown, "zoned"), of(&xds, "plain"));
+        assert_eq!(
+            of(&unknown, "noded"),
+            [
+                (0, "a".to_string(), strings(&["10.0.0.1:80"])),
+                (1, "a".to_string(), strings(&["10.0.0.2:80"])),
+                (1, "b".to_string(), strings(&["10.0.0.3:80"])),
+            ]
+        );
+
+        // A preference changed alone re-sends that assignment only.
+        state
+            .replace_all(vec![
+                placed("plain", PreferSameZone),
+                placed("zoned", PreferSameZone),
+                placed("noded", PreferSameNode),
+                placed("blind", PreferSameZone).with_health(HealthPolicy {
+                    check: None,
+                    outlier: None,
+                }),
+            ])
+            .unwrap();
+        let next = translator.translate(&state.snapshot());
+        assert_eq!(of(&next, "plain"), of(&xds, "zoned"));
+        for (name, resource) in xds.of(ResourceType::Cluster) {
+            assert!(Arc::ptr_eq(resource, &next.of(ResourceType::Cluster)[name]));
+        }
+        let changed: Vec<&str> = xds
+            .of(ResourceType::Endpoint)
+            .iter()
+            .filter(|(name, r)| next.of(ResourceType::Endpoint)[*name].version != r.version)
+            .map(|(name, _)| &**name)
+            .collect();
+        assert_eq!(changed, ["plain.a.system.internal|8080"]);
+    }
+
+    #[test]
+    fn hints_naming_this_zone_or_node_rank_without_a_distribution() {
+        use crate::mesh::locality::ZoneSource;
+        let hinted = |ip: &str, zones: &[&str], nodes: &[&str]| crate::mesh::Endpoint {
+            hints: Some(Arc::new(crate::mesh::Hints {
+                for_zones: zones.iter().map(|z| Arc::from(*z)).collect(),
+                for_nodes: nodes.iter().map(|n| Arc::from(*n)).collect(),
+            })),
+            ..crate::mesh::Endpoint::new(ip.parse().unwrap(), Provider::new("test"))
+        };
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let port = ServicePort {
+            name: None,
+            port: 8080,
+            protocol: Protocol::Http,
+            endpoints: EndpointSet::new(vec![
+                hinted("10.0.0.1:80", &["b"], &[]),
+                hinted("10.0.0.2:80", &["a"], &[]),
+            ]),
+        };
+        state
+            .replace_all(vec![ServiceSpec::new(
+                "/a/web".parse().unwrap(),
+                vec![port],
+            )])
+            .unwrap();
+        let here = NodeLocality::with_zone(Some(Arc::from("n1")), Arc::from("a"), ZoneSource::Flag);
+        let xds = EnvoyTranslator::new(here).translate(&state.snapshot());
+        let cla: ClusterLoadAssignment =
+            decode(&xds.of(ResourceType::Endpoint)["web.a.system.internal|8080"]);
+        assert_eq!(
+            groups(&cla),
+            [
+                (0, String::new(), strings(&["10.0.0.2:80"])),
+                (1, String::new(), strings(&["10.0.0.1:80"])),
+            ]
         );
     }
 

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dns::DnsTranslator;
 use super::envoy::EnvoyTranslator;
-use crate::mesh::{MeshMetrics, MeshRx};
+use crate::mesh::{MeshMetrics, MeshRx, NodeLocality};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
 
@@ -22,8 +22,13 @@ pub struct Published {
     pub names: watch::Receiver<Arc<NameTable>>,
 }
 
+/// This node's name and zone, which decide endpoint priorities; `None` until known (the
+/// pipeline translates nothing before, so the first push already prefers what it should).
+pub type LocalityRx = watch::Receiver<Option<NodeLocality>>;
+
 pub struct Pipeline {
     mesh: MeshRx,
+    locality: LocalityRx,
     debounce: Duration,
     xds: XdsTx,
     names: watch::Sender<Arc<NameTable>>,
@@ -37,6 +42,7 @@ pub struct Pipeline {
 impl Pipeline {
     pub fn new(
         mesh: MeshRx,
+        locality: LocalityRx,
         debounce: Duration,
         metrics: XdsMetrics,
         mesh_metrics: MeshMetrics,
@@ -46,6 +52,7 @@ impl Pipeline {
         let (names, names_rx) = watch::channel(Arc::new(NameTable::new(Vec::new())));
         let pipeline = Pipeline {
             mesh,
+            locality,
             debounce,
             xds,
             names,
@@ -62,15 +69,23 @@ impl Pipeline {
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let mut envoy = EnvoyTranslator::default();
+        let mut envoy: Option<EnvoyTranslator> = None;
         let mut dns = DnsTranslator::default();
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
+        // The locality's sender goes away once the node's zone is settled.
+        let mut relocatable = true;
         let mut last_push: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 changed = self.mesh.changed() => if changed.is_err() { return },
+                changed = self.locality.changed(), if relocatable => {
+                    relocatable = changed.is_ok();
+                    if !relocatable {
+                        continue;
+                    }
+                }
             }
             // A rate limit, not a delay: a change goes out at once unless the last push was
             // less than a debounce period ago; then it waits for the period to end, and
@@ -82,7 +97,21 @@ impl Pipeline {
                 }
             }
             let translating = Instant::now();
-            let Some(mesh) = self.mesh.borrow_and_update().clone() else {
+            let mesh = self.mesh.borrow_and_update().clone();
+            let Some(node) = self.locality.borrow_and_update().clone() else {
+                continue;
+            };
+            // Another node locality changes every priority: everything is translated anew
+            // (versions are content hashes, so only what changed is pushed).
+            if envoy.as_ref().is_none_or(|e| *e.node() != node) {
+                tracing::info!(
+                    node = node.name.as_deref().unwrap_or("-"),
+                    zone = node.zone.as_deref().unwrap_or("-"),
+                    "endpoint priorities follow this node"
+                );
+                envoy = Some(EnvoyTranslator::new(node));
+            }
+            let (Some(envoy), Some(mesh)) = (envoy.as_mut(), mesh) else {
                 continue;
             };
             let xds = envoy.translate(&mesh);
@@ -140,8 +169,11 @@ mod tests {
         let (mesh, mesh_rx) = mesh::channel();
         let readiness = Readiness::new();
         let metrics = Metrics::new();
+        let (_locality, locality_rx) =
+            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
         let (pipeline, mut out) = Pipeline::new(
             mesh_rx,
+            locality_rx,
             PERIOD,
             metrics.xds.clone(),
             metrics.mesh.clone(),
@@ -198,5 +230,47 @@ mod tests {
             !out.xds.has_changed().unwrap_or(false),
             "a push after the burst"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_translated_before_the_nodes_locality_and_a_new_one_translates_again() {
+        let (mesh, mesh_rx) = mesh::channel();
+        let (locality, locality_rx) = watch::channel(None);
+        let readiness = Readiness::new();
+        let metrics = Metrics::new();
+        let (pipeline, mut out) = Pipeline::new(
+            mesh_rx,
+            locality_rx,
+            PERIOD,
+            metrics.xds.clone(),
+            metrics.mesh.clone(),
+            &readiness,
+        );
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        publish(&mut state, &mesh, "10.0.0.1:80");
+        tokio::time::sleep(PERIOD * 3).await;
+        assert!(out.xds.borrow().is_none(), "translated before the locality");
+        assert!(!readiness.pending().is_empty());
+
+        locality.send_replace(Some(NodeLocality::without_zone(None, "a test")));
+        out.xds.changed().await.unwrap();
+        out.xds.borrow_and_update();
+        // The zone becomes known: translated again, without a mesh change.
+        locality.send_replace(Some(NodeLocality::with_zone(
+            None,
+            Arc::from("a"),
+            crate::mesh::locality::ZoneSource::NodeLabel,
+        )));
+        out.xds.changed().await.unwrap();
+        out.xds.borrow_and_update();
+        // The locality's sender goes (the lookup is done): mesh changes still go out.
+        drop(locality);
+        let version = publish(&mut state, &mesh, "10.0.0.2:80");
+        out.xds.changed().await.unwrap();
+        assert_eq!(out.xds.borrow().as_ref().map(|x| x.version), Some(version));
+        shutdown.cancel();
+        task.await.unwrap();
     }
 }

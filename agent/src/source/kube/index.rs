@@ -390,9 +390,12 @@ impl MeshIndex {
                     .iter()
                     .filter_map(|slice| Some((slice, slice.port_for(port.name.as_deref())?)))
                     .flat_map(|(slice, target)| {
-                        slice.endpoints.iter().map(move |ip| {
-                            Endpoint::new(
-                                SocketAddr::new((*ip).into(), target),
+                        slice.endpoints.iter().map(move |e| Endpoint {
+                            zone: e.zone.clone(),
+                            node: e.node.clone(),
+                            hints: e.hints.clone(),
+                            ..Endpoint::new(
+                                SocketAddr::new(e.ip.into(), target),
                                 Provider::kubernetes(),
                             )
                         })
@@ -406,8 +409,9 @@ impl MeshIndex {
                 }
             })
             .collect();
-        let mut spec =
-            ServiceSpec::new(entry.path.clone(), ports).with_health(entry.health.clone());
+        let mut spec = ServiceSpec::new(entry.path.clone(), ports)
+            .with_health(entry.health.clone())
+            .with_traffic_distribution(entry.traffic_distribution);
         if entry.headless {
             spec = spec.with_instances(instances(entry, &slices));
         }

@@ -1,14 +1,16 @@
 //! Pure mapping from Kubernetes objects to the compact entries the index keeps: only the few
-//! fields the mesh needs, so memory per endpoint stays at one IPv4 address.
+//! fields the mesh needs per endpoint (its IPv4 address, and its zone, node and hints, shared
+//! where they repeat).
 
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use super::KubeSourceError;
-use crate::mesh::{HealthPolicy, MeshPath, Protocol};
+use crate::mesh::{HealthPolicy, Hints, MeshPath, Protocol, TrafficDistribution};
 use crate::source::health::{HEALTH_ANNOTATION, from_annotation};
 
 /// The annotation that places a Service at a mesh path of its choosing.
@@ -67,6 +69,8 @@ pub struct ServiceEntry {
     pub headless: bool,
     /// From the `lattice.mlab.com/health` annotation, else the defaults.
     pub health: HealthPolicy,
+    /// `spec.trafficDistribution`; a value the mesh does not know is no preference.
+    pub traffic_distribution: TrafficDistribution,
 }
 
 /// What the index keeps of an IPv4 EndpointSlice: its Service, its ports by name, and the
@@ -75,10 +79,21 @@ pub struct ServiceEntry {
 pub struct SliceEntry {
     pub service: String,
     pub ports: Box<[(Option<Box<str>>, u16)]>,
-    pub endpoints: Box<[Ipv4Addr]>,
+    /// Sorted by address, one per address.
+    pub endpoints: Box<[SliceEndpoint]>,
     /// Endpoints with a `hostname` that are not terminating, ready or not: the instances of a
     /// headless Service. Empty for the slices of most Services.
     pub named: Box<[NamedEndpoint]>,
+}
+
+/// An endpoint that serves, and where it runs (`zone`, `nodeName`, `hints`) where the slice
+/// says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    pub ip: Ipv4Addr,
+    pub zone: Option<Arc<str>>,
+    pub node: Option<Arc<str>>,
+    pub hints: Option<Arc<Hints>>,
 }
 
 /// An endpoint with a `hostname`.
@@ -193,12 +208,19 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
             })
         })
         .collect();
+    // The API server accepts only the values it knows (and PreferClose, the older name of
+    // PreferSameZone); one added later is read as no preference, which never strands traffic.
+    let traffic_distribution = spec
+        .and_then(|s| s.traffic_distribution.as_deref())
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_default();
     let entry = ServiceEntry {
         path,
         created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
         ports,
         headless: spec.and_then(|s| s.cluster_ip.as_deref()) == Some("None"),
         health,
+        traffic_distribution,
     };
     Ok(Some(entry))
 }
@@ -239,15 +261,65 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
     let terminating = |e: &&k8s_openapi::api::discovery::v1::Endpoint| {
         e.conditions.as_ref().and_then(|c| c.terminating) == Some(true)
     };
-    let mut endpoints: Vec<Ipv4Addr> = slice
+    // Zone and node names repeat across a slice's endpoints: each is allocated once per slice.
+    let mut names: Vec<Arc<str>> = Vec::new();
+    let mut intern = |name: &str| -> Arc<str> {
+        match names.iter().find(|n| &***n == name) {
+            Some(held) => held.clone(),
+            None => {
+                let fresh: Arc<str> = Arc::from(name);
+                names.push(fresh.clone());
+                fresh
+            }
+        }
+    };
+    let mut endpoints: Vec<SliceEndpoint> = Vec::new();
+    for endpoint in slice
         .endpoints
         .iter()
         .filter(|e| ready(e) && !terminating(e))
-        .flat_map(|e| &e.addresses)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    endpoints.sort_unstable();
-    endpoints.dedup();
+    {
+        let zone = endpoint
+            .zone
+            .as_deref()
+            .filter(|z| !z.is_empty())
+            .map(&mut intern);
+        let node = endpoint
+            .node_name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .map(&mut intern);
+        let hints = endpoint.hints.as_ref().and_then(|h| {
+            let hints = Hints {
+                for_zones: h
+                    .for_zones
+                    .iter()
+                    .flatten()
+                    .map(|z| intern(&z.name))
+                    .collect(),
+                for_nodes: h
+                    .for_nodes
+                    .iter()
+                    .flatten()
+                    .map(|n| intern(&n.name))
+                    .collect(),
+            };
+            (!hints.is_empty()).then(|| Arc::new(hints))
+        });
+        for address in &endpoint.addresses {
+            if let Ok(ip) = address.parse() {
+                endpoints.push(SliceEndpoint {
+                    ip,
+                    zone: zone.clone(),
+                    node: node.clone(),
+                    hints: hints.clone(),
+                });
+            }
+        }
+    }
+    // Stable: of two entries for one address, the first in the slice is kept.
+    endpoints.sort_by_key(|e| e.ip);
+    endpoints.dedup_by_key(|e| e.ip);
     // A terminating pod is on its way out; its successor (same hostname) takes over the name.
     let named = slice
         .endpoints

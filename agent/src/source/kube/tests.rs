@@ -613,3 +613,70 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
     assert_eq!(paths, ["/a/keep", "/a/new", "/b/keep", "/b/late"]);
     assert!(last.version > after.version);
 }
+
+#[test]
+fn trafficdistribution_and_each_endpoints_zone_node_and_hints_reach_the_mesh() {
+    let mut index = MeshIndex::new(trap());
+    let mut svc = service(
+        "shop",
+        "web",
+        json!([{"name": "http", "port": 80, "protocol": "TCP"}]),
+    );
+    svc.spec.as_mut().unwrap().traffic_distribution = Some("PreferSameNode".to_string());
+    index.apply_service(&svc);
+    index.apply_slice(&slice(
+        "shop",
+        "web-1",
+        "web",
+        json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+        json!([
+            {"addresses": ["10.0.0.1"], "zone": "a", "nodeName": "n1",
+             "hints": {"forZones": [{"name": "a"}], "forNodes": [{"name": "n1"}]}},
+            {"addresses": ["10.0.0.2"], "zone": "b", "nodeName": "n2"},
+            {"addresses": ["10.0.0.3"]},
+        ]),
+    ));
+    let snap = snapshot(&mut index);
+    let web = &snap.services[&"/shop/web".parse::<crate::mesh::MeshPath>().unwrap()];
+    assert_eq!(
+        web.traffic_distribution,
+        crate::mesh::TrafficDistribution::PreferSameNode
+    );
+    let places: Vec<String> = web.ports[0]
+        .endpoints
+        .iter()
+        .map(|e| {
+            let hints = e.hints.as_deref().map(|h| {
+                let zones: Vec<&str> = h.for_zones.iter().map(|z| &**z).collect();
+                let nodes: Vec<&str> = h.for_nodes.iter().map(|n| &**n).collect();
+                format!("{zones:?}/{nodes:?}")
+            });
+            format!("{} {:?} {:?} {hints:?}", e.address, e.zone, e.node)
+        })
+        .collect();
+    assert_eq!(
+        places,
+        [
+            r#"10.0.0.1:8080 Some("a") Some("n1") Some("[\"a\"]/[\"n1\"]")"#,
+            r#"10.0.0.2:8080 Some("b") Some("n2") None"#,
+            "10.0.0.3:8080 None None None",
+        ]
+    );
+
+    // PreferClose is PreferSameZone's older name; an unknown value is no preference; a
+    // change of preference alone is a change to publish.
+    for (value, expected) in [
+        (Some("PreferFarAway"), crate::mesh::TrafficDistribution::Any),
+        (
+            Some("PreferClose"),
+            crate::mesh::TrafficDistribution::PreferSameZone,
+        ),
+        (None, crate::mesh::TrafficDistribution::Any),
+    ] {
+        svc.spec.as_mut().unwrap().traffic_distribution = value.map(str::to_string);
+        index.apply_service(&svc);
+        let snap = snapshot(&mut index);
+        let web = &snap.services[&"/shop/web".parse::<crate::mesh::MeshPath>().unwrap()];
+        assert_eq!(web.traffic_distribution, expected, "{value:?}");
+    }
+}
