@@ -116,6 +116,18 @@ impl AgentConfig {
         self.kubernetes || self.mesh_files.is_empty()
     }
 
+    /// The DNS server Envoy resolves external services' host names with: the agent's own, as
+    /// the node's pods reach it (the node-local address, else --dns-addr unless it is loopback
+    /// or unspecified, which a pod cannot reach), so lookups follow --upstream-dns and get the
+    /// agent's TTL ceiling. `None`: the pod's resolv.conf.
+    pub fn envoy_dns_resolver(&self) -> Option<SocketAddr> {
+        if let Some(ip) = self.node_local_dns {
+            return Some(SocketAddr::new(ip, self.dns_addr.port()));
+        }
+        let ip = self.dns_addr.ip();
+        (!ip.is_loopback() && !ip.is_unspecified()).then_some(self.dns_addr)
+    }
+
     pub fn debounce(&self) -> Duration {
         Duration::from_millis(self.debounce_ms)
     }
@@ -175,5 +187,31 @@ mod tests {
         .unwrap();
         assert_eq!(config.upstream_dns[0].to_string(), "127.0.0.1:53");
         assert_eq!(config.upstream_dns[1].to_string(), "[::1]:5353");
+    }
+
+    #[test]
+    fn envoy_resolves_external_names_through_the_agents_dns_as_pods_reach_it() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["lattice-agent"];
+            all.extend_from_slice(args);
+            AgentConfig::try_parse_from(all)
+                .unwrap()
+                .envoy_dns_resolver()
+        };
+        assert_eq!(parse(&[]), None, "loopback is not the pod's");
+        assert_eq!(parse(&["--dns-addr", "0.0.0.0:53"]), None);
+        assert_eq!(
+            parse(&["--dns-addr", "10.200.0.1:53"]),
+            Some("10.200.0.1:53".parse().unwrap())
+        );
+        assert_eq!(
+            parse(&[
+                "--dns-addr",
+                "0.0.0.0:53",
+                "--node-local-dns",
+                "169.254.20.10"
+            ]),
+            Some("169.254.20.10:53".parse().unwrap())
+        );
     }
 }

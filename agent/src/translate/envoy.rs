@@ -10,7 +10,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
-    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
+    ClusterDiscoveryType, DiscoveryType, DnsLookupFamily, EdsClusterConfig, RefreshRate,
 };
 use envoy_types::pb::envoy::config::cluster::v3::{
     CircuitBreakers, Cluster, OutlierDetection, circuit_breakers,
@@ -20,8 +20,9 @@ use envoy_types::pb::envoy::config::core::v3::health_check::{
     self, HttpHealthCheck, TcpHealthCheck,
 };
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
-    Metadata, SocketAddress, TrafficDirection, address, config_source, socket_address,
+    Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, DnsResolverOptions,
+    Http2ProtocolOptions, Metadata, SocketAddress, TrafficDirection, TypedExtensionConfig, address,
+    config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -35,6 +36,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::envoy::extensions::network::dns_resolver::cares::v3::CaresDnsResolverConfig;
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
     ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config,
@@ -68,10 +70,32 @@ pub fn route_name(port: u16) -> String {
     format!("http.{port}")
 }
 
+/// How Envoy resolves the host names of external services.
+///
+/// Envoy's DNS clusters refresh on the record's TTL (`respect_dns_ttl`). Envoy has no ceiling
+/// for that refresh, so the resolver given here should be the agent's own DNS server, which
+/// cuts the TTLs it forwards (`lattice_dns::DnsConfig::max_forwarded_ttl`, 300 s); a TTL of 0
+/// (or none) falls back to [`DNS_REFRESH`], and a failing lookup is retried from
+/// [`DNS_FAILURE_REFRESH`] backing off to [`DNS_FAILURE_REFRESH_MAX`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExternalDns {
+    /// The DNS server Envoy asks; `None` leaves Envoy on its default (the pod's
+    /// `/etc/resolv.conf`, which in a mesh pod names the agent's node-local address anyway).
+    pub resolver: Option<SocketAddr>,
+}
+
+/// Refresh of an external name whose record carries no TTL (0).
+pub const DNS_REFRESH: std::time::Duration = std::time::Duration::from_secs(5);
+/// First retry of a failed lookup of an external name.
+pub const DNS_FAILURE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+/// Longest wait between retries of a failing lookup.
+pub const DNS_FAILURE_REFRESH_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Keeps the last translation and updates it by what changed in the mesh: the persistent maps
 /// make both the comparison and the snapshot handed out cost the size of the change.
 #[derive(Default)]
 pub struct EnvoyTranslator {
+    dns: ExternalDns,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -79,6 +103,13 @@ pub struct EnvoyTranslator {
 }
 
 impl EnvoyTranslator {
+    pub fn new(dns: ExternalDns) -> Self {
+        EnvoyTranslator {
+            dns,
+            ..EnvoyTranslator::default()
+        }
+    }
+
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
         // Ports whose route configuration must be rebuilt though the shape did not change: a
@@ -135,7 +166,7 @@ impl EnvoyTranslator {
 
     fn insert(&mut self, service: &Service, with_clusters: bool) {
         if with_clusters {
-            self.put(ResourceType::Cluster, clusters_for(service));
+            self.put(ResourceType::Cluster, clusters_for(service, &self.dns));
         }
         self.put(ResourceType::Endpoint, endpoints_for(service));
     }
@@ -190,13 +221,13 @@ fn cluster_names(service: &Service) -> impl Iterator<Item = String> + '_ {
         .chain(instances)
 }
 
-fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
+fn clusters_for(service: &Service, dns: &ExternalDns) -> Vec<Arc<XdsResource>> {
     // An instance's cluster has one endpoint, which the client chose: it gets no health
     // policy, since ejecting or failing its only host helps nobody.
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            XdsResource::new(name.clone(), cluster(name, port, None))
+            XdsResource::new(name.clone(), cluster(name, port, None, dns))
         })
     });
     service
@@ -205,14 +236,19 @@ fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
             let health = (service.dns_name.as_str(), &service.health);
-            XdsResource::new(name.clone(), cluster(name, port, Some(health)))
+            XdsResource::new(name.clone(), cluster(name, port, Some(health), dns))
         })
         .chain(instances)
         .collect()
 }
 
 /// `health`: the service's DNS name (the `Host` of HTTP checks) and its health policy.
-fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy)>) -> Cluster {
+fn cluster(
+    name: String,
+    port: &ServicePort,
+    health: Option<(&str, &HealthPolicy)>,
+    dns: &ExternalDns,
+) -> Cluster {
     let mut options = HashMap::new();
     if port.protocol.is_http2() {
         let http2 = HttpProtocolOptions {
@@ -232,13 +268,20 @@ fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy
             pack_any(http2),
         );
     }
+    let base = if port.is_external() {
+        external_cluster(&name, port, dns)
+    } else {
+        Cluster {
+            cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+            eds_cluster_config: Some(EdsClusterConfig {
+                eds_config: Some(ads()),
+                service_name: String::new(),
+            }),
+            ..Cluster::default()
+        }
+    };
     Cluster {
         name,
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
-        eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(ads()),
-            service_name: String::new(),
-        }),
         connect_timeout: Some(Duration {
             seconds: 1,
             nanos: 0,
@@ -261,6 +304,55 @@ fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy
             .and_then(|(host, policy)| Some(health_check(policy.check.as_ref()?, host, port)))
             .into_iter()
             .collect(),
+        ..base
+    }
+}
+
+/// A cluster that resolves its host names itself: one name is a `LOGICAL_DNS` cluster (one
+/// connection target, whatever the name answers with: a name that fronts a pool balances
+/// itself), several a `STRICT_DNS` cluster (every address of every name is a host). Host
+/// names cannot be pushed over EDS, so the assignment is inline and changes with the cluster.
+///
+/// The DNS settings are the `Cluster` fields Envoy has deprecated in favour of the
+/// `envoy.clusters.dns` extension: they mean the same, and every Envoy since 1.20 takes them,
+/// where the extension needs a recent one.
+#[allow(deprecated)]
+fn external_cluster(name: &str, port: &ServicePort, dns: &ExternalDns) -> Cluster {
+    let kind = if port.hosts.len() == 1 {
+        DiscoveryType::LogicalDns
+    } else {
+        DiscoveryType::StrictDns
+    };
+    let endpoints = port.hosts.iter().map(|h| {
+        (
+            socket_address(h.host.to_string(), h.port),
+            Some(&h.provider),
+        )
+    });
+    Cluster {
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(kind as i32)),
+        load_assignment: Some(load_assignment_of(name.to_string(), endpoints)),
+        respect_dns_ttl: true,
+        dns_refresh_rate: Some(duration(DNS_REFRESH)),
+        dns_failure_refresh_rate: Some(RefreshRate {
+            base_interval: Some(duration(DNS_FAILURE_REFRESH)),
+            max_interval: Some(duration(DNS_FAILURE_REFRESH_MAX)),
+        }),
+        // The trapped mesh is IPv4; an external name with both families is reached over IPv4.
+        dns_lookup_family: DnsLookupFamily::V4Preferred as i32,
+        typed_dns_resolver_config: dns.resolver.map(|resolver| TypedExtensionConfig {
+            name: "envoy.network.dns_resolver.cares".to_string(),
+            typed_config: Some(typed(CaresDnsResolverConfig {
+                resolvers: vec![socket_address(resolver.ip().to_string(), resolver.port())],
+                use_resolvers_as_fallback: false,
+                // The name is looked up as written: no search domains from resolv.conf.
+                dns_resolver_options: Some(DnsResolverOptions {
+                    no_default_search_domain: true,
+                    ..DnsResolverOptions::default()
+                }),
+                ..CaresDnsResolverConfig::default()
+            })),
+        }),
         ..Cluster::default()
     }
 }
@@ -349,6 +441,8 @@ fn endpoints_for(service: &Service) -> Vec<Arc<XdsResource>> {
     service
         .ports
         .iter()
+        // An external port's assignment is inline in its cluster: nothing for EDS.
+        .filter(|port| !port.is_external())
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
             let endpoints = port
@@ -370,14 +464,25 @@ fn load_assignment<'a>(
     cluster_name: String,
     endpoints: impl IntoIterator<Item = (SocketAddr, Option<&'a Provider>)>,
 ) -> ClusterLoadAssignment {
+    let endpoints = endpoints
+        .into_iter()
+        .map(|(addr, provider)| (socket_address(addr.ip().to_string(), addr.port()), provider));
+    load_assignment_of(cluster_name, endpoints)
+}
+
+/// Each endpoint's address (an IP or, for a DNS cluster, a host name), with its provider.
+fn load_assignment_of<'a>(
+    cluster_name: String,
+    endpoints: impl IntoIterator<Item = (Address, Option<&'a Provider>)>,
+) -> ClusterLoadAssignment {
     ClusterLoadAssignment {
         cluster_name,
         endpoints: vec![LocalityLbEndpoints {
             lb_endpoints: endpoints
                 .into_iter()
-                .map(|(addr, provider)| LbEndpoint {
+                .map(|(address, provider)| LbEndpoint {
                     host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
-                        address: Some(socket_address(addr.ip().to_string(), addr.port())),
+                        address: Some(address),
                         ..Endpoint::default()
                     })),
                     metadata: provider.map(provider_metadata),
@@ -568,6 +673,7 @@ mod tests {
             port,
             protocol,
             endpoints: EndpointSet::parsed(endpoints),
+            hosts: Default::default(),
         }
     }
 
@@ -870,6 +976,174 @@ mod tests {
                 end: 300
             }]
         );
+    }
+
+    /// An external service `/ext/<name>` on `port`, served by `hosts` on `target`.
+    fn external(
+        name: &str,
+        port_number: u16,
+        protocol: Protocol,
+        hosts: &[&str],
+        target: u16,
+    ) -> ServiceSpec {
+        let mut port = port(port_number, protocol, &[]);
+        port.hosts = hosts
+            .iter()
+            .map(|h| crate::mesh::HostEndpoint {
+                host: h.parse().unwrap(),
+                port: target,
+                provider: Provider::new("test"),
+            })
+            .collect();
+        ServiceSpec::new(format!("/ext/{name}").parse().unwrap(), vec![port])
+    }
+
+    #[allow(deprecated)]
+    #[test]
+    fn host_name_endpoints_make_dns_clusters_that_follow_the_ttl_through_the_agents_dns() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .replace_all(vec![
+                external("one", 443, Protocol::Tcp, &["db.example.com"], 443),
+                external(
+                    "pool",
+                    8080,
+                    Protocol::Http,
+                    &["a.example.com", "b.example.com"],
+                    80,
+                ),
+            ])
+            .unwrap();
+        let resolver: SocketAddr = "10.200.0.1:53".parse().unwrap();
+        let xds = EnvoyTranslator::new(ExternalDns {
+            resolver: Some(resolver),
+        })
+        .translate(&state.snapshot());
+        assert!(
+            xds.of(ResourceType::Endpoint).is_empty(),
+            "host names cannot go over EDS"
+        );
+        let one: Cluster = decode(&xds.of(ResourceType::Cluster)["one.ext.system.internal|443"]);
+        assert_eq!(
+            one.cluster_discovery_type,
+            Some(ClusterDiscoveryType::Type(DiscoveryType::LogicalDns as i32)),
+            "one name fronts a pool"
+        );
+        assert!(one.eds_cluster_config.is_none());
+        assert_eq!(
+            cla_addresses(one.load_assignment.as_ref().unwrap()),
+            ["db.example.com:443"]
+        );
+        assert!(one.respect_dns_ttl);
+        assert_eq!(one.dns_refresh_rate, Some(duration(DNS_REFRESH)));
+        let failure = one.dns_failure_refresh_rate.as_ref().unwrap();
+        assert_eq!(failure.base_interval, Some(duration(DNS_FAILURE_REFRESH)));
+        assert_eq!(
+            failure.max_interval,
+            Some(duration(DNS_FAILURE_REFRESH_MAX))
+        );
+        assert_eq!(one.dns_lookup_family, DnsLookupFamily::V4Preferred as i32);
+        assert!(
+            one.outlier_detection.is_some(),
+            "health settings still apply"
+        );
+        let dns = one.typed_dns_resolver_config.as_ref().unwrap();
+        let cares =
+            CaresDnsResolverConfig::decode(dns.typed_config.as_ref().unwrap().value.as_slice())
+                .unwrap();
+        assert_eq!(cares.resolvers, [socket_address("10.200.0.1".into(), 53)]);
+        assert!(!cares.use_resolvers_as_fallback);
+
+        let pool: Cluster = decode(&xds.of(ResourceType::Cluster)["pool.ext.system.internal|8080"]);
+        assert_eq!(
+            pool.cluster_discovery_type,
+            Some(ClusterDiscoveryType::Type(DiscoveryType::StrictDns as i32)),
+            "every address of every name"
+        );
+        assert_eq!(
+            cla_addresses(pool.load_assignment.as_ref().unwrap()),
+            ["a.example.com:80", "b.example.com:80"]
+        );
+
+        // TCP (TLS included) is a plain TCP proxy: bytes, SNI with them, pass untouched.
+        let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        let tcp: Vec<&str> = chain_matches(&listener)
+            .filter(|(_, port, _)| *port == 443)
+            .map(|(_, _, chain)| chain.filters[0].name.as_str())
+            .collect();
+        assert_eq!(tcp, ["envoy.filters.network.tcp_proxy"]);
+
+        // Without a resolver, Envoy's default (the pod's resolv.conf).
+        let xds = EnvoyTranslator::default().translate(&state.snapshot());
+        let one: Cluster = decode(&xds.of(ResourceType::Cluster)["one.ext.system.internal|443"]);
+        assert!(one.typed_dns_resolver_config.is_none());
+    }
+
+    #[test]
+    fn a_changed_host_name_rebuilds_the_cluster() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut translator = EnvoyTranslator::default();
+        state
+            .replace_all(vec![external(
+                "db",
+                5432,
+                Protocol::Tcp,
+                &["a.example.com"],
+                5432,
+            )])
+            .unwrap();
+        translator.translate(&state.snapshot());
+        state
+            .replace_all(vec![external(
+                "db",
+                5432,
+                Protocol::Tcp,
+                &["b.example.com"],
+                5432,
+            )])
+            .unwrap();
+        let xds = translator.translate(&state.snapshot());
+        let db: Cluster = decode(&xds.of(ResourceType::Cluster)["db.ext.system.internal|5432"]);
+        assert_eq!(
+            cla_addresses(db.load_assignment.as_ref().unwrap()),
+            ["b.example.com:5432"]
+        );
+    }
+
+    #[test]
+    fn http_to_an_external_service_rewrites_host_unless_it_keeps_the_clients() {
+        use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, route, route_action};
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .replace_all(vec![
+                external("rewrite", 8080, Protocol::Http, &["api.example.com"], 80),
+                external("keep", 8080, Protocol::Http, &["api.example.com"], 80)
+                    .with_host_header(crate::mesh::HostHeader::Keep),
+                ServiceSpec::new(
+                    "/a/plain".parse().unwrap(),
+                    vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
+                ),
+            ])
+            .unwrap();
+        let xds = EnvoyTranslator::default().translate(&state.snapshot());
+        let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
+        let rewrite = |vhost: &str| {
+            let host = routes
+                .virtual_hosts
+                .iter()
+                .find(|v| v.name == cluster_name(vhost, 8080))
+                .unwrap();
+            let Some(route::Action::Route(action)) = &host.routes[0].action else {
+                panic!("a route action for {vhost}")
+            };
+            matches!(
+                action.host_rewrite_specifier,
+                Some(route_action::HostRewriteSpecifier::AutoHostRewrite(ref v)) if v.value
+            )
+        };
+        assert!(rewrite("rewrite.ext.system.internal"), "the default");
+        assert!(!rewrite("keep.ext.system.internal"));
+        assert!(!rewrite("plain.a.system.internal"));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::dns::DnsTranslator;
-use super::envoy::EnvoyTranslator;
+use super::envoy::{EnvoyTranslator, ExternalDns};
 use crate::mesh::{MeshMetrics, MeshRx};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
@@ -32,6 +32,7 @@ pub struct Pipeline {
     /// Held until the first translation of each kind is published.
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
+    external_dns: ExternalDns,
 }
 
 impl Pipeline {
@@ -53,6 +54,7 @@ impl Pipeline {
             mesh_metrics,
             xds_ready: Some(readiness.register("envoy resources")),
             names_ready: Some(readiness.register("dns names")),
+            external_dns: ExternalDns::default(),
         };
         let published = Published {
             xds: xds_rx,
@@ -61,8 +63,14 @@ impl Pipeline {
         (pipeline, published)
     }
 
+    /// How Envoy resolves external services' host names.
+    pub fn with_external_dns(mut self, external_dns: ExternalDns) -> Self {
+        self.external_dns = external_dns;
+        self
+    }
+
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let mut envoy = EnvoyTranslator::default();
+        let mut envoy = EnvoyTranslator::new(self.external_dns.clone());
         let mut dns = DnsTranslator::default();
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
@@ -124,6 +132,7 @@ mod tests {
                 port: 8080,
                 protocol: Protocol::Http,
                 endpoints: EndpointSet::parsed(&[endpoint]),
+                hosts: Default::default(),
             }],
         );
         state.upsert(spec).unwrap();
