@@ -1,0 +1,252 @@
+//! External (host-name) services end to end: a mesh file names its endpoints by host name, a
+//! DNS server the test starts (`unbound` with `local-data`, in the node, the agent's only
+//! upstream) resolves them to backend pods, and a client pod reaches them by their mesh names
+//! through the agent's DNS, the trapped address and a real Envoy, whose DNS clusters resolve the
+//! host names through the agent's DNS too.
+//!
+//! What fails when the feature breaks:
+//! - HTTP: `payments.ext.system.internal` reaches the backend behind `payments.example.test`,
+//!   which sees `Host: payments.example.test` (rewritten by default); a service that keeps the
+//!   client's Host delivers the mesh name instead;
+//! - TLS passthrough: `openssl s_server` behind `secure.example.test` refuses any SNI but its own
+//!   (`-servername_fatal`): a handshake through `secure.ext.system.internal` succeeds with that
+//!   SNI and fails with another, so the client's SNI arrives intact and TLS is not terminated.
+//!
+//! Build the binaries first: `cargo build --workspace --bins`.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use lattice_e2e::netns::Process;
+use lattice_e2e::node::{Backend, ClientPod, Node};
+use lattice_e2e::wait;
+
+const HTTP_HOST: u8 = 31;
+const TLS_HOST: u8 = 32;
+const HTTP_PORT: u16 = 8080;
+const TLS_PORT: u16 = 8443;
+/// Where unbound listens, on the node's loopback (the node namespace is the test's own).
+const UNBOUND: &str = "127.0.0.1:5353";
+const SETTLE: Duration = Duration::from_secs(20);
+
+const MESH: &str = "services:
+  - path: /ext/payments
+    ports: [{port: 80, protocol: http, targetPort: 8080}]
+    endpoints: [{address: payments.example.test}]
+  - path: /ext/payments-keep
+    hostHeader: keep
+    ports: [{port: 80, protocol: http, targetPort: 8080}]
+    endpoints: [{address: payments.example.test}]
+  - path: /ext/secure
+    ports: [{port: 443, protocol: tcp, targetPort: 8443}]
+    endpoints: [{address: secure.example.test}]
+";
+
+/// `unbound` in the node on [`UNBOUND`], answering the external names from `local-data` alone
+/// (a static zone: it never asks anyone else), waited on until it answers.
+fn unbound(node: &Node, dir: &Path) -> anyhow::Result<Process> {
+    let (ip, port) = UNBOUND.split_once(':').unwrap_or_default();
+    let config = format!(
+        "server:
+  interface: {ip}
+  port: {port}
+  do-ip6: no
+  do-daemonize: no
+  username: \"\"
+  chroot: \"\"
+  directory: \"{dir}\"
+  pidfile: \"\"
+  use-syslog: no
+  logfile: \"\"
+  module-config: \"iterator\"
+  access-control: 127.0.0.0/8 allow
+  local-zone: \"example.test.\" static
+  local-data: \"payments.example.test. 5 IN A 10.200.0.{HTTP_HOST}\"
+  local-data: \"secure.example.test. 5 IN A 10.200.0.{TLS_HOST}\"
+remote-control:
+  control-enable: no
+",
+        dir = dir.display()
+    );
+    let path = dir.join("unbound.conf");
+    std::fs::write(&path, config)?;
+    let mut command = node.netns.command("unbound");
+    command
+        .arg("-d")
+        .arg("-c")
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let process = node.netns.spawn(command)?;
+    wait::until("unbound to answer", SETTLE, || {
+        let output = node
+            .netns
+            .run(
+                "dig",
+                &["@127.0.0.1", "-p", port, "+short", "payments.example.test"],
+            )
+            .map_err(|e| e.to_string())?;
+        let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        if answer == format!("10.200.0.{HTTP_HOST}") {
+            Ok(())
+        } else {
+            Err(format!("answered {answer:?}"))
+        }
+    })?;
+    Ok(process)
+}
+
+/// A TLS server in a pod of its own that completes a handshake only for the SNI
+/// `secure.example.test`.
+fn tls_server(node: &Node, dir: &Path) -> anyhow::Result<(lattice_e2e::node::Pod, Process)> {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let output = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+        .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "1"])
+        .args(["-subj", "/CN=secure.example.test", "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stdin(Stdio::null())
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "openssl req: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let pod = node.pod("xt-tls", TLS_HOST)?;
+    let mut command = pod.netns.command("openssl");
+    command
+        .args(["s_server", "-quiet", "-accept", &TLS_PORT.to_string()])
+        .arg("-cert")
+        .arg(&cert)
+        .arg("-key")
+        .arg(&key)
+        .arg("-cert2")
+        .arg(&cert)
+        .arg("-key2")
+        .arg(&key)
+        .args(["-servername", "secure.example.test", "-servername_fatal"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let process = pod.netns.spawn(command)?;
+    Ok((pod, process))
+}
+
+/// A TLS handshake from the client to `target` sending `sni`: Ok, or the client's complaint.
+fn handshake(client: &ClientPod, target: &str, sni: &str) -> Result<(), String> {
+    let output = client
+        .run(
+            "timeout",
+            &[
+                "5",
+                "openssl",
+                "s_client",
+                "-brief",
+                "-connect",
+                target,
+                "-servername",
+                sni,
+            ],
+        )
+        .map_err(|e| e.to_string())?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+/// The `Host` of the last request `backend` saw.
+fn last_host(backend: &Backend) -> Option<String> {
+    let heads = backend.stats().heads();
+    let head = heads.last()?;
+    head.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.eq_ignore_ascii_case("host")
+            .then(|| value.trim().to_string())
+    })
+}
+
+#[test]
+fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact() {
+    let node = Node::new("xt").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let _dns = unbound(&node, dir.path()).unwrap();
+    let backend = node.http_backend("xt-pay", HTTP_HOST, HTTP_PORT).unwrap();
+    let (_tls_pod, _tls) = tls_server(&node, dir.path()).unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    std::fs::write(&mesh, MESH).unwrap();
+    let agent = node
+        .agent(
+            &[
+                &format!("--mesh-file={}", mesh.display()),
+                &format!("--upstream-dns={UNBOUND}"),
+            ],
+            &[],
+        )
+        .unwrap();
+    let client = node.client("xt-client", 2).unwrap();
+    let diagnose = |what: &str| {
+        format!(
+            "{what}\nEnvoy endpoints: {:?}\nagent log:\n{}\nEnvoy log:\n{}",
+            client.envoy_endpoints(),
+            agent.log(),
+            client.envoy_log()
+        )
+    };
+
+    // HTTP: the mesh name through the pod's resolver (the agent), Host rewritten by default.
+    let body = wait::until("payments by its mesh name", SETTLE, || {
+        client.curl("http://payments.ext.system.internal/")
+    })
+    .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
+    assert_eq!(body.trim(), "xt-pay");
+    assert_eq!(
+        last_host(&backend).as_deref(),
+        Some("payments.example.test"),
+        "the external name, as the upstream expects: {:?}",
+        backend.stats().heads()
+    );
+
+    // The same upstream behind a service that keeps the client's Host.
+    wait::until("payments-keep by its mesh name", SETTLE, || {
+        client.curl("http://payments-keep.ext.system.internal/")
+    })
+    .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
+    assert_eq!(
+        last_host(&backend).as_deref(),
+        Some("payments-keep.ext.system.internal"),
+        "{:?}",
+        backend.stats().heads()
+    );
+
+    // TLS passthrough: the server accepts its own SNI only, so a handshake proves the client's
+    // SNI arrived unchanged (and Envoy did not terminate TLS: it has no certificate).
+    wait::until(
+        "a TLS handshake with secure by its mesh name",
+        SETTLE,
+        || {
+            handshake(
+                &client,
+                "secure.ext.system.internal:443",
+                "secure.example.test",
+            )
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
+    let refused = handshake(
+        &client,
+        "secure.ext.system.internal:443",
+        "other.example.test",
+    );
+    assert!(
+        refused.is_err(),
+        "the server checks SNI, so a wrong one must fail: the check above means something"
+    );
+}
