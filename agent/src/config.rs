@@ -22,7 +22,8 @@ pub enum LogFormat {
 /// answers `*.system.internal` DNS from it, and forwards every other name upstream.
 ///
 /// The mesh comes from YAML mesh files (--mesh-file), followed live, or, without one, from the
-/// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices, and the Gateway
+/// Kubernetes API (in-cluster config or KUBECONFIG): Services (ExternalName ones as external
+/// services, whose host names Envoy resolves) and EndpointSlices, and the Gateway
 /// API's HTTPRoutes and GRPCRoutes on Services for traffic rules (when their CRDs are installed).
 /// With --kubernetes, both: every provider's services are merged into one catalog.
 #[derive(Clone, Debug, Parser, Serialize)]
@@ -66,7 +67,9 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_ALLOW_HOST_NETWORK_PROXIES")]
     pub allow_host_network_proxies: bool,
 
-    /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53.
+    /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
+    /// DNS clusters (external services' host names) resolve through it as pods reach it: on
+    /// --node-local-dns, else here unless it is loopback or unspecified.
     #[arg(long, env = "LATTICE_DNS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)))]
     pub dns_addr: SocketAddr,
 

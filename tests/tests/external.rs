@@ -1,5 +1,6 @@
-//! External (host-name) services end to end: a mesh file names its endpoints by host name, a
-//! DNS server the test starts (`unbound` with `local-data`, in the node, the agent's only
+//! External (host-name) services end to end, for both sources: a mesh file that names its
+//! endpoints by host name, and ExternalName Services served by the fake API server. A DNS
+//! server the test starts (`unbound` with `local-data`, in the node, the agent's only
 //! upstream) resolves them to backend pods, and a client pod reaches them by their mesh names
 //! through the agent's DNS, the trapped address and a real Envoy, whose DNS clusters resolve the
 //! host names through the agent's DNS too.
@@ -16,11 +17,17 @@
 
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::Mutex;
 use std::time::Duration;
 
+use lattice_e2e::mesh_source::MeshSource as Source;
 use lattice_e2e::netns::Process;
 use lattice_e2e::node::{Backend, ClientPod, Node};
 use lattice_e2e::wait;
+use serde_json::json;
+
+/// One topology at a time: two cores are shared by every Envoy and agent of a test.
+static ONE_NODE: Mutex<()> = Mutex::new(());
 
 const HTTP_HOST: u8 = 31;
 const TLS_HOST: u8 = 32;
@@ -30,6 +37,8 @@ const TLS_PORT: u16 = 8443;
 const UNBOUND: &str = "127.0.0.1:5353";
 const SETTLE: Duration = Duration::from_secs(20);
 
+/// The mesh file's services: clients dial 80 and 443, the external servers listen on the
+/// target ports.
 const MESH: &str = "services:
   - path: /ext/payments
     ports: [{port: 80, protocol: http, targetPort: 8080}]
@@ -42,6 +51,44 @@ const MESH: &str = "services:
     ports: [{port: 443, protocol: tcp, targetPort: 8443}]
     endpoints: [{address: secure.example.test}]
 ";
+
+/// The same services as ExternalName Services in namespace `ext`. Kubernetes has clients dial
+/// the external name on the Service's own port, so the ports are the servers'.
+fn external_name_services(source: &Source) {
+    let Source::Kube { server, .. } = source else {
+        return;
+    };
+    let service = |name: &str, host: &str, port: u16, port_name: &str, keep: bool| {
+        let annotations = if keep {
+            json!({"lattice.mlab.com/host-header": "keep"})
+        } else {
+            json!({})
+        };
+        server
+            .apply_json(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": "ext", "name": name, "annotations": annotations},
+                "spec": {"type": "ExternalName", "externalName": host,
+                         "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]},
+            }))
+            .unwrap();
+    };
+    service(
+        "payments",
+        "payments.example.test",
+        HTTP_PORT,
+        "http",
+        false,
+    );
+    service(
+        "payments-keep",
+        "payments.example.test",
+        HTTP_PORT,
+        "http",
+        true,
+    );
+    service("secure", "secure.example.test", TLS_PORT, "tls", false);
+}
 
 /// `unbound` in the node on [`UNBOUND`], answering the external names from `local-data` alone
 /// (a static zone: it never asks anyone else), waited on until it answers.
@@ -174,23 +221,43 @@ fn last_host(backend: &Backend) -> Option<String> {
 }
 
 #[test]
-fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact() {
-    let node = Node::new("xt").unwrap();
+fn external_services_from_a_mesh_file() {
+    scenario(false);
+}
+
+#[test]
+fn external_name_services_from_kubernetes() {
+    scenario(true);
+}
+
+/// External services are reached by mesh name, HTTP with Host rewritten (or kept), TLS with the
+/// client's SNI intact.
+fn scenario(kubernetes: bool) {
+    let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
+    let node = Node::new(if kubernetes { "xtk" } else { "xtf" }).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let _dns = unbound(&node, dir.path()).unwrap();
     let backend = node.http_backend("xt-pay", HTTP_HOST, HTTP_PORT).unwrap();
     let (_tls_pod, _tls) = tls_server(&node, dir.path()).unwrap();
-    let mesh = dir.path().join("mesh.yaml");
-    std::fs::write(&mesh, MESH).unwrap();
-    let agent = node
-        .agent(
-            &[
-                &format!("--mesh-file={}", mesh.display()),
-                &format!("--upstream-dns={UNBOUND}"),
-            ],
-            &[],
-        )
-        .unwrap();
+    let source = Source::start(&node, kubernetes).unwrap();
+    let upstream = format!("--upstream-dns={UNBOUND}");
+    let agent = match &source {
+        Source::File(file) => {
+            file.write_text(MESH).unwrap();
+            let mesh = format!("--mesh-file={}", file.path().display());
+            node.agent(&[&mesh, &upstream], &[]).unwrap()
+        }
+        Source::Kube { kubeconfig, .. } => {
+            external_name_services(&source);
+            node.agent(&[&upstream], &[("KUBECONFIG", kubeconfig)])
+                .unwrap()
+        }
+    };
+    let (http_port, tls_port) = if kubernetes {
+        (HTTP_PORT, TLS_PORT)
+    } else {
+        (80, 443)
+    };
     let client = node.client("xt-client", 2).unwrap();
     let diagnose = |what: &str| {
         format!(
@@ -203,7 +270,7 @@ fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact
 
     // HTTP: the mesh name through the pod's resolver (the agent), Host rewritten by default.
     let body = wait::until("payments by its mesh name", SETTLE, || {
-        client.curl("http://payments.ext.system.internal/")
+        client.curl(&format!("http://payments.ext.system.internal:{http_port}/"))
     })
     .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
     assert_eq!(body.trim(), "xt-pay");
@@ -214,14 +281,21 @@ fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact
         backend.stats().heads()
     );
 
-    // The same upstream behind a service that keeps the client's Host.
+    // The same upstream behind a service that keeps the client's Host (curl's: with the port
+    // unless it is 80).
+    let kept_host = match http_port {
+        80 => "payments-keep.ext.system.internal".to_string(),
+        port => format!("payments-keep.ext.system.internal:{port}"),
+    };
     wait::until("payments-keep by its mesh name", SETTLE, || {
-        client.curl("http://payments-keep.ext.system.internal/")
+        client.curl(&format!(
+            "http://payments-keep.ext.system.internal:{http_port}/"
+        ))
     })
     .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
     assert_eq!(
         last_host(&backend).as_deref(),
-        Some("payments-keep.ext.system.internal"),
+        Some(kept_host.as_str()),
         "{:?}",
         backend.stats().heads()
     );
@@ -234,7 +308,7 @@ fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact
         || {
             handshake(
                 &client,
-                "secure.ext.system.internal:443",
+                &format!("secure.ext.system.internal:{tls_port}"),
                 "secure.example.test",
             )
         },
@@ -242,7 +316,7 @@ fn external_services_are_reached_by_mesh_name_with_host_rewritten_and_sni_intact
     .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
     let refused = handshake(
         &client,
-        "secure.ext.system.internal:443",
+        &format!("secure.ext.system.internal:{tls_port}"),
         "other.example.test",
     );
     assert!(
