@@ -9,12 +9,15 @@
 //! - HTTP: `payments.ext.system.internal` reaches the backend behind `payments.example.test`,
 //!   which sees `Host: payments.example.test` (rewritten by default); a service that keeps the
 //!   client's Host delivers the mesh name instead;
+//! - a record change: `payments.example.test` moves to another backend; every request reaches
+//!   the new one within the bound the TTLs imply (the agent's cache, then Envoy's refresh);
 //! - TLS passthrough: `openssl s_server` behind `secure.example.test` refuses any SNI but its own
 //!   (`-servername_fatal`): a handshake through `secure.ext.system.internal` succeeds with that
 //!   SNI and fails with another, so the client's SNI arrives intact and TLS is not terminated.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::Mutex;
@@ -31,6 +34,10 @@ static ONE_NODE: Mutex<()> = Mutex::new(());
 
 const HTTP_HOST: u8 = 31;
 const TLS_HOST: u8 = 32;
+/// Where `payments.example.test` moves.
+const MOVED_HOST: u8 = 33;
+/// The records' TTL, seconds.
+const TTL: u64 = 2;
 const HTTP_PORT: u16 = 8080;
 const TLS_PORT: u16 = 8443;
 /// Where unbound listens, on the node's loopback (the node namespace is the test's own).
@@ -91,8 +98,9 @@ fn external_name_services(source: &Source) {
 }
 
 /// `unbound` in the node on [`UNBOUND`], answering the external names from `local-data` alone
-/// (a static zone: it never asks anyone else), waited on until it answers.
-fn unbound(node: &Node, dir: &Path) -> anyhow::Result<Process> {
+/// (a static zone: it never asks anyone else), `payments.example.test` at `10.200.0.<payments>`,
+/// waited on until it answers so.
+fn unbound(node: &Node, dir: &Path, payments: u8) -> anyhow::Result<Process> {
     let (ip, port) = UNBOUND.split_once(':').unwrap_or_default();
     let config = format!(
         "server:
@@ -109,8 +117,8 @@ fn unbound(node: &Node, dir: &Path) -> anyhow::Result<Process> {
   module-config: \"iterator\"
   access-control: 127.0.0.0/8 allow
   local-zone: \"example.test.\" static
-  local-data: \"payments.example.test. 5 IN A 10.200.0.{HTTP_HOST}\"
-  local-data: \"secure.example.test. 5 IN A 10.200.0.{TLS_HOST}\"
+  local-data: \"payments.example.test. {TTL} IN A 10.200.0.{payments}\"
+  local-data: \"secure.example.test. {TTL} IN A 10.200.0.{TLS_HOST}\"
 remote-control:
   control-enable: no
 ",
@@ -135,7 +143,7 @@ remote-control:
             )
             .map_err(|e| e.to_string())?;
         let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
-        if answer == format!("10.200.0.{HTTP_HOST}") {
+        if answer == format!("10.200.0.{payments}") {
             Ok(())
         } else {
             Err(format!("answered {answer:?}"))
@@ -236,7 +244,7 @@ fn scenario(kubernetes: bool) {
     let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
     let node = Node::new(if kubernetes { "xtk" } else { "xtf" }).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let _dns = unbound(&node, dir.path()).unwrap();
+    let dns = unbound(&node, dir.path(), HTTP_HOST).unwrap();
     let backend = node.http_backend("xt-pay", HTTP_HOST, HTTP_PORT).unwrap();
     let (_tls_pod, _tls) = tls_server(&node, dir.path()).unwrap();
     let source = Source::start(&node, kubernetes).unwrap();
@@ -323,4 +331,45 @@ fn scenario(kubernetes: bool) {
         refused.is_err(),
         "the server checks SNI, so a wrong one must fail: the check above means something"
     );
+
+    // The record moves: once the agent's cached answer and Envoy's resolution have both had
+    // their TTL, every request reaches the new address.
+    let moved = node
+        .http_backend("xt-moved", MOVED_HOST, HTTP_PORT)
+        .unwrap();
+    drop(dns);
+    let _dns = unbound(&node, dir.path(), MOVED_HOST).unwrap();
+    let changed = std::time::Instant::now();
+    // Straight to the trapped address, resolved once: a lookup through the pod's resolver can
+    // lose a packet to the conntrack race of parallel A and AAAA queries (2 s each time), which
+    // is not what is measured here.
+    let address = SocketAddr::new(
+        client
+            .resolve("payments.ext.system.internal")
+            .unwrap()
+            .into(),
+        http_port,
+    );
+    let host = format!("payments.ext.system.internal:{http_port}");
+    // At most a TTL in the agent's cache, then a TTL until Envoy's next lookup, and a second
+    // for the rest; Envoy's 5 s default refresh would miss it.
+    let bound = Duration::from_secs(2 * TTL + 1);
+    let followed = wait::until("traffic to follow the record", bound, || {
+        match client.http(address, &host) {
+            Ok(body) if body.trim() == "xt-moved" => Ok(changed.elapsed()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .unwrap_or_else(|e| panic!("{}", diagnose(&e.to_string())));
+    eprintln!("traffic followed the record change after {followed:?} (TTL {TTL} s)");
+    let before = backend.stats().served();
+    for _ in 0..10 {
+        assert_eq!(client.http(address, &host).unwrap().trim(), "xt-moved");
+    }
+    assert_eq!(
+        backend.stats().served(),
+        before,
+        "nothing reaches the old address"
+    );
+    assert!(moved.stats().served() >= 11);
 }
