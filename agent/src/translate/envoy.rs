@@ -53,7 +53,9 @@ mod routes;
 pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
-use crate::mesh::{MeshSnapshot, Provider, Service, ServiceAddress, ServiceMap, ServicePort};
+use crate::mesh::{
+    HostHeader, MeshSnapshot, Provider, Service, ServiceAddress, ServiceMap, ServicePort,
+};
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
 /// The one listener every captured connection lands on, on
@@ -235,7 +237,17 @@ fn clusters_for(service: &Service, dns: &ExternalDns) -> Vec<Arc<XdsResource>> {
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
-            let health = (service.dns_name.as_str(), &service.health);
+            // An HTTP check asks for what requests carry: an external service's one host name
+            // when it rewrites Host to it, else the mesh name.
+            let check_host = match port.hosts.iter().next() {
+                Some(one)
+                    if port.hosts.len() == 1 && service.host_header == HostHeader::Rewrite =>
+                {
+                    one.host.as_str()
+                }
+                _ => service.dns_name.as_str(),
+            };
+            let health = (check_host, &service.health);
             XdsResource::new(name.clone(), cluster(name, port, Some(health), dns))
         })
         .chain(instances)
@@ -998,6 +1010,23 @@ mod tests {
         ServiceSpec::new(format!("/ext/{name}").parse().unwrap(), vec![port])
     }
 
+    fn http_check() -> crate::mesh::HealthPolicy {
+        use crate::mesh::health::{ActiveCheck, CheckKind};
+        crate::mesh::HealthPolicy {
+            check: Some(ActiveCheck {
+                kind: CheckKind::Http {
+                    path: "/healthz".to_string(),
+                    statuses: vec![(200, 300)],
+                },
+                interval: std::time::Duration::from_secs(1),
+                timeout: std::time::Duration::from_millis(500),
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+            }),
+            outlier: None,
+        }
+    }
+
     #[allow(deprecated)]
     #[test]
     fn host_name_endpoints_make_dns_clusters_that_follow_the_ttl_through_the_agents_dns() {
@@ -1116,9 +1145,11 @@ mod tests {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         state
             .replace_all(vec![
-                external("rewrite", 8080, Protocol::Http, &["api.example.com"], 80),
+                external("rewrite", 8080, Protocol::Http, &["api.example.com"], 80)
+                    .with_health(http_check()),
                 external("keep", 8080, Protocol::Http, &["api.example.com"], 80)
-                    .with_host_header(crate::mesh::HostHeader::Keep),
+                    .with_host_header(crate::mesh::HostHeader::Keep)
+                    .with_health(http_check()),
                 ServiceSpec::new(
                     "/a/plain".parse().unwrap(),
                     vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
@@ -1142,6 +1173,23 @@ mod tests {
             )
         };
         assert!(rewrite("rewrite.ext.system.internal"), "the default");
+        let checked = xds.of(ResourceType::Cluster);
+        let check_host = |name: &str| {
+            let cluster: Cluster = decode(&checked[name]);
+            match cluster.health_checks[0].health_checker.clone() {
+                Some(health_check::HealthChecker::HttpHealthCheck(http)) => http.host,
+                other => panic!("an HTTP check: {other:?}"),
+            }
+        };
+        assert_eq!(
+            check_host("rewrite.ext.system.internal|8080"),
+            "api.example.com",
+            "checks carry the Host requests do"
+        );
+        assert_eq!(
+            check_host("keep.ext.system.internal|8080"),
+            "keep.ext.system.internal"
+        );
         assert!(!rewrite("keep.ext.system.internal"));
         assert!(!rewrite("plain.a.system.internal"));
     }
