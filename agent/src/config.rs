@@ -22,7 +22,8 @@ pub enum LogFormat {
 /// answers `*.system.internal` DNS from it, and forwards every other name upstream.
 ///
 /// The mesh comes from YAML mesh files (--mesh-file), followed live, or, without one, from the
-/// Kubernetes API (in-cluster config or KUBECONFIG): Services and EndpointSlices, and the Gateway
+/// Kubernetes API (in-cluster config or KUBECONFIG): Services (ExternalName ones as external
+/// services, whose host names Envoy resolves) and EndpointSlices, and the Gateway
 /// API's HTTPRoutes and GRPCRoutes on Services for traffic rules (when their CRDs are installed).
 /// With --kubernetes, both: every provider's services are merged into one catalog.
 #[derive(Clone, Debug, Parser, Serialize)]
@@ -75,7 +76,9 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_ALLOW_HOST_NETWORK_PROXIES")]
     pub allow_host_network_proxies: bool,
 
-    /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53.
+    /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
+    /// DNS clusters (external services' host names) resolve through it as pods reach it: on
+    /// --node-local-dns, else here unless it is loopback or unspecified.
     #[arg(long, env = "LATTICE_DNS_ADDR", default_value_t = SocketAddr::from((Ipv4Addr::LOCALHOST, LOCAL_DNS_PORT)))]
     pub dns_addr: SocketAddr,
 
@@ -123,6 +126,18 @@ impl AgentConfig {
     /// Whether Kubernetes is a provider: asked for, or no mesh file given.
     pub fn watches_kubernetes(&self) -> bool {
         self.kubernetes || self.mesh_files.is_empty()
+    }
+
+    /// The DNS server Envoy resolves external services' host names with: the agent's own, as
+    /// the node's pods reach it (the node-local address, else --dns-addr unless it is loopback
+    /// or unspecified, which a pod cannot reach), so lookups follow --upstream-dns and get the
+    /// agent's TTL ceiling. `None`: the pod's resolv.conf.
+    pub fn envoy_dns_resolver(&self) -> Option<SocketAddr> {
+        if let Some(ip) = self.node_local_dns {
+            return Some(SocketAddr::new(ip, self.dns_addr.port()));
+        }
+        let ip = self.dns_addr.ip();
+        (!ip.is_loopback() && !ip.is_unspecified()).then_some(self.dns_addr)
     }
 
     pub fn debounce(&self) -> Duration {
@@ -185,5 +200,31 @@ mod tests {
         .unwrap();
         assert_eq!(config.upstream_dns[0].to_string(), "127.0.0.1:53");
         assert_eq!(config.upstream_dns[1].to_string(), "[::1]:5353");
+    }
+
+    #[test]
+    fn envoy_resolves_external_names_through_the_agents_dns_as_pods_reach_it() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["lattice-agent"];
+            all.extend_from_slice(args);
+            AgentConfig::try_parse_from(all)
+                .unwrap()
+                .envoy_dns_resolver()
+        };
+        assert_eq!(parse(&[]), None, "loopback is not the pod's");
+        assert_eq!(parse(&["--dns-addr", "0.0.0.0:53"]), None);
+        assert_eq!(
+            parse(&["--dns-addr", "10.200.0.1:53"]),
+            Some("10.200.0.1:53".parse().unwrap())
+        );
+        assert_eq!(
+            parse(&[
+                "--dns-addr",
+                "0.0.0.0:53",
+                "--node-local-dns",
+                "169.254.20.10"
+            ]),
+            Some("169.254.20.10:53".parse().unwrap())
+        );
     }
 }

@@ -18,6 +18,7 @@ use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address::{self, NodeLocalAddress};
 use lattice_agent::readiness::Readiness;
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
+use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
 use lattice_agent::xds::{ProxyRegistry, XdsServer};
 use lattice_dns::{DnsConfig, DnsServer};
@@ -148,6 +149,11 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         metrics.mesh.clone(),
         &readiness,
     );
+    let external_dns = ExternalDns {
+        resolver: config.envoy_dns_resolver(),
+    };
+    tracing::info!(resolver = ?external_dns.resolver, "external services' host names are resolved by Envoy through this DNS server (None: the pod's resolv.conf)");
+    let pipeline = pipeline.with_external_dns(external_dns);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
     // node-local address, so it must exist first. Dropped on an early return, it removes

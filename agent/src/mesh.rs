@@ -104,6 +104,162 @@ pub struct ServicePort {
     pub protocol: Protocol,
     /// Sorted and deduplicated, so equal sets compare equal.
     pub endpoints: EndpointSet,
+    /// Endpoints known by host name (an external service), which Envoy resolves itself.
+    /// Sorted and deduplicated; a port has these or IP `endpoints`, never both.
+    #[serde(skip_serializing_if = "HostEndpoints::is_empty")]
+    pub hosts: HostEndpoints,
+}
+
+impl ServicePort {
+    /// Whether its endpoints are host names, resolved by Envoy: an external service's port.
+    pub fn is_external(&self) -> bool {
+        !self.hosts.is_empty()
+    }
+}
+
+/// A DNS host name an external endpoint is reached by: `db.example.com`. Lowercase, without
+/// the root's trailing dot; never an IP address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct HostName(Arc<str>);
+
+/// Text that is not a host name, and why.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "{name:?} is not a host name ({reason}): expected dot-separated labels of 1-63 of a-z, 0-9 \
+     and '-', not starting or ending with '-', at most 253 characters, the last label not all \
+     digits"
+)]
+pub struct HostNameError {
+    pub name: String,
+    pub reason: &'static str,
+}
+
+impl HostName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for HostName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for HostName {
+    type Err = HostNameError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let error = |reason| HostNameError {
+            name: s.to_string(),
+            reason,
+        };
+        let name = s.strip_suffix('.').unwrap_or(s).to_ascii_lowercase();
+        if name.is_empty() {
+            return Err(error("empty"));
+        }
+        if name.len() > 253 {
+            return Err(error("too long"));
+        }
+        if name.parse::<std::net::IpAddr>().is_ok() {
+            return Err(error("an IP address"));
+        }
+        for label in name.split('.') {
+            if label.is_empty() || label.len() > 63 {
+                return Err(error("a label is empty or longer than 63"));
+            }
+            if !label
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            {
+                return Err(error("a character other than a-z, 0-9, '-' and '.'"));
+            }
+            if label.starts_with('-') || label.ends_with('-') {
+                return Err(error("a label starts or ends with '-'"));
+            }
+        }
+        if name
+            .rsplit('.')
+            .next()
+            .is_some_and(|last| last.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return Err(error("the last label is all digits"));
+        }
+        Ok(HostName(name.into()))
+    }
+}
+
+/// An endpoint known by host name and port, and the provider that reported it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct HostEndpoint {
+    pub host: HostName,
+    pub port: u16,
+    pub provider: Provider,
+}
+
+/// The host-name endpoints of one service port: sorted by host and port, one per pair.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct HostEndpoints(Arc<[HostEndpoint]>);
+
+impl HostEndpoints {
+    /// Where two entries share host and port, the first in the given order is kept, as in
+    /// [`EndpointSet::new`].
+    pub fn new(mut hosts: Vec<HostEndpoint>) -> Self {
+        hosts.sort_by(|a, b| (&a.host, a.port).cmp(&(&b.host, b.port)));
+        hosts.dedup_by(|a, b| a.host == b.host && a.port == b.port);
+        HostEndpoints(hosts.into())
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &HostEndpoint> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl FromIterator<HostEndpoint> for HostEndpoints {
+    fn from_iter<I: IntoIterator<Item = HostEndpoint>>(iter: I) -> Self {
+        HostEndpoints::new(iter.into_iter().collect())
+    }
+}
+
+/// The `Host` an HTTP request to an external service carries upstream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostHeader {
+    /// The external host name (the endpoint Envoy picked): what a virtual-hosted upstream, a
+    /// CDN or a TLS-terminating load balancer routes by. The mesh name the client used means
+    /// nothing to it, so this is the default.
+    #[default]
+    Rewrite,
+    /// The client's own `Host`, for an upstream that expects the mesh name or one the client
+    /// sets itself.
+    Keep,
+}
+
+/// A host-header mode that is neither `rewrite` nor `keep`.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown host header mode {0:?}: expected rewrite or keep")]
+pub struct UnknownHostHeader(pub String);
+
+impl FromStr for HostHeader {
+    type Err = UnknownHostHeader;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "rewrite" => Ok(HostHeader::Rewrite),
+            "keep" => Ok(HostHeader::Keep),
+            _ => Err(UnknownHostHeader(s.to_string())),
+        }
+    }
 }
 
 /// One endpoint of a service port: where to connect, who said so, and where it runs.
@@ -211,6 +367,8 @@ pub struct ServiceSpec {
     pub health: HealthPolicy,
     /// Which endpoints a client should prefer (this node's, this zone's), if any.
     pub traffic_distribution: TrafficDistribution,
+    /// The `Host` its HTTP requests carry upstream, for a service with host-name endpoints.
+    pub host_header: HostHeader,
 }
 
 impl ServiceSpec {
@@ -224,12 +382,23 @@ impl ServiceSpec {
             instances: Vec::new(),
             health: HealthPolicy::default(),
             traffic_distribution: TrafficDistribution::Any,
+            host_header: HostHeader::default(),
         }
     }
 
     pub fn with_traffic_distribution(mut self, distribution: TrafficDistribution) -> Self {
         self.traffic_distribution = distribution;
         self
+    }
+
+    pub fn with_host_header(mut self, host_header: HostHeader) -> Self {
+        self.host_header = host_header;
+        self
+    }
+
+    /// Whether any port's endpoints are host names.
+    pub fn is_external(&self) -> bool {
+        self.ports.iter().any(ServicePort::is_external)
     }
 
     pub fn with_health(mut self, health: HealthPolicy) -> Self {
@@ -333,6 +502,8 @@ pub struct Service {
     /// Shown only when the service asks for a preference.
     #[serde(skip_serializing_if = "TrafficDistribution::is_any")]
     pub traffic_distribution: TrafficDistribution,
+    /// The `Host` its HTTP requests carry upstream when its endpoints are host names.
+    pub host_header: HostHeader,
 }
 
 impl Service {
@@ -344,12 +515,20 @@ impl Service {
         self.address == other.address
             && self.path == other.path
             && self.health == other.health
+            && self.host_header == other.host_header
             && self.ports.len() == other.ports.len()
             && self
                 .ports
                 .iter()
                 .zip(&other.ports)
-                .all(|(a, b)| a.port == b.port && a.protocol == b.protocol && a.name == b.name)
+                // Host names are shape: Envoy resolves them in the cluster itself, which has
+                // no separate assignment to update.
+                .all(|(a, b)| {
+                    a.port == b.port
+                        && a.protocol == b.protocol
+                        && a.name == b.name
+                        && a.hosts == b.hosts
+                })
             && self.instances.len() == other.instances.len()
             && self
                 .instances
@@ -400,7 +579,7 @@ impl MeshSnapshot {
         self.services
             .values()
             .flat_map(|s| &s.ports)
-            .map(|p| p.endpoints.len())
+            .map(|p| p.endpoints.len() + p.hosts.len())
             .sum()
     }
 }
@@ -498,6 +677,7 @@ impl MeshState {
             && existing.routes == spec.routes
             && existing.health == spec.health
             && existing.traffic_distribution == spec.traffic_distribution
+            && existing.host_header == spec.host_header
             && existing.instances == instances
         {
             return Ok(false);
@@ -511,6 +691,7 @@ impl MeshState {
             instances,
             health: spec.health,
             traffic_distribution: spec.traffic_distribution,
+            host_header: spec.host_header,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));
@@ -648,12 +829,42 @@ mod tests {
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::parsed(&["10.0.0.1:8080"]),
+                hosts: HostEndpoints::default(),
             }],
         )
     }
 
     fn trap() -> TrapCidrs {
         "240.240.0.0/16".parse().unwrap()
+    }
+
+    #[test]
+    fn host_names_are_lowercased_and_checked() {
+        let name: HostName = "DB.Example.COM.".parse().unwrap();
+        assert_eq!(name.as_str(), "db.example.com");
+        assert_eq!("db".parse::<HostName>().unwrap().as_str(), "db");
+        for (bad, reason) in [
+            ("", "empty"),
+            ("10.0.0.1", "an IP address"),
+            ("::1", "an IP address"),
+            ("a..b", "a label is empty"),
+            ("-a.example.com", "starts or ends with '-'"),
+            ("a_b.example.com", "a character"),
+            ("example.123", "all digits"),
+        ] {
+            let err = bad.parse::<HostName>().unwrap_err();
+            assert!(err.to_string().contains(reason), "{bad}: {err}");
+        }
+        assert!(
+            format!("{}.com", "a".repeat(250))
+                .parse::<HostName>()
+                .is_err()
+        );
+        assert!(
+            format!("{}.com", "a".repeat(64))
+                .parse::<HostName>()
+                .is_err()
+        );
     }
 
     #[test]

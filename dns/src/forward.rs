@@ -29,6 +29,8 @@ pub(crate) struct Forwarder {
     upstreams: Vec<SocketAddr>,
     timeout: Duration,
     cache: Option<Cache>,
+    /// Forwarded records' TTLs are cut to this.
+    max_ttl: u32,
     metrics: DnsMetrics,
 }
 
@@ -37,12 +39,14 @@ impl Forwarder {
         upstreams: Vec<SocketAddr>,
         timeout: Duration,
         cache_entries: Option<usize>,
+        max_ttl: u32,
         metrics: DnsMetrics,
     ) -> Self {
         Self {
             upstreams,
             timeout,
             cache: cache_entries.map(Cache::new),
+            max_ttl,
             metrics,
         }
     }
@@ -75,6 +79,8 @@ impl Forwarder {
                         last_answer = Some(answer);
                         continue;
                     }
+                    let mut answer = answer;
+                    cap_ttls(&mut answer, self.max_ttl);
                     if let Some(cache) = &self.cache {
                         cache.insert(key, &answer);
                     }
@@ -280,6 +286,19 @@ impl Cache {
     }
 }
 
+/// Cuts every record's TTL to `max`: clients (Envoy's DNS clusters among them, which refresh
+/// on the TTL) then look a name up again at least that often.
+fn cap_ttls(answer: &mut Message, max: u32) {
+    for record in answer
+        .answers
+        .iter_mut()
+        .chain(answer.authorities.iter_mut())
+        .chain(answer.additionals.iter_mut())
+    {
+        record.ttl = record.ttl.min(max);
+    }
+}
+
 fn cache_ttl(answer: &Message) -> Option<u32> {
     if answer.metadata.truncation {
         return None;
@@ -320,6 +339,16 @@ mod tests {
             RData::A(A([192, 0, 2, 1].into())),
         ));
         m
+    }
+
+    #[test]
+    fn forwarded_ttls_are_capped() {
+        let mut answer = answer_with(86_400);
+        cap_ttls(&mut answer, 300);
+        assert_eq!(answer.answers[0].ttl, 300);
+        let mut short = answer_with(7);
+        cap_ttls(&mut short, 300);
+        assert_eq!(short.answers[0].ttl, 7, "shorter TTLs pass unchanged");
     }
 
     #[test]

@@ -41,6 +41,9 @@ pub struct DnsConfig {
     pub upstream_timeout: Duration,
     /// Cache forwarded answers for their TTL.
     pub cache: bool,
+    /// Forwarded records' TTLs are cut to this many seconds, so a client that follows the TTL
+    /// (Envoy's DNS clusters do) looks an external name up again at least this often.
+    pub max_forwarded_ttl: u32,
     /// Most forwarded answers kept in the cache.
     pub cache_entries: usize,
     /// UDP sockets sharing the port (SO_REUSEPORT), each served by its own task.
@@ -61,6 +64,7 @@ impl DnsConfig {
             negative_ttl: 30,
             upstream_timeout: Duration::from_secs(2),
             cache: true,
+            max_forwarded_ttl: 300,
             cache_entries: 10_000,
             udp_sockets: std::thread::available_parallelism().map_or(1, usize::from),
             max_in_flight: 1024,
@@ -112,6 +116,7 @@ impl DnsServer {
                             config.upstreams.clone(),
                             config.upstream_timeout,
                             config.cache.then_some(config.cache_entries),
+                            config.max_forwarded_ttl,
                             metrics.clone(),
                         ),
                         metrics,

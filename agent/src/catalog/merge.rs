@@ -4,8 +4,12 @@
 //! - defined by one provider: served as that provider says;
 //! - defined by several: served as one service whose ports carry the union of their
 //!   endpoints, when their **shape** agrees (the same port numbers with the same protocols,
-//!   and none of them stateful) and their routing rules, health policies and traffic
-//!   distributions do not contradict each other (one may set them, or all the same);
+//!   none of them stateful, and all of them external — endpoints known by host name — or none)
+//!   and their routing rules, health policies, traffic distributions and `Host` header modes
+//!   do not contradict each other (one may set them, or all the same). External services
+//!   unite their host names as others unite their addresses: a port is one Envoy cluster,
+//!   which cannot mix host names (resolved by Envoy) with addresses (pushed over EDS), so that
+//!   mix is a conflict;
 //! - when they disagree, the shape already served wins: providers that still agree with it
 //!   keep their endpoints flowing; a provider that disagrees is a conflict (shown on
 //!   `/debug/mesh`, counted, logged) and contributes what it last contributed while it agreed,
@@ -74,6 +78,8 @@ pub struct Merger {
 struct Shape {
     ports: Vec<(u16, Protocol)>,
     stateful: bool,
+    /// Its endpoints are host names.
+    external: bool,
 }
 
 impl Shape {
@@ -81,6 +87,7 @@ impl Shape {
         Shape {
             ports: service.ports.iter().map(|p| (p.port, p.protocol)).collect(),
             stateful: !service.instances.is_empty(),
+            external: service.ports.iter().any(ServicePort::is_external),
         }
     }
 
@@ -90,7 +97,11 @@ impl Shape {
             .iter()
             .map(|(port, protocol)| format!("{port}/{protocol}"))
             .collect();
-        let kind = if self.stateful { "stateful " } else { "" };
+        let kind = match (self.stateful, self.external) {
+            (true, _) => "stateful ",
+            (false, true) => "external (host-name endpoints) ",
+            (false, false) => "",
+        };
         format!("{kind}ports [{}]", ports.join(", "))
     }
 }
@@ -357,6 +368,13 @@ fn agrees(
             definition.traffic_distribution
         ));
     }
+    if shape.external
+        && contributions
+            .values()
+            .any(|c| c.host_header != definition.host_header)
+    {
+        return Err("its Host header mode differs from another provider's".to_string());
+    }
     Ok(())
 }
 
@@ -385,6 +403,11 @@ fn merged_spec(
                 } else {
                     EndpointSet::new(of().flat_map(|p| p.endpoints.iter().cloned()).collect())
                 },
+                hosts: if contributions.len() == 1 {
+                    of().next().map(|p| p.hosts.clone()).unwrap_or_default()
+                } else {
+                    of().flat_map(|p| p.hosts.iter().cloned()).collect()
+                },
             }
         })
         .collect();
@@ -412,10 +435,16 @@ fn merged_spec(
             endpoints: i.endpoints.clone(),
         })
         .collect();
+    let host_header = contributions
+        .values()
+        .next()
+        .map(|c| c.host_header)
+        .unwrap_or_default();
     let mut spec = ServiceSpec::new(path.clone(), ports)
         .with_health(health)
         .with_traffic_distribution(traffic_distribution)
-        .with_instances(instances);
+        .with_instances(instances)
+        .with_host_header(host_header);
     if let Some(routes) = routes {
         spec.routes = routes;
     }
@@ -454,6 +483,7 @@ mod tests {
                         Endpoint::new(format!("{ip}:{port}").parse().unwrap(), provider.clone())
                     })
                     .collect(),
+                hosts: Default::default(),
             })
             .collect();
         ServiceSpec::new(path.parse().unwrap(), ports)
@@ -549,6 +579,94 @@ mod tests {
             [["10.0.0.1:80@kubernetes", "10.0.0.2:80@kubernetes"]]
         );
         assert!(merger.status().conflicts.is_empty());
+    }
+
+    /// A provider's external service: `port` served by `hosts` on that port.
+    fn external(provider: &Provider, path: &str, port: u16, hosts: &[&str]) -> ServiceSpec {
+        let mut spec = service(provider, path, &[(port, Protocol::Tcp)], &[]);
+        spec.ports[0].hosts = hosts
+            .iter()
+            .map(|h| crate::mesh::HostEndpoint {
+                host: h.parse().unwrap(),
+                port,
+                provider: provider.clone(),
+            })
+            .collect();
+        spec
+    }
+
+    fn host_endpoints(merger: &mut Merger, path: &str) -> Vec<String> {
+        let snapshot = merger.snapshot().unwrap();
+        snapshot.services[&path.parse::<MeshPath>().unwrap()].ports[0]
+            .hosts
+            .iter()
+            .map(|h| format!("{}:{}@{}", h.host, h.port, h.provider))
+            .collect()
+    }
+
+    #[test]
+    fn external_services_unite_host_names_and_refuse_a_mix_with_addresses() {
+        let (kube, file) = providers();
+        let mut merger = Merger::new(trap(), vec![kube.clone(), file.clone()]);
+        merger.update(
+            0,
+            view(vec![external(&kube, "/a/db", 5432, &["a.example.com"])]),
+        );
+        merger.update(
+            1,
+            view(vec![external(
+                &file,
+                "/a/db",
+                5432,
+                &["a.example.com", "b.example.com"],
+            )]),
+        );
+        assert!(merger.status().conflicts.is_empty());
+        assert_eq!(
+            host_endpoints(&mut merger, "/a/db"),
+            [
+                "a.example.com:5432@kubernetes",
+                "b.example.com:5432@file:/etc/mesh.yaml"
+            ],
+            "a name both report is kept once, from the first provider"
+        );
+
+        // The file turns the service into addresses: one cluster cannot hold both.
+        merger.update(
+            1,
+            view(vec![service(
+                &file,
+                "/a/db",
+                &[(5432, Protocol::Tcp)],
+                &["10.0.0.9"],
+            )]),
+        );
+        let conflicts = merger.status().conflicts;
+        assert_eq!(conflicts.len(), 1);
+        assert!(
+            conflicts[0].refused[0].reason.contains("external"),
+            "{:?}",
+            conflicts[0].refused
+        );
+        let snapshot = merger.snapshot().unwrap();
+        let db = &snapshot.services[&"/a/db".parse::<MeshPath>().unwrap()];
+        assert!(db.ports[0].endpoints.is_empty(), "never half-merged");
+        assert_eq!(db.ports[0].hosts.len(), 2, "what it served stays");
+
+        // Host header modes must agree too.
+        merger.update(
+            1,
+            view(vec![
+                external(&file, "/a/db", 5432, &["b.example.com"])
+                    .with_host_header(crate::mesh::HostHeader::Keep),
+            ]),
+        );
+        let conflicts = merger.status().conflicts;
+        assert!(
+            conflicts[0].refused[0].reason.contains("Host header"),
+            "{:?}",
+            conflicts[0].refused
+        );
     }
 
     #[test]

@@ -21,8 +21,9 @@ use tokio_util::sync::CancellationToken;
 use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
 use crate::mesh::{
-    AddressError, Endpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
-    ProviderTx, ServicePort, ServiceSpec, TrafficDistribution,
+    AddressError, Endpoint, HostEndpoint, HostHeader, HostName, InstanceSpec, MeshPath,
+    MeshSnapshot, MeshState, Protocol, Provider, ProviderTx, ServicePort, ServiceSpec,
+    TrafficDistribution,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +66,9 @@ struct FileService {
     /// `PreferSameZone` or `PreferSameNode`: which endpoints clients prefer (Kubernetes'
     /// spelling and meaning).
     traffic_distribution: Option<String>,
+    /// `rewrite` (the default) or `keep`: the `Host` HTTP requests to host-name endpoints
+    /// carry upstream.
+    host_header: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -134,6 +138,7 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                 .map_err(|e| format!("{at}.trafficDistribution: {e}"))?,
         };
         let mut endpoints = Vec::with_capacity(service.endpoints.len());
+        let mut hosts: Vec<HostName> = Vec::new();
         let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
         let named = service
             .endpoints
@@ -148,12 +153,27 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
             ));
         }
         for (j, endpoint) in service.endpoints.iter().enumerate() {
-            let ip: IpAddr = endpoint.address.parse().map_err(|_| {
-                format!(
-                    "{at}.endpoints[{j}].address: {:?} is not an IP address",
-                    endpoint.address
-                )
-            })?;
+            let ip: IpAddr = match endpoint.address.parse() {
+                Ok(ip) => ip,
+                Err(_) => {
+                    let host: HostName = endpoint.address.parse().map_err(|e| {
+                        format!(
+                            "{at}.endpoints[{j}].address: neither an IP address nor a host \
+                             name: {e}"
+                        )
+                    })?;
+                    if endpoint.name.is_some() {
+                        return Err(format!(
+                            "{at}.endpoints[{j}]: a host-name endpoint cannot be a named \
+                             instance (an instance needs an address of its own)"
+                        ));
+                    }
+                    if endpoint.ready {
+                        hosts.push(host);
+                    }
+                    continue;
+                }
+            };
             if let Some(name) = &endpoint.name {
                 path.child(name).map_err(|_| {
                     format!(
@@ -181,6 +201,29 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                 endpoints.push((ip, zone, node));
             }
         }
+        let ip_count = service.endpoints.len()
+            - service
+                .endpoints
+                .iter()
+                .filter(|e| e.address.parse::<IpAddr>().is_err())
+                .count();
+        let host_count = service.endpoints.len() - ip_count;
+        if ip_count != 0 && host_count != 0 {
+            return Err(format!(
+                "{at}.endpoints: {ip_count} IP address(es) and {host_count} host name(s): a \
+                 service's endpoints are all IP addresses or all host names (an external \
+                 service); make two services"
+            ));
+        }
+        let host_header = match &service.host_header {
+            None => HostHeader::default(),
+            Some(_) if host_count == 0 => {
+                return Err(format!(
+                    "{at}.hostHeader: only a service whose endpoints are host names has one"
+                ));
+            }
+            Some(mode) => mode.parse().map_err(|e| format!("{at}.hostHeader: {e}"))?,
+        };
         let mut ports = Vec::with_capacity(service.ports.len());
         let mut port_numbers = HashSet::new();
         for (j, port) in service.ports.iter().enumerate() {
@@ -225,6 +268,14 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                         ..Endpoint::new(SocketAddr::new(*ip, target), provider.clone())
                     })
                     .collect(),
+                hosts: hosts
+                    .iter()
+                    .map(|host| HostEndpoint {
+                        host: host.clone(),
+                        port: target,
+                        provider: provider.clone(),
+                    })
+                    .collect(),
             });
         }
         let instances = instances
@@ -249,7 +300,8 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
             ServiceSpec::new(path, ports)
                 .with_instances(instances)
                 .with_health(health)
-                .with_traffic_distribution(traffic_distribution),
+                .with_traffic_distribution(traffic_distribution)
+                .with_host_header(host_header),
         );
         all_routes.push((at, service.routes));
     }
@@ -499,6 +551,96 @@ services:
             let err = parse(&text).unwrap_err();
             assert!(err.contains(expected), "expected {expected:?} in {err:?}");
         }
+    }
+
+    const EXTERNAL: &str = r#"
+services:
+  - path: /ext/payments
+    ports:
+      - port: 443
+      - port: 80
+        protocol: http
+        targetPort: 8080
+    endpoints:
+      - address: api.payments.example.com
+      - address: API2.payments.example.com.
+"#;
+
+    #[test]
+    fn host_name_endpoints_make_an_external_service() {
+        let specs = parse(EXTERNAL).unwrap();
+        let payments = &specs[0];
+        assert!(payments.is_external());
+        assert_eq!(payments.host_header, HostHeader::Rewrite, "the default");
+        let hosts: Vec<Vec<String>> = payments
+            .ports
+            .iter()
+            .map(|p| {
+                assert!(p.endpoints.is_empty());
+                p.hosts
+                    .iter()
+                    .map(|h| format!("{}:{}@{}", h.host, h.port, h.provider))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            hosts,
+            [
+                [
+                    "api.payments.example.com:8080@file:test",
+                    "api2.payments.example.com:8080@file:test"
+                ],
+                [
+                    "api.payments.example.com:443@file:test",
+                    "api2.payments.example.com:443@file:test"
+                ],
+            ]
+        );
+        let keep =
+            parse(&EXTERNAL.replace("    ports:", "    hostHeader: keep\n    ports:")).unwrap();
+        assert_eq!(keep[0].host_header, HostHeader::Keep);
+    }
+
+    #[test]
+    fn host_name_endpoints_are_checked() {
+        refused([
+            (
+                EXTERNAL.replace("api.payments", "api_v2.payments"),
+                "services[0] (/ext/payments).endpoints[0].address: neither an IP \
+                 address nor a host name: \"api_v2.payments.example.com\" is not a host name",
+            ),
+            (
+                EXTERNAL.replace("api.payments.example.com", "10.0.0.999"),
+                "the last label is all digits",
+            ),
+            (
+                EXTERNAL.replace("API2.payments.example.com.", "10.0.0.9"),
+                "endpoints: 1 IP address(es) and 1 host name(s)",
+            ),
+            (
+                EXTERNAL
+                    .replace(
+                        "address: api.payments.example.com",
+                        "address: api.payments.example.com\n        name: api-0",
+                    )
+                    .replace(
+                        "address: API2.payments.example.com.",
+                        "address: API2.payments.example.com.\n        name: api-1",
+                    ),
+                "endpoints[0]: a host-name endpoint cannot be a named instance",
+            ),
+            (
+                EXTERNAL.replace("    ports:", "    hostHeader: upstream\n    ports:"),
+                "hostHeader: unknown host header mode \"upstream\": expected rewrite or keep",
+            ),
+            (
+                GOOD.replace(
+                    "  - path: /foo/db",
+                    "  - path: /foo/db\n    hostHeader: keep",
+                ),
+                "services[1] (/foo/db).hostHeader: only a service whose endpoints are host names",
+            ),
+        ]);
     }
 
     #[test]

@@ -37,7 +37,7 @@ use crate::mesh::provider::Report as _;
 use crate::mesh::{AddressError, MeshSnapshot, PathError, ProviderTx};
 
 pub use index::MeshIndex;
-pub use mapping::{PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
+pub use mapping::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
 
 use mapping::{MappedService, MappedSlice, ObjectKey};
 use routes::{GrantEntry, RouteEntry, RouteKey, RouteKind};
@@ -64,6 +64,19 @@ pub enum KubeSourceError {
         crate::source::health::HEALTH_ANNOTATION
     )]
     InvalidHealth { service: String, message: String },
+    #[error("ExternalName service {service} is skipped: spec.externalName: {source}")]
+    InvalidExternalName {
+        service: String,
+        source: crate::mesh::HostNameError,
+    },
+    #[error(
+        "service {service} is skipped: annotation {}: {source}",
+        mapping::HOST_HEADER_ANNOTATION
+    )]
+    InvalidHostHeader {
+        service: String,
+        source: crate::mesh::UnknownHostHeader,
+    },
     #[error(
         "service {service} is skipped: mesh path {path} is held by service {owner} (the oldest \
          claim wins); give one of them another {PATH_ANNOTATION}"

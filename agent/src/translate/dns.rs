@@ -94,6 +94,7 @@ mod tests {
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::parsed(&[endpoint]),
+                hosts: Default::default(),
             }],
         )
     }

@@ -10,7 +10,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::cluster::v3::cluster::{
-    ClusterDiscoveryType, DiscoveryType, EdsClusterConfig,
+    ClusterDiscoveryType, DiscoveryType, DnsLookupFamily, EdsClusterConfig, RefreshRate,
 };
 use envoy_types::pb::envoy::config::cluster::v3::{
     CircuitBreakers, Cluster, OutlierDetection, circuit_breakers,
@@ -20,8 +20,9 @@ use envoy_types::pb::envoy::config::core::v3::health_check::{
     self, HttpHealthCheck, TcpHealthCheck,
 };
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, Http2ProtocolOptions,
-    Locality, Metadata, SocketAddress, TrafficDirection, address, config_source, socket_address,
+    Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, DnsResolverOptions,
+    Http2ProtocolOptions, Locality, Metadata, SocketAddress, TrafficDirection,
+    TypedExtensionConfig, address, config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -35,6 +36,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::envoy::extensions::network::dns_resolver::cares::v3::CaresDnsResolverConfig;
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::http_protocol_options::{
     ExplicitHttpConfig, UpstreamProtocolOptions, explicit_http_config,
@@ -52,8 +54,8 @@ pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
 use crate::mesh::{
-    MeshSnapshot, NodeLocality, Provider, Service, ServiceAddress, ServiceMap, ServicePort,
-    TrafficDistribution,
+    HostHeader, MeshSnapshot, NodeLocality, Provider, Service, ServiceAddress, ServiceMap,
+    ServicePort, TrafficDistribution,
 };
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
@@ -71,11 +73,34 @@ pub fn route_name(port: u16) -> String {
     format!("http.{port}")
 }
 
+/// How Envoy resolves the host names of external services.
+///
+/// Envoy's DNS clusters refresh on the record's TTL (`respect_dns_ttl`). Envoy has no ceiling
+/// for that refresh, so the resolver given here should be the agent's own DNS server, which
+/// cuts the TTLs it forwards (`lattice_dns::DnsConfig::max_forwarded_ttl`, 300 s); a TTL of 0
+/// (or none) falls back to [`DNS_REFRESH`], and a failing lookup is retried from
+/// [`DNS_FAILURE_REFRESH`] backing off to [`DNS_FAILURE_REFRESH_MAX`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExternalDns {
+    /// The DNS server Envoy asks; `None` leaves Envoy on its default (the pod's
+    /// `/etc/resolv.conf`, which in a mesh pod names the agent's node-local address anyway).
+    pub resolver: Option<SocketAddr>,
+}
+
+/// Refresh of an external name whose record carries no TTL (0).
+pub const DNS_REFRESH: std::time::Duration = std::time::Duration::from_secs(5);
+/// First retry of a failed lookup of an external name.
+pub const DNS_FAILURE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+/// Longest wait between retries of a failing lookup.
+pub const DNS_FAILURE_REFRESH_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Keeps the last translation and updates it by what changed in the mesh: the persistent maps
 /// make both the comparison and the snapshot handed out cost the size of the change.
 pub struct EnvoyTranslator {
     /// This node, whose Envoys every assignment is for: it decides endpoint priorities.
     node: NodeLocality,
+    /// How Envoy resolves the host names of external services.
+    dns: ExternalDns,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -85,14 +110,18 @@ pub struct EnvoyTranslator {
 impl Default for EnvoyTranslator {
     /// A translator for a node whose name and zone are unknown: no endpoint is preferred.
     fn default() -> Self {
-        EnvoyTranslator::new(NodeLocality::without_zone(None, "unknown"))
+        EnvoyTranslator::new(
+            NodeLocality::without_zone(None, "unknown"),
+            ExternalDns::default(),
+        )
     }
 }
 
 impl EnvoyTranslator {
-    pub fn new(node: NodeLocality) -> Self {
+    pub fn new(node: NodeLocality, dns: ExternalDns) -> Self {
         EnvoyTranslator {
             node,
+            dns,
             mesh: None,
             shape_version: None,
             resources: Default::default(),
@@ -160,7 +189,7 @@ impl EnvoyTranslator {
 
     fn insert(&mut self, service: &Service, with_clusters: bool) {
         if with_clusters {
-            self.put(ResourceType::Cluster, clusters_for(service));
+            self.put(ResourceType::Cluster, clusters_for(service, &self.dns));
         }
         self.put(ResourceType::Endpoint, endpoints_for(service, &self.node));
     }
@@ -215,13 +244,13 @@ fn cluster_names(service: &Service) -> impl Iterator<Item = String> + '_ {
         .chain(instances)
 }
 
-fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
+fn clusters_for(service: &Service, dns: &ExternalDns) -> Vec<Arc<XdsResource>> {
     // An instance's cluster has one endpoint, which the client chose: it gets no health
     // policy, since ejecting or failing its only host helps nobody.
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            XdsResource::new(name.clone(), cluster(name, port, None))
+            XdsResource::new(name.clone(), cluster(name, port, None, dns))
         })
     });
     service
@@ -229,15 +258,30 @@ fn clusters_for(service: &Service) -> Vec<Arc<XdsResource>> {
         .iter()
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
-            let health = (service.dns_name.as_str(), &service.health);
-            XdsResource::new(name.clone(), cluster(name, port, Some(health)))
+            // An HTTP check asks for what requests carry: an external service's one host name
+            // when it rewrites Host to it, else the mesh name.
+            let check_host = match port.hosts.iter().next() {
+                Some(one)
+                    if port.hosts.len() == 1 && service.host_header == HostHeader::Rewrite =>
+                {
+                    one.host.as_str()
+                }
+                _ => service.dns_name.as_str(),
+            };
+            let health = (check_host, &service.health);
+            XdsResource::new(name.clone(), cluster(name, port, Some(health), dns))
         })
         .chain(instances)
         .collect()
 }
 
 /// `health`: the service's DNS name (the `Host` of HTTP checks) and its health policy.
-fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy)>) -> Cluster {
+fn cluster(
+    name: String,
+    port: &ServicePort,
+    health: Option<(&str, &HealthPolicy)>,
+    dns: &ExternalDns,
+) -> Cluster {
     let mut options = HashMap::new();
     if port.protocol.is_http2() {
         let http2 = HttpProtocolOptions {
@@ -257,13 +301,20 @@ fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy
             pack_any(http2),
         );
     }
+    let base = if port.is_external() {
+        external_cluster(&name, port, dns)
+    } else {
+        Cluster {
+            cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
+            eds_cluster_config: Some(EdsClusterConfig {
+                eds_config: Some(ads()),
+                service_name: String::new(),
+            }),
+            ..Cluster::default()
+        }
+    };
     Cluster {
         name,
-        cluster_discovery_type: Some(ClusterDiscoveryType::Type(DiscoveryType::Eds as i32)),
-        eds_cluster_config: Some(EdsClusterConfig {
-            eds_config: Some(ads()),
-            service_name: String::new(),
-        }),
         connect_timeout: Some(Duration {
             seconds: 1,
             nanos: 0,
@@ -286,6 +337,55 @@ fn cluster(name: String, port: &ServicePort, health: Option<(&str, &HealthPolicy
             .and_then(|(host, policy)| Some(health_check(policy.check.as_ref()?, host, port)))
             .into_iter()
             .collect(),
+        ..base
+    }
+}
+
+/// A cluster that resolves its host names itself: one name is a `LOGICAL_DNS` cluster (one
+/// connection target, whatever the name answers with: a name that fronts a pool balances
+/// itself), several a `STRICT_DNS` cluster (every address of every name is a host). Host
+/// names cannot be pushed over EDS, so the assignment is inline and changes with the cluster.
+///
+/// The DNS settings are the `Cluster` fields Envoy has deprecated in favour of the
+/// `envoy.clusters.dns` extension: they mean the same, and every Envoy since 1.20 takes them,
+/// where the extension needs a recent one.
+#[allow(deprecated)]
+fn external_cluster(name: &str, port: &ServicePort, dns: &ExternalDns) -> Cluster {
+    let kind = if port.hosts.len() == 1 {
+        DiscoveryType::LogicalDns
+    } else {
+        DiscoveryType::StrictDns
+    };
+    let endpoints = port.hosts.iter().map(|h| Placed {
+        address: socket_address(h.host.to_string(), h.port),
+        provider: Some(&h.provider),
+        zone: None,
+        priority: 0,
+    });
+    Cluster {
+        cluster_discovery_type: Some(ClusterDiscoveryType::Type(kind as i32)),
+        load_assignment: Some(load_assignment(name.to_string(), endpoints)),
+        respect_dns_ttl: true,
+        dns_refresh_rate: Some(duration(DNS_REFRESH)),
+        dns_failure_refresh_rate: Some(RefreshRate {
+            base_interval: Some(duration(DNS_FAILURE_REFRESH)),
+            max_interval: Some(duration(DNS_FAILURE_REFRESH_MAX)),
+        }),
+        // The trapped mesh is IPv4; an external name with both families is reached over IPv4.
+        dns_lookup_family: DnsLookupFamily::V4Preferred as i32,
+        typed_dns_resolver_config: dns.resolver.map(|resolver| TypedExtensionConfig {
+            name: "envoy.network.dns_resolver.cares".to_string(),
+            typed_config: Some(typed(CaresDnsResolverConfig {
+                resolvers: vec![socket_address(resolver.ip().to_string(), resolver.port())],
+                use_resolvers_as_fallback: false,
+                // The name is looked up as written: no search domains from resolv.conf.
+                dns_resolver_options: Some(DnsResolverOptions {
+                    no_default_search_domain: true,
+                    ..DnsResolverOptions::default()
+                }),
+                ..CaresDnsResolverConfig::default()
+            })),
+        }),
         ..Cluster::default()
     }
 }
@@ -367,7 +467,7 @@ fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
             let endpoint = instance.endpoint(port.port).map(|address| Placed {
-                address,
+                address: ip_address(address),
                 provider: None,
                 zone: None,
                 priority: 0,
@@ -380,6 +480,8 @@ fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>
     service
         .ports
         .iter()
+        // An external port's assignment is inline in its cluster: nothing for EDS.
+        .filter(|port| !port.is_external())
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
             let priorities = node.priorities(distribution, port.endpoints.iter());
@@ -388,7 +490,7 @@ fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>
                 .iter()
                 .zip(priorities)
                 .map(|(e, priority)| Placed {
-                    address: e.address,
+                    address: ip_address(e.address),
                     provider: Some(&e.provider),
                     zone: e.zone.as_deref(),
                     priority,
@@ -414,12 +516,17 @@ fn preference(service: &Service) -> TrafficDistribution {
 /// The filter-metadata namespace the agent writes endpoint metadata under.
 pub const METADATA_NAMESPACE: &str = "lattice";
 
-/// One endpoint of an assignment: where it is, who reported it, its zone and its priority.
+/// One endpoint of an assignment: where it is (an IP or, in a DNS cluster, a host name), who
+/// reported it, its zone and its priority.
 struct Placed<'a> {
-    address: SocketAddr,
+    address: Address,
     provider: Option<&'a Provider>,
     zone: Option<&'a str>,
     priority: u32,
+}
+
+fn ip_address(address: SocketAddr) -> Address {
+    socket_address(address.ip().to_string(), address.port())
 }
 
 /// The endpoints grouped by priority and zone (one `LocalityLbEndpoints` each, the zone as
@@ -437,10 +544,7 @@ fn load_assignment<'a>(
             .or_default()
             .push(LbEndpoint {
                 host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
-                    address: Some(socket_address(
-                        placed.address.ip().to_string(),
-                        placed.address.port(),
-                    )),
+                    address: Some(placed.address),
                     ..Endpoint::default()
                 })),
                 metadata: placed.provider.map(provider_metadata),
@@ -647,6 +751,7 @@ mod tests {
             port,
             protocol,
             endpoints: EndpointSet::parsed(endpoints),
+            hosts: Default::default(),
         }
     }
 
@@ -988,6 +1093,7 @@ mod tests {
             port: 8080,
             protocol: Protocol::Http,
             endpoints,
+            hosts: Default::default(),
         };
         ServiceSpec::new(format!("/a/{name}").parse().unwrap(), vec![port])
             .with_traffic_distribution(distribution)
@@ -1016,7 +1122,7 @@ mod tests {
             .unwrap();
         let mesh = state.snapshot();
         let here = NodeLocality::with_zone(Some(Arc::from("n1")), Arc::from("a"), ZoneSource::Flag);
-        let mut translator = EnvoyTranslator::new(here);
+        let mut translator = EnvoyTranslator::new(here, ExternalDns::default());
         let xds = translator.translate(&mesh);
         let of = |xds: &XdsSnapshot, name: &str| {
             groups(&decode(
@@ -1051,7 +1157,7 @@ mod tests {
 
         // Unknown zone: PreferSameZone has nothing to go by; PreferSameNode still has the node.
         let blindfolded = NodeLocality::without_zone(Some(Arc::from("n1")), "no --node-zone");
-        let unknown = EnvoyTranslator::new(blindfolded).translate(&mesh);
+        let unknown = EnvoyTranslator::new(blindfolded, ExternalDns::default()).translate(&mesh);
         assert_eq!(of(&unknown, "zoned"), of(&xds, "plain"));
         assert_eq!(
             of(&unknown, "noded"),
@@ -1107,6 +1213,7 @@ mod tests {
                 hinted("10.0.0.1:80", &["b"], &[]),
                 hinted("10.0.0.2:80", &["a"], &[]),
             ]),
+            hosts: Default::default(),
         };
         state
             .replace_all(vec![ServiceSpec::new(
@@ -1115,7 +1222,7 @@ mod tests {
             )])
             .unwrap();
         let here = NodeLocality::with_zone(Some(Arc::from("n1")), Arc::from("a"), ZoneSource::Flag);
-        let xds = EnvoyTranslator::new(here).translate(&state.snapshot());
+        let xds = EnvoyTranslator::new(here, ExternalDns::default()).translate(&state.snapshot());
         let cla: ClusterLoadAssignment =
             decode(&xds.of(ResourceType::Endpoint)["web.a.system.internal|8080"]);
         assert_eq!(
@@ -1125,6 +1232,213 @@ mod tests {
                 (1, String::new(), strings(&["10.0.0.1:80"])),
             ]
         );
+    }
+
+    /// An external service `/ext/<name>` on `port`, served by `hosts` on `target`.
+    fn external(
+        name: &str,
+        port_number: u16,
+        protocol: Protocol,
+        hosts: &[&str],
+        target: u16,
+    ) -> ServiceSpec {
+        let mut port = port(port_number, protocol, &[]);
+        port.hosts = hosts
+            .iter()
+            .map(|h| crate::mesh::HostEndpoint {
+                host: h.parse().unwrap(),
+                port: target,
+                provider: Provider::new("test"),
+            })
+            .collect();
+        ServiceSpec::new(format!("/ext/{name}").parse().unwrap(), vec![port])
+    }
+
+    fn http_check() -> crate::mesh::HealthPolicy {
+        use crate::mesh::health::{ActiveCheck, CheckKind};
+        crate::mesh::HealthPolicy {
+            check: Some(ActiveCheck {
+                kind: CheckKind::Http {
+                    path: "/healthz".to_string(),
+                    statuses: vec![(200, 300)],
+                },
+                interval: std::time::Duration::from_secs(1),
+                timeout: std::time::Duration::from_millis(500),
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+            }),
+            outlier: None,
+        }
+    }
+
+    #[allow(deprecated)]
+    #[test]
+    fn host_name_endpoints_make_dns_clusters_that_follow_the_ttl_through_the_agents_dns() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .replace_all(vec![
+                external("one", 443, Protocol::Tcp, &["db.example.com"], 443),
+                external(
+                    "pool",
+                    8080,
+                    Protocol::Http,
+                    &["a.example.com", "b.example.com"],
+                    80,
+                ),
+            ])
+            .unwrap();
+        let resolver: SocketAddr = "10.200.0.1:53".parse().unwrap();
+        let xds = EnvoyTranslator::new(
+            NodeLocality::without_zone(None, "unknown"),
+            ExternalDns {
+                resolver: Some(resolver),
+            },
+        )
+        .translate(&state.snapshot());
+        assert!(
+            xds.of(ResourceType::Endpoint).is_empty(),
+            "host names cannot go over EDS"
+        );
+        let one: Cluster = decode(&xds.of(ResourceType::Cluster)["one.ext.system.internal|443"]);
+        assert_eq!(
+            one.cluster_discovery_type,
+            Some(ClusterDiscoveryType::Type(DiscoveryType::LogicalDns as i32)),
+            "one name fronts a pool"
+        );
+        assert!(one.eds_cluster_config.is_none());
+        assert_eq!(
+            cla_addresses(one.load_assignment.as_ref().unwrap()),
+            ["db.example.com:443"]
+        );
+        assert!(one.respect_dns_ttl);
+        assert_eq!(one.dns_refresh_rate, Some(duration(DNS_REFRESH)));
+        let failure = one.dns_failure_refresh_rate.as_ref().unwrap();
+        assert_eq!(failure.base_interval, Some(duration(DNS_FAILURE_REFRESH)));
+        assert_eq!(
+            failure.max_interval,
+            Some(duration(DNS_FAILURE_REFRESH_MAX))
+        );
+        assert_eq!(one.dns_lookup_family, DnsLookupFamily::V4Preferred as i32);
+        assert!(
+            one.outlier_detection.is_some(),
+            "health settings still apply"
+        );
+        let dns = one.typed_dns_resolver_config.as_ref().unwrap();
+        let cares =
+            CaresDnsResolverConfig::decode(dns.typed_config.as_ref().unwrap().value.as_slice())
+                .unwrap();
+        assert_eq!(cares.resolvers, [socket_address("10.200.0.1".into(), 53)]);
+        assert!(!cares.use_resolvers_as_fallback);
+
+        let pool: Cluster = decode(&xds.of(ResourceType::Cluster)["pool.ext.system.internal|8080"]);
+        assert_eq!(
+            pool.cluster_discovery_type,
+            Some(ClusterDiscoveryType::Type(DiscoveryType::StrictDns as i32)),
+            "every address of every name"
+        );
+        assert_eq!(
+            cla_addresses(pool.load_assignment.as_ref().unwrap()),
+            ["a.example.com:80", "b.example.com:80"]
+        );
+
+        // TCP (TLS included) is a plain TCP proxy: bytes, SNI with them, pass untouched.
+        let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        let tcp: Vec<&str> = chain_matches(&listener)
+            .filter(|(_, port, _)| *port == 443)
+            .map(|(_, _, chain)| chain.filters[0].name.as_str())
+            .collect();
+        assert_eq!(tcp, ["envoy.filters.network.tcp_proxy"]);
+
+        // Without a resolver, Envoy's default (the pod's resolv.conf).
+        let xds = EnvoyTranslator::default().translate(&state.snapshot());
+        let one: Cluster = decode(&xds.of(ResourceType::Cluster)["one.ext.system.internal|443"]);
+        assert!(one.typed_dns_resolver_config.is_none());
+    }
+
+    #[test]
+    fn a_changed_host_name_rebuilds_the_cluster() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut translator = EnvoyTranslator::default();
+        state
+            .replace_all(vec![external(
+                "db",
+                5432,
+                Protocol::Tcp,
+                &["a.example.com"],
+                5432,
+            )])
+            .unwrap();
+        translator.translate(&state.snapshot());
+        state
+            .replace_all(vec![external(
+                "db",
+                5432,
+                Protocol::Tcp,
+                &["b.example.com"],
+                5432,
+            )])
+            .unwrap();
+        let xds = translator.translate(&state.snapshot());
+        let db: Cluster = decode(&xds.of(ResourceType::Cluster)["db.ext.system.internal|5432"]);
+        assert_eq!(
+            cla_addresses(db.load_assignment.as_ref().unwrap()),
+            ["b.example.com:5432"]
+        );
+    }
+
+    #[test]
+    fn http_to_an_external_service_rewrites_host_unless_it_keeps_the_clients() {
+        use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, route, route_action};
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .replace_all(vec![
+                external("rewrite", 8080, Protocol::Http, &["api.example.com"], 80)
+                    .with_health(http_check()),
+                external("keep", 8080, Protocol::Http, &["api.example.com"], 80)
+                    .with_host_header(crate::mesh::HostHeader::Keep)
+                    .with_health(http_check()),
+                ServiceSpec::new(
+                    "/a/plain".parse().unwrap(),
+                    vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
+                ),
+            ])
+            .unwrap();
+        let xds = EnvoyTranslator::default().translate(&state.snapshot());
+        let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
+        let rewrite = |vhost: &str| {
+            let host = routes
+                .virtual_hosts
+                .iter()
+                .find(|v| v.name == cluster_name(vhost, 8080))
+                .unwrap();
+            let Some(route::Action::Route(action)) = &host.routes[0].action else {
+                panic!("a route action for {vhost}")
+            };
+            matches!(
+                action.host_rewrite_specifier,
+                Some(route_action::HostRewriteSpecifier::AutoHostRewrite(ref v)) if v.value
+            )
+        };
+        assert!(rewrite("rewrite.ext.system.internal"), "the default");
+        let checked = xds.of(ResourceType::Cluster);
+        let check_host = |name: &str| {
+            let cluster: Cluster = decode(&checked[name]);
+            match cluster.health_checks[0].health_checker.clone() {
+                Some(health_check::HealthChecker::HttpHealthCheck(http)) => http.host,
+                other => panic!("an HTTP check: {other:?}"),
+            }
+        };
+        assert_eq!(
+            check_host("rewrite.ext.system.internal|8080"),
+            "api.example.com",
+            "checks carry the Host requests do"
+        );
+        assert_eq!(
+            check_host("keep.ext.system.internal|8080"),
+            "keep.ext.system.internal"
+        );
+        assert!(!rewrite("keep.ext.system.internal"));
+        assert!(!rewrite("plain.a.system.internal"));
     }
 
     #[test]

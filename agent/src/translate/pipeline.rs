@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::dns::DnsTranslator;
-use super::envoy::EnvoyTranslator;
+use super::envoy::{EnvoyTranslator, ExternalDns};
 use crate::mesh::{MeshMetrics, MeshRx, NodeLocality};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
@@ -37,6 +37,7 @@ pub struct Pipeline {
     /// Held until the first translation of each kind is published.
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
+    external_dns: ExternalDns,
 }
 
 impl Pipeline {
@@ -60,12 +61,19 @@ impl Pipeline {
             mesh_metrics,
             xds_ready: Some(readiness.register("envoy resources")),
             names_ready: Some(readiness.register("dns names")),
+            external_dns: ExternalDns::default(),
         };
         let published = Published {
             xds: xds_rx,
             names: names_rx,
         };
         (pipeline, published)
+    }
+
+    /// How Envoy resolves external services' host names.
+    pub fn with_external_dns(mut self, external_dns: ExternalDns) -> Self {
+        self.external_dns = external_dns;
+        self
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
@@ -109,7 +117,7 @@ impl Pipeline {
                     zone = node.zone.as_deref().unwrap_or("-"),
                     "endpoint priorities follow this node"
                 );
-                envoy = Some(EnvoyTranslator::new(node));
+                envoy = Some(EnvoyTranslator::new(node, self.external_dns.clone()));
             }
             let (Some(envoy), Some(mesh)) = (envoy.as_mut(), mesh) else {
                 continue;
@@ -153,6 +161,7 @@ mod tests {
                 port: 8080,
                 protocol: Protocol::Http,
                 endpoints: EndpointSet::parsed(&[endpoint]),
+                hosts: Default::default(),
             }],
         );
         state.upsert(spec).unwrap();

@@ -40,6 +40,7 @@ impl World {
                 port: 8080,
                 protocol,
                 endpoints: EndpointSet::parsed(endpoints),
+                hosts: Default::default(),
             }],
         );
         self.state.upsert(spec).unwrap();

@@ -14,7 +14,7 @@ use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use crate::mesh::{
-    Endpoint, EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Provider,
+    Endpoint, EndpointSet, HostEndpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Provider,
     RejectedRoute, ServicePort, ServiceSpec,
 };
 
@@ -56,7 +56,7 @@ impl MeshIndex {
         let entry = match mapped {
             Ok(entry) => {
                 if entry.is_none() {
-                    debug!(service = %key, "skipping ExternalName service");
+                    debug!(service = %key, "skipping ExternalName service without TCP ports");
                 }
                 entry
             }
@@ -401,17 +401,34 @@ impl MeshIndex {
                         })
                     })
                     .collect();
+                // Clients of an ExternalName Service dial the external name on the Service's
+                // own port (Kubernetes ignores targetPort there).
+                let hosts = entry
+                    .external
+                    .iter()
+                    .map(|host| HostEndpoint {
+                        host: host.clone(),
+                        port: port.port,
+                        provider: Provider::kubernetes(),
+                    })
+                    .collect();
                 ServicePort {
                     port: port.port,
                     name: port.name.as_deref().map(Arc::from),
                     protocol: port.protocol,
-                    endpoints: EndpointSet::new(endpoints),
+                    endpoints: if entry.external.is_some() {
+                        EndpointSet::default()
+                    } else {
+                        EndpointSet::new(endpoints)
+                    },
+                    hosts,
                 }
             })
             .collect();
         let mut spec = ServiceSpec::new(entry.path.clone(), ports)
             .with_health(entry.health.clone())
-            .with_traffic_distribution(entry.traffic_distribution);
+            .with_traffic_distribution(entry.traffic_distribution)
+            .with_host_header(entry.host_header);
         if entry.headless {
             spec = spec.with_instances(instances(entry, &slices));
         }

@@ -10,11 +10,16 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use super::KubeSourceError;
-use crate::mesh::{HealthPolicy, Hints, MeshPath, Protocol, TrafficDistribution};
+use crate::mesh::{
+    HealthPolicy, Hints, HostHeader, HostName, MeshPath, Protocol, TrafficDistribution,
+};
 use crate::source::health::{HEALTH_ANNOTATION, from_annotation};
 
 /// The annotation that places a Service at a mesh path of its choosing.
 pub const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
+/// The annotation that keeps the client's `Host` on requests to an ExternalName Service
+/// (`keep`), instead of the default `rewrite` to the external name.
+pub const HOST_HEADER_ANNOTATION: &str = "lattice.mlab.com/host-header";
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
@@ -71,6 +76,11 @@ pub struct ServiceEntry {
     pub health: HealthPolicy,
     /// `spec.trafficDistribution`; a value the mesh does not know is no preference.
     pub traffic_distribution: TrafficDistribution,
+    /// An ExternalName Service's `spec.externalName`: every port's one endpoint, resolved by
+    /// Envoy. Its EndpointSlices, if anyone made some, are ignored.
+    pub external: Option<HostName>,
+    /// From the `lattice.mlab.com/host-header` annotation; matters for ExternalName only.
+    pub host_header: HostHeader,
 }
 
 /// What the index keeps of an IPv4 EndpointSlice: its Service, its ports by name, and the
@@ -152,8 +162,8 @@ pub type MappedService = Result<Option<ServiceEntry>, KubeSourceError>;
 /// A mapped EndpointSlice, or why it contributes nothing.
 pub type MappedSlice = Result<SliceEntry, SliceSkip>;
 
-/// Maps a Service; ExternalName Services are skipped (they have no endpoints to route to,
-/// only a DNS alias).
+/// Maps a Service. An ExternalName Service is a service whose every port is served by its
+/// external name, which Envoy resolves; one without TCP ports is skipped (`Ok(None)`).
 pub fn service_entry(service: &Service) -> (ObjectKey, MappedService) {
     let key = ObjectKey::of(&service.metadata);
     let mapped = map_service(&key, service);
@@ -162,10 +172,28 @@ pub fn service_entry(service: &Service) -> (ObjectKey, MappedService) {
 
 fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
     let spec = service.spec.as_ref();
-    if spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
-        return Ok(None);
-    }
+    let external = if spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
+        let name = spec.and_then(|s| s.external_name.as_deref()).unwrap_or("");
+        Some(
+            name.parse::<HostName>()
+                .map_err(|source| KubeSourceError::InvalidExternalName {
+                    service: key.to_string(),
+                    source,
+                })?,
+        )
+    } else {
+        None
+    };
     let annotations = service.metadata.annotations.as_ref();
+    let host_header = match annotations.and_then(|a| a.get(HOST_HEADER_ANNOTATION)) {
+        None => HostHeader::default(),
+        Some(value) => value
+            .parse()
+            .map_err(|source| KubeSourceError::InvalidHostHeader {
+                service: key.to_string(),
+                source,
+            })?,
+    };
     let annotation = annotations.and_then(|a| a.get(PATH_ANNOTATION));
     let health = match annotations.and_then(|a| a.get(HEALTH_ANNOTATION)) {
         None => HealthPolicy::default(),
@@ -207,7 +235,11 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
                 protocol: port_protocol(p.app_protocol.as_deref(), p.name.as_deref()),
             })
         })
-        .collect();
+        .collect::<Box<[PortEntry]>>();
+    // An ExternalName Service without ports is a DNS alias only: nothing to route.
+    if external.is_some() && ports.is_empty() {
+        return Ok(None);
+    }
     // The API server accepts only the values it knows (and PreferClose, the older name of
     // PreferSameZone); one added later is read as no preference, which never strands traffic.
     let traffic_distribution = spec
@@ -218,9 +250,11 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
         path,
         created: service.metadata.creation_timestamp.as_ref().map(|t| t.0),
         ports,
-        headless: spec.and_then(|s| s.cluster_ip.as_deref()) == Some("None"),
+        headless: external.is_none() && spec.and_then(|s| s.cluster_ip.as_deref()) == Some("None"),
         health,
         traffic_distribution,
+        external,
+        host_header,
     };
     Ok(Some(entry))
 }

@@ -851,8 +851,8 @@ impl RouteIndex {
         }
         let Some((service, holds_path)) = lookup(&parent.service) else {
             return Err(format!(
-                "parent Service {} does not exist (or is not in the mesh: ExternalName, or an \
-                 invalid path annotation)",
+                "parent Service {} does not exist (or is not in the mesh: an ExternalName \
+                 Service without TCP ports, or an invalid path annotation)",
                 parent.service
             ));
         };

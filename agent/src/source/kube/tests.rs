@@ -252,18 +252,117 @@ fn ipv6_slices_are_ignored_not_mixed() {
     );
 }
 
+fn external_name(namespace: &str, name: &str, host: &str, ports: Value) -> Service {
+    let mut external = service(namespace, name, ports);
+    let spec = external.spec.as_mut().unwrap();
+    spec.type_ = Some("ExternalName".into());
+    spec.external_name = Some(host.into());
+    external
+}
+
+/// Each port's host-name endpoints as "host:port@provider", for `path`.
+fn hosts(snapshot: &MeshSnapshot, path: &str) -> Vec<(u16, Vec<String>)> {
+    snapshot.services[&path.parse::<crate::mesh::MeshPath>().unwrap()]
+        .ports
+        .iter()
+        .map(|p| {
+            let hosts = p
+                .hosts
+                .iter()
+                .map(|h| format!("{}:{}@{}", h.host, h.port, h.provider));
+            (p.port, hosts.collect())
+        })
+        .collect()
+}
+
 #[test]
-fn headless_included_external_name_skipped() {
+fn headless_included_external_name_without_ports_skipped() {
     let mut index = MeshIndex::new(trap());
     let mut headless = service("a", "db", json!([{"name": "tcp", "port": 5432}]));
     headless.spec.as_mut().unwrap().cluster_ip = Some("None".into());
     index.apply_service(&headless);
-    let mut external = service("a", "ext", json!([{"name": "http", "port": 80}]));
-    external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
-    index.apply_service(&external);
+    // A DNS alias only: nothing to route.
+    index.apply_service(&external_name("a", "alias", "db.example.com", json!([])));
     assert_eq!(
         view(&snapshot(&mut index)),
         vec![("/a/db".to_string(), vec![(5432, Protocol::Tcp, vec![])])]
+    );
+}
+
+#[test]
+fn an_external_name_service_is_served_by_its_external_name_on_each_port() {
+    let mut index = MeshIndex::new(trap());
+    let external = external_name(
+        "ext",
+        "payments",
+        "API.Payments.example.com.",
+        json!([{"name": "https", "port": 443, "targetPort": 8443},
+               {"name": "http", "port": 80}]),
+    );
+    index.apply_service(&annotated(external.clone(), "/partners/payments"));
+    // A slice someone made for it is ignored: the external name is the endpoint.
+    index.apply_slice(&slice(
+        "ext",
+        "payments-1",
+        "payments",
+        json!([{"name": "http", "port": 80}]),
+        json!([{"addresses": ["10.0.0.1"]}]),
+    ));
+    let snap = snapshot(&mut index);
+    assert_eq!(
+        hosts(&snap, "/partners/payments"),
+        [
+            (
+                80,
+                vec!["api.payments.example.com:80@kubernetes".to_string()]
+            ),
+            // Clients dial the Service port; Kubernetes ignores targetPort for ExternalName.
+            (
+                443,
+                vec!["api.payments.example.com:443@kubernetes".to_string()]
+            ),
+        ]
+    );
+    let service = &snap.services[&"/partners/payments"
+        .parse::<crate::mesh::MeshPath>()
+        .unwrap()];
+    assert!(service.ports.iter().all(|p| p.endpoints.is_empty()));
+    assert_eq!(service.host_header, crate::mesh::HostHeader::Rewrite);
+    assert_eq!(service.dns_name, "payments.partners.system.internal");
+
+    // The annotation keeps the client's Host (and without the path annotation, the Service
+    // is at /<namespace>/<name>: payments.ext.system.internal).
+    let mut keep = external.clone();
+    keep.metadata.annotations =
+        Some([(HOST_HEADER_ANNOTATION.to_string(), "keep".to_string())].into());
+    index.apply_service(&keep);
+    let snap = snapshot(&mut index);
+    let service = &snap.services[&"/ext/payments".parse::<crate::mesh::MeshPath>().unwrap()];
+    assert_eq!(service.host_header, crate::mesh::HostHeader::Keep);
+}
+
+#[test]
+fn a_malformed_external_name_or_host_header_skips_the_service_with_a_reason() {
+    let bad = external_name(
+        "ext",
+        "bad",
+        "under_score.example.com",
+        json!([{"port": 80}]),
+    );
+    let (_, mapped) = mapping::service_entry(&bad);
+    let err = mapped.unwrap_err().to_string();
+    assert!(
+        err.contains("ext/bad") && err.contains("externalName"),
+        "{err}"
+    );
+    let mut mode = external_name("ext", "mode", "db.example.com", json!([{"port": 80}]));
+    mode.metadata.annotations =
+        Some([(HOST_HEADER_ANNOTATION.to_string(), "upstream".to_string())].into());
+    let (_, mapped) = mapping::service_entry(&mode);
+    let err = mapped.unwrap_err().to_string();
+    assert!(
+        err.contains(HOST_HEADER_ANNOTATION) && err.contains("rewrite or keep"),
+        "{err}"
     );
 }
 

@@ -27,7 +27,7 @@ use crate::mesh::route::{
     BackendTarget, HeaderEdits, PathMatch, RequestMatch, RouteRule, RouteTable, ValueCondition,
     ValueMatch,
 };
-use crate::mesh::{MeshSnapshot, Service, ServiceAddress};
+use crate::mesh::{HostHeader, MeshSnapshot, Service, ServiceAddress};
 use crate::xds::snapshot::XdsResource;
 
 /// A cluster name no resource ever has (real ones are `<name>|<port>`): the share of traffic
@@ -107,6 +107,11 @@ fn virtual_host(service: &Service, port: u16) -> VirtualHost {
             .map(|(request, rule)| rule_route(request, rule))
             .collect()
     };
+    let routes = if rewrites_host(service) {
+        routes.into_iter().map(with_auto_host_rewrite).collect()
+    } else {
+        routes
+    };
     VirtualHost {
         name: cluster_name(&service.dns_name, port),
         domains: vec![
@@ -116,6 +121,23 @@ fn virtual_host(service: &Service, port: u16) -> VirtualHost {
         routes,
         ..VirtualHost::default()
     }
+}
+
+/// An external service sends the host name of the endpoint Envoy picked as `Host`, unless it
+/// keeps the client's.
+fn rewrites_host(service: &Service) -> bool {
+    service.host_header == HostHeader::Rewrite && service.ports.iter().any(|p| p.is_external())
+}
+
+/// Envoy rewrites `Host` to the chosen upstream host's name, which only DNS clusters have: a
+/// rule's backend in an ordinary cluster keeps the client's `Host`.
+fn with_auto_host_rewrite(mut route: Route) -> Route {
+    if let Some(route::Action::Route(action)) = &mut route.action {
+        action.host_rewrite_specifier = Some(route_action::HostRewriteSpecifier::AutoHostRewrite(
+            envoy_types::pb::google::protobuf::BoolValue { value: true },
+        ));
+    }
+    route
 }
 
 fn any_path() -> RouteMatch {
@@ -347,6 +369,7 @@ mod tests {
             port: number,
             protocol: Protocol::Http,
             endpoints: EndpointSet::parsed(&["10.0.0.1:80"]),
+            hosts: Default::default(),
         }
     }
 
