@@ -114,19 +114,7 @@ impl Node {
         port: u16,
         behaviour: Behaviour,
     ) -> anyhow::Result<Backend> {
-        let pod = self.pod(identity, host)?;
-        let answer = identity.to_string();
-        let healthy = Arc::new(AtomicBool::new(true));
-        let health = healthy.clone();
-        let server = Server::start(&pod, port, move |stream, stats| {
-            serve_http(stream, &answer, stats, behaviour, &health)
-        })?;
-        Ok(Backend {
-            server,
-            identity: identity.to_string(),
-            pod,
-            healthy,
-        })
+        Backend::http(self.pod(identity, host)?, identity, port, behaviour)
     }
 
     /// A backend pod with a raw TCP echo on `port`.
@@ -179,7 +167,93 @@ impl Node {
     }
 }
 
-/// A pod: its namespace and its address on the node's bridge.
+/// The node's end of its link to the internet gateway ([`Node::internet`]).
+const UPLINK_NODE: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 1);
+/// The gateway's end of that link.
+const UPLINK_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 201, 0, 2);
+/// The pods' block, which the gateway routes back to the node.
+const POD_BLOCK: &str = "10.200.0.0/24";
+/// "The internet": TEST-NET-3 (RFC 5737), documentation only, routed nowhere.
+pub const INTERNET_BLOCK: &str = "203.0.113.0/24";
+/// The gateway's address on the internet side.
+const INTERNET_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+
+impl Node {
+    /// The internet beyond the node: a namespace that plays its internet gateway, linked to
+    /// the node, and behind it hosts on [`INTERNET_BLOCK`] ([`Internet::host`]). The node
+    /// routes that block, and only that block, through the gateway, and forwards its pods'
+    /// traffic there; the gateway has no other link, so nothing leaves the machine.
+    ///
+    /// ```text
+    ///  node netns ── uplink 10.201.0.1 ─ 10.201.0.2 ── gateway netns (forwards)
+    ///                                                    └── inet0 203.0.113.1/24
+    ///                                                          └── hosts 203.0.113.x
+    /// ```
+    pub fn internet(&self, label: &str) -> anyhow::Result<Internet> {
+        let gateway = Netns::new(label)?;
+        gateway.veth(
+            "up0",
+            &format!("{UPLINK_GATEWAY}/30"),
+            &self.netns,
+            "uplink",
+            Some(&format!("{UPLINK_NODE}/30")),
+        )?;
+        gateway.bridge("inet0", &format!("{INTERNET_GATEWAY}/24"))?;
+        gateway.ip(&["route", "add", POD_BLOCK, "via", &UPLINK_NODE.to_string()])?;
+        for netns in [&gateway, &self.netns] {
+            netns.exec("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
+        }
+        self.netns.ip(&[
+            "route",
+            "add",
+            INTERNET_BLOCK,
+            "via",
+            &UPLINK_GATEWAY.to_string(),
+        ])?;
+        Ok(Internet {
+            gateway,
+            next_port: AtomicU32::new(0),
+        })
+    }
+}
+
+/// The gateway namespace and the internet behind it ([`Node::internet`]).
+pub struct Internet {
+    pub gateway: Netns,
+    next_port: AtomicU32,
+}
+
+impl Internet {
+    /// A host namespace on the internet at `203.0.113.<host>`, its default route via the
+    /// gateway: outside the node's bridge, reached from the node only through the gateway.
+    pub fn host(&self, label: &str, host: u8) -> anyhow::Result<Pod> {
+        let address = Ipv4Addr::new(203, 0, 113, host);
+        let netns = Netns::new(label)?;
+        let port = format!("ip{}", self.next_port.fetch_add(1, Ordering::Relaxed));
+        netns.veth("eth0", &format!("{address}/24"), &self.gateway, &port, None)?;
+        self.gateway.attach(&port, "inet0")?;
+        netns.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &INTERNET_GATEWAY.to_string(),
+        ])?;
+        Ok(Pod { netns, address })
+    }
+
+    /// An HTTP server on an internet host that answers every request with `identity`.
+    pub fn http_backend(&self, identity: &str, host: u8, port: u16) -> anyhow::Result<Backend> {
+        Backend::http(
+            self.host(identity, host)?,
+            identity,
+            port,
+            Behaviour::Answer,
+        )
+    }
+}
+
+/// A pod: its namespace and its address (on the node's bridge, or an internet host's).
 pub struct Pod {
     pub netns: Netns,
     pub address: Ipv4Addr,
@@ -399,6 +473,22 @@ pub struct Backend {
 }
 
 impl Backend {
+    /// An HTTP server in `pod` on `port` that answers with `identity` as `behaviour` says.
+    pub fn http(pod: Pod, identity: &str, port: u16, behaviour: Behaviour) -> anyhow::Result<Self> {
+        let answer = identity.to_string();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let health = healthy.clone();
+        let server = Server::start(&pod, port, move |stream, stats| {
+            serve_http(stream, &answer, stats, behaviour, &health)
+        })?;
+        Ok(Backend {
+            server,
+            identity: identity.to_string(),
+            pod,
+            healthy,
+        })
+    }
+
     pub fn stats(&self) -> &Stats {
         &self.server.stats
     }

@@ -1,9 +1,12 @@
 //! External (host-name) services end to end, for both sources: a mesh file that names its
-//! endpoints by host name, and ExternalName Services served by the fake API server. A DNS
-//! server the test starts (`unbound` with `local-data`, in the node, the agent's only
-//! upstream) resolves them to backend pods, and a client pod reaches them by their mesh names
-//! through the agent's DNS, the trapped address and a real Envoy, whose DNS clusters resolve the
-//! host names through the agent's DNS too.
+//! endpoints by host name, and ExternalName Services served by the fake API server. The
+//! external servers live outside the node's bridge, on hosts of a simulated internet
+//! (203.0.113.0/24, TEST-NET-3) that the node reaches only through a namespace playing its
+//! internet gateway ([`Node::internet`]; still no route out of the machine). A DNS server the
+//! test starts (`unbound` with `local-data`, in the node, the agent's only upstream) resolves
+//! their names, and a client pod reaches them by their mesh names through the agent's DNS, the
+//! trapped address and a real Envoy, whose DNS clusters resolve the host names through the
+//! agent's DNS too.
 //!
 //! What fails when the feature breaks:
 //! - HTTP: `payments.ext.system.internal` reaches the backend behind `payments.example.test`,
@@ -25,7 +28,7 @@ use std::time::Duration;
 
 use lattice_e2e::mesh_source::MeshSource as Source;
 use lattice_e2e::netns::Process;
-use lattice_e2e::node::{Backend, ClientPod, Node};
+use lattice_e2e::node::{Backend, ClientPod, Internet, Node};
 use lattice_e2e::wait;
 use serde_json::json;
 
@@ -98,7 +101,8 @@ fn external_name_services(source: &Source) {
 }
 
 /// `unbound` in the node on [`UNBOUND`], answering the external names from `local-data` alone
-/// (a static zone: it never asks anyone else), `payments.example.test` at `10.200.0.<payments>`,
+/// (a static zone: it never asks anyone else), `payments.example.test` at the internet host
+/// `203.0.113.<payments>`,
 /// waited on until it answers so.
 fn unbound(node: &Node, dir: &Path, payments: u8) -> anyhow::Result<Process> {
     let (ip, port) = UNBOUND.split_once(':').unwrap_or_default();
@@ -117,8 +121,8 @@ fn unbound(node: &Node, dir: &Path, payments: u8) -> anyhow::Result<Process> {
   module-config: \"iterator\"
   access-control: 127.0.0.0/8 allow
   local-zone: \"example.test.\" static
-  local-data: \"payments.example.test. {TTL} IN A 10.200.0.{payments}\"
-  local-data: \"secure.example.test. {TTL} IN A 10.200.0.{TLS_HOST}\"
+  local-data: \"payments.example.test. {TTL} IN A 203.0.113.{payments}\"
+  local-data: \"secure.example.test. {TTL} IN A 203.0.113.{TLS_HOST}\"
 remote-control:
   control-enable: no
 ",
@@ -143,7 +147,7 @@ remote-control:
             )
             .map_err(|e| e.to_string())?;
         let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
-        if answer == format!("10.200.0.{payments}") {
+        if answer == format!("203.0.113.{payments}") {
             Ok(())
         } else {
             Err(format!("answered {answer:?}"))
@@ -152,9 +156,12 @@ remote-control:
     Ok(process)
 }
 
-/// A TLS server in a pod of its own that completes a handshake only for the SNI
+/// A TLS server on an internet host of its own that completes a handshake only for the SNI
 /// `secure.example.test`.
-fn tls_server(node: &Node, dir: &Path) -> anyhow::Result<(lattice_e2e::node::Pod, Process)> {
+fn tls_server(
+    internet: &Internet,
+    dir: &Path,
+) -> anyhow::Result<(lattice_e2e::node::Pod, Process)> {
     let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
     let output = std::process::Command::new("openssl")
         .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
@@ -170,7 +177,7 @@ fn tls_server(node: &Node, dir: &Path) -> anyhow::Result<(lattice_e2e::node::Pod
         "openssl req: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let pod = node.pod("xt-tls", TLS_HOST)?;
+    let pod = internet.host("xt-tls", TLS_HOST)?;
     let mut command = pod.netns.command("openssl");
     command
         .args(["s_server", "-quiet", "-accept", &TLS_PORT.to_string()])
@@ -245,8 +252,11 @@ fn scenario(kubernetes: bool) {
     let node = Node::new(if kubernetes { "xtk" } else { "xtf" }).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let dns = unbound(&node, dir.path(), HTTP_HOST).unwrap();
-    let backend = node.http_backend("xt-pay", HTTP_HOST, HTTP_PORT).unwrap();
-    let (_tls_pod, _tls) = tls_server(&node, dir.path()).unwrap();
+    let internet = node.internet("xt-gw").unwrap();
+    let backend = internet
+        .http_backend("xt-pay", HTTP_HOST, HTTP_PORT)
+        .unwrap();
+    let (_tls_pod, _tls) = tls_server(&internet, dir.path()).unwrap();
     let source = Source::start(&node, kubernetes).unwrap();
     let upstream = format!("--upstream-dns={UNBOUND}");
     let agent = match &source {
@@ -334,7 +344,7 @@ fn scenario(kubernetes: bool) {
 
     // The record moves: once the agent's cached answer and Envoy's resolution have both had
     // their TTL, every request reaches the new address.
-    let moved = node
+    let moved = internet
         .http_backend("xt-moved", MOVED_HOST, HTTP_PORT)
         .unwrap();
     drop(dns);
