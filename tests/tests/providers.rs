@@ -21,7 +21,7 @@ use std::time::Duration;
 use lattice_e2e::agent::{Agent, AgentAddrs};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::node::{ADMIN, Backend, ClientPod, DNS, MeshFile, Node, XDS};
-use lattice_e2e::wait;
+use lattice_e2e::{k8s_objects, wait};
 use serde_json::{Value, json};
 
 const PORT: u16 = 8080;
@@ -49,26 +49,19 @@ fn file_text(vm: Option<&Backend>, port: u16) -> String {
 
 /// Kubernetes' view of `shop/web`: a Service on 8080 and one slice with `pods`.
 fn apply_kube(server: &FakeApiServer, pods: &[&Backend]) {
+    let ports = json!([{"name": "http", "port": PORT, "protocol": "TCP"}]);
+    let addresses: Vec<String> = pods.iter().map(|b| b.pod.address.to_string()).collect();
     server
-        .apply_json(json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": "shop", "name": "web"},
-            "spec": {"ports": [{"name": "http", "port": PORT, "protocol": "TCP"}]},
-        }))
+        .apply_json(k8s_objects::service("shop", "web", ports.clone()))
         .unwrap();
-    let endpoints: Vec<Value> = pods
-        .iter()
-        .map(|b| json!({"addresses": [b.pod.address.to_string()], "conditions": {"ready": true}}))
-        .collect();
     server
-        .apply_json(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"namespace": "shop", "name": "web-1",
-                         "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": PORT, "protocol": "TCP"}],
-            "endpoints": endpoints,
-        }))
+        .apply_json(k8s_objects::slice(
+            "shop",
+            "web-1",
+            "web",
+            ports,
+            k8s_objects::ready(&addresses),
+        ))
         .unwrap();
 }
 
