@@ -11,6 +11,10 @@
 //!   a response that crossed a subscription change carries the change.
 //! - Delta: an ACK or NACK names the response's nonce; subscription changes are separate,
 //!   incremental requests; a removed cluster's endpoints are unsubscribed.
+//! - Reconnecting ([`AdsClient::reconnect`]), it says what it holds, as Envoy does after losing
+//!   its control plane: SotW requests carry the last accepted version of each type (and EDS the
+//!   clusters it holds), Delta requests the version of every resource it holds
+//!   (`initial_resource_versions`) and subscribe again to the endpoints of its clusters.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -53,6 +57,12 @@ pub struct ClientView {
     pub acks: u64,
     pub nacks: u64,
     pub last_response: Option<Instant>,
+    /// The types answered on the current stream, with when they first were.
+    pub answered: BTreeMap<String, Instant>,
+    /// SotW: the last version accepted per type.
+    sotw_versions: HashMap<String, String>,
+    /// Delta: per type, the version of every resource held.
+    delta_versions: HashMap<String, HashMap<String, String>>,
 }
 
 impl ClientView {
@@ -65,7 +75,11 @@ impl ClientView {
 pub struct AdsClient {
     view: Arc<Mutex<ClientView>>,
     changed: watch::Receiver<u64>,
+    bump: watch::Sender<u64>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    xds: SocketAddr,
+    node: Node,
+    mode: AdsMode,
 }
 
 impl AdsClient {
@@ -74,9 +88,6 @@ impl AdsClient {
         node_id: &str,
         mode: AdsMode,
     ) -> anyhow::Result<AdsClient> {
-        let client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-            .await?
-            .max_decoding_message_size(MAX_MESSAGE);
         let view = Arc::new(Mutex::new(ClientView::default()));
         let (bump, changed) = watch::channel(0u64);
         let node = Node {
@@ -84,15 +95,26 @@ impl AdsClient {
             cluster: "lattice".to_string(),
             ..Node::default()
         };
-        let task = match mode {
-            AdsMode::Sotw => tokio::spawn(run_sotw(client, node, view.clone(), bump)),
-            AdsMode::Delta => tokio::spawn(run_delta(client, node, view.clone(), bump)),
-        };
+        let task = open(xds, &node, mode, &view, &bump).await?;
         Ok(AdsClient {
             view,
             changed,
+            bump,
             task,
+            xds,
+            node,
+            mode,
         })
+    }
+
+    /// Ends the current stream, if it still runs, and opens a new one that says what the
+    /// client holds (see the top). [`ClientView::answered`] starts again; nothing else in the
+    /// view does. On error (nothing listens yet) the client is left disconnected: call again.
+    pub async fn reconnect(&mut self) -> anyhow::Result<()> {
+        self.task.abort();
+        lock(&self.view).answered.clear();
+        self.task = open(self.xds, &self.node, self.mode, &self.view, &self.bump).await?;
+        Ok(())
     }
 
     /// A copy of the whole view (large at scale; [`AdsClient::with_view`] reads in place).
@@ -145,6 +167,24 @@ impl Drop for AdsClient {
     }
 }
 
+/// Connects to `xds` and runs a stream of `mode` on it.
+async fn open(
+    xds: SocketAddr,
+    node: &Node,
+    mode: AdsMode,
+    view: &Arc<Mutex<ClientView>>,
+    bump: &watch::Sender<u64>,
+) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
+        .await?
+        .max_decoding_message_size(MAX_MESSAGE);
+    let (node, view, bump) = (node.clone(), view.clone(), bump.clone());
+    Ok(match mode {
+        AdsMode::Sotw => tokio::spawn(run_sotw(client, node, view, bump)),
+        AdsMode::Delta => tokio::spawn(run_delta(client, node, view, bump)),
+    })
+}
+
 fn endpoints_of(assignment: &ClusterLoadAssignment) -> Vec<SocketAddr> {
     let mut out: Vec<SocketAddr> = assignment
         .endpoints
@@ -188,11 +228,15 @@ fn lock(view: &Mutex<ClientView>) -> std::sync::MutexGuard<'_, ClientView> {
 /// message.
 fn receive<T>(
     view: &Mutex<ClientView>,
+    type_url: &str,
     encoded_len: usize,
     apply: impl FnOnce(&mut ClientView, Instant) -> Result<T, String>,
 ) -> Result<T, String> {
     let now = Instant::now();
     let mut v = lock(view);
+    if !v.answered.contains_key(type_url) {
+        v.answered.insert(type_url.to_string(), now);
+    }
     v.responses += 1;
     v.bytes += encoded_len as u64;
     v.last_response = Some(now);
@@ -276,20 +320,23 @@ async fn run_sotw(
     bump: watch::Sender<u64>,
 ) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::unbounded_channel();
-    for type_url in [CDS, LDS] {
-        tx.send(DiscoveryRequest {
-            node: Some(node.clone()),
-            type_url: type_url.to_string(),
-            ..DiscoveryRequest::default()
-        })?;
-    }
-    let mut stream = client
-        .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let mut types: HashMap<String, SotwType> = HashMap::new();
-    // The current EDS subscription; `None` until the first CDS response.
-    let mut eds_names: Option<Vec<String>> = None;
+    // What it holds from an earlier stream (nothing on the first): the versions it accepted,
+    // and the clusters whose endpoints it wants.
+    let (mut types, held): (HashMap<String, SotwType>, Vec<String>) = {
+        let v = lock(&view);
+        let types = v
+            .sotw_versions
+            .iter()
+            .map(|(type_url, version)| {
+                let state = SotwType {
+                    version: version.clone(),
+                    nonce: String::new(),
+                };
+                (type_url.clone(), state)
+            })
+            .collect();
+        (types, v.clusters.iter().cloned().collect())
+    };
     let request = |state: &SotwType, type_url: &str, names: &[String]| DiscoveryRequest {
         node: Some(node.clone()),
         type_url: type_url.to_string(),
@@ -298,10 +345,41 @@ async fn run_sotw(
         resource_names: names.to_vec(),
         ..DiscoveryRequest::default()
     };
+    for type_url in [CDS, LDS] {
+        tx.send(request(
+            types.entry(type_url.to_string()).or_default(),
+            type_url,
+            &[],
+        ))?;
+    }
+    // The current EDS subscription; `None` until the first CDS response.
+    let mut eds_names: Option<Vec<String>> = None;
+    if !held.is_empty() {
+        tx.send(request(
+            types.entry(EDS.to_string()).or_default(),
+            EDS,
+            &held,
+        ))?;
+        eds_names = Some(held);
+    }
+    let mut stream = client
+        .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
     while let Some(response) = stream.message().await? {
-        let outcome = receive(&view, response.encoded_len(), |v, now| {
-            apply_sotw(v, &response, now)
-        });
+        let outcome = receive(
+            &view,
+            &response.type_url,
+            response.encoded_len(),
+            |v, now| {
+                let outcome = apply_sotw(v, &response, now);
+                if outcome.is_ok() {
+                    v.sotw_versions
+                        .insert(response.type_url.clone(), response.version_info.clone());
+                }
+                outcome
+            },
+        );
         let state = types.entry(response.type_url.clone()).or_default();
         state.nonce = response.nonce.clone();
         let names = match response.type_url.as_str() {
@@ -397,6 +475,21 @@ fn apply_delta(
         }
         other => return Err(format!("not subscribed to {other}")),
     }
+    let versions = v
+        .delta_versions
+        .entry(response.type_url.clone())
+        .or_default();
+    for r in response.resources.iter().filter(|r| r.resource.is_some()) {
+        versions.insert(r.name.clone(), r.version.clone());
+    }
+    for name in &response.removed_resources {
+        versions.remove(name);
+    }
+    if let Some(endpoints) = v.delta_versions.get_mut(EDS) {
+        for name in &unsubscribe {
+            endpoints.remove(name);
+        }
+    }
     Ok((subscribe, unsubscribe))
 }
 
@@ -407,11 +500,29 @@ async fn run_delta(
     bump: watch::Sender<u64>,
 ) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::unbounded_channel();
-    // No names on the first request of a wildcard type: the legacy wildcard, as Envoy sends.
+    let (mut held, clusters): (HashMap<String, HashMap<String, String>>, Vec<String>) = {
+        let v = lock(&view);
+        (
+            v.delta_versions.clone(),
+            v.clusters.iter().cloned().collect(),
+        )
+    };
+    // No names on the first request of a wildcard type: the legacy wildcard, as Envoy sends;
+    // with the versions of what it holds from an earlier stream.
     for type_url in [CDS, LDS] {
         tx.send(DeltaDiscoveryRequest {
             node: Some(node.clone()),
             type_url: type_url.to_string(),
+            initial_resource_versions: held.remove(type_url).unwrap_or_default(),
+            ..DeltaDiscoveryRequest::default()
+        })?;
+    }
+    if !clusters.is_empty() {
+        tx.send(DeltaDiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: EDS.to_string(),
+            resource_names_subscribe: clusters,
+            initial_resource_versions: held.remove(EDS).unwrap_or_default(),
             ..DeltaDiscoveryRequest::default()
         })?;
     }
@@ -420,9 +531,12 @@ async fn run_delta(
         .await?
         .into_inner();
     while let Some(response) = stream.message().await? {
-        let outcome = receive(&view, response.encoded_len(), |v, now| {
-            apply_delta(v, &response, now)
-        });
+        let outcome = receive(
+            &view,
+            &response.type_url,
+            response.encoded_len(),
+            |v, now| apply_delta(v, &response, now),
+        );
         let mut ack = DeltaDiscoveryRequest {
             node: Some(node.clone()),
             type_url: response.type_url.clone(),

@@ -12,7 +12,11 @@
 //! Measures the initial sync, the latency of single-endpoint changes until every client and
 //! Envoy hold the new endpoint, the bytes each change costs a client, and the agent's RSS and
 //! CPU (and Envoy's RSS); once at a small baseline mesh and once at the full size, so the cost
-//! of one change can be compared.
+//! of one change can be compared. Last, the agent is killed (SIGKILL) and started again, and
+//! every synthetic client reconnects with what it holds (Delta: `initial_resource_versions`;
+//! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
+//! answered and holding the whole mesh, `restart.bytes_per_delta_client` (and
+//! `_sotw_`) what a client received again although nothing had changed.
 //!
 //! Envoy is watched through its admin API, with queries that stay cheap at 10k clusters: for
 //! the initial sync, `/ready` and then the `membership_total` gauges (`usedonly`, gauges only)
@@ -37,7 +41,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use lattice_e2e::ads_client::AdsClient;
+use lattice_e2e::ads_client::{AdsClient, ClientView, EDS};
 use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
@@ -408,7 +412,7 @@ async fn run(
     let mut feed = Feed::new(source, services);
 
     let start = Instant::now();
-    let agent = feed.start_agent();
+    let mut agent = feed.start_agent();
     let pid = agent.pid().expect("the agent runs");
     // SotW and Delta clients interleaved, `sotw` of them SotW.
     let modes: Vec<AdsMode> = (0..clients)
@@ -438,9 +442,7 @@ async fn run(
     for client in &mut fleet {
         client
             .wait_for("every cluster's endpoints", SYNC, |v| {
-                v.clusters.len() == services
-                    && v.endpoints.len() == services
-                    && v.endpoints.values().all(|(e, _)| e.len() == PER_SERVICE)
+                holds_everything(v, services)
             })
             .await
             .unwrap_or_else(|e| panic!("{e}\nagent log:\n{}", agent.log()));
@@ -530,6 +532,7 @@ async fn run(
         (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
         _ => None,
     };
+    let restart = restart(&mut agent, &mut fleet, &modes, services).await;
     let nacks: u64 = fleet.iter().map(|c| c.with_view(|v| v.nacks)).sum();
     let envoy_report = envoy_mode.map(|mode| {
         json!({
@@ -564,7 +567,75 @@ async fn run(
         "agent_cpu_s": {"to_sync": cpu_synced, "after_changes": cpu_after},
         "agent_cpu_ms_per_change": cpu_per_change_ms,
         "client_nacks": nacks,
+        "restart": restart,
         "envoy": envoy_report,
+    })
+}
+
+/// Whether a client holds the whole generated mesh of `services`.
+fn holds_everything(v: &ClientView, services: usize) -> bool {
+    v.clusters.len() == services
+        && v.endpoints.len() == services
+        && v.endpoints.values().all(|(e, _)| e.len() == PER_SERVICE)
+}
+
+/// An agent upgrade on a busy node: kill -9 the agent, start it again on the same addresses,
+/// and every client reconnects (retrying until the new agent listens) saying what it holds.
+/// A client is consistent again once its new stream has answered its endpoint request, the
+/// last it sends on connecting (the agent takes a stream's requests in order, so whatever it
+/// had to say about clusters and listeners came before; up to date, a SotW client is sent
+/// no clusters or listeners at all), and it still holds the whole mesh. Nothing changed
+/// meanwhile, so everything a client receives is re-sent.
+async fn restart(
+    agent: &mut Agent,
+    fleet: &mut [AdsClient],
+    modes: &[AdsMode],
+    services: usize,
+) -> Value {
+    let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
+    let killed = Instant::now();
+    agent.restart();
+    let deadline = killed + SYNC;
+    for client in fleet.iter_mut() {
+        while let Err(e) = client.reconnect().await {
+            assert!(
+                Instant::now() < deadline,
+                "cannot reconnect to the restarted agent: {e}\n{}",
+                agent.log()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    for client in fleet.iter_mut() {
+        client
+            .wait_for("consistency after the restart", SYNC, |v| {
+                v.answered.contains_key(EDS) && holds_everything(v, services)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}\nagent log:\n{}", agent.log()));
+    }
+    let consistent_at = fleet
+        .iter()
+        .filter_map(|c| c.with_view(|v| v.answered.values().max().copied()))
+        .max()
+        .unwrap_or(killed);
+    let (mut sotw, mut delta) = (Vec::new(), Vec::new());
+    for ((client, before), mode) in fleet.iter().zip(&bytes_before).zip(modes) {
+        let sent = (client.with_view(|v| v.bytes) - before) as f64;
+        match mode {
+            AdsMode::Sotw => sotw.push(sent),
+            AdsMode::Delta => delta.push(sent),
+        }
+    }
+    println!(
+        "restart: every client consistent {:?} after kill -9",
+        consistent_at.duration_since(killed)
+    );
+    json!({
+        "consistent_ms": ms(consistent_at.duration_since(killed)),
+        "bytes_per_delta_client": mean(&delta),
+        "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
+        "bytes_per_sotw_client": mean(&sotw),
     })
 }
 

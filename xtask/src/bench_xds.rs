@@ -2,7 +2,8 @@
 //! (the real agent fed through the fake API server and then through a mesh file, synthetic
 //! ADS clients half SotW and half Delta, one real Envoy) and returns the figures it prints:
 //! initial sync, change-to-all-clients latency, bytes per change per client, the agent's RSS
-//! and CPU, Envoy's own latency and RSS, at a 100-service baseline and at 10k services (sizes
+//! and CPU, Envoy's own latency and RSS, and an agent restart (kill -9) until every client is
+//! consistent again with the bytes re-sent, at a 100-service baseline and at 10k services (sizes
 //! overridable from the environment, see `run`; `LATTICE_BENCH_SOURCES=kube` or `=file` runs
 //! one source, `LATTICE_BENCH_ENVOY=sotw` or `=none` changes or drops the Envoy). A smoke run
 //! uses 10 vs 100 services, 10 clients, 20 changes and a debug build.
@@ -125,6 +126,28 @@ fn print_table(report: &serde_json::Value) {
             ms(&envoy["change_ms"]["max"]),
             ms(&envoy["admin_poll_ms"]["p50"]),
             ms(&envoy["rss_mib"]["after_changes"]),
+        ]);
+    }
+    // Agent restart (kill -9) until every synthetic client is consistent again.
+    header(&[
+        "restart",
+        "services",
+        "clients",
+        "ms",
+        "delta B",
+        "delta max B",
+        "sotw B",
+    ]);
+    for (run, r) in runs() {
+        let restart = &r["restart"];
+        print_row(&[
+            run,
+            r["services"].to_string(),
+            r["clients"].to_string(),
+            ms(&restart["consistent_ms"]),
+            ms(&restart["bytes_per_delta_client"]),
+            ms(&restart["bytes_per_delta_client_max"]),
+            ms(&restart["bytes_per_sotw_client"]),
         ]);
     }
     for (source, section) in sections {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
-use super::snapshot::{ResourceMap, ResourceType, XdsSnapshot};
-use super::stream::{Ads, Event, Push, TypeState, intern, nonce};
+use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, parse_version};
+use super::stream::{Ads, ClientView, Event, Push, TypeState, intern, nonce};
 
 #[derive(Debug, Default)]
 struct SotwTypeState {
@@ -75,12 +75,16 @@ impl Ads for SotwStream {
                 }),
             }
         }
-        if !state.common.requested {
-            // Always answer the first request of a type on a stream.
+        let first = !state.common.requested;
+        if first {
+            // Always answer the first request of a type on a stream (but see below).
             state.common.requested = true;
             state.common.must_answer = true;
         }
         set_sotw_interest(state, kind, &request.resource_names, snapshot.of(kind));
+        if first && request.response_nonce.is_empty() {
+            adopt_held(state, kind, &request.version_info, snapshot.of(kind));
+        }
         (self.push(snapshot), events)
     }
 
@@ -152,6 +156,35 @@ impl SotwStream {
         }
         out
     }
+}
+
+/// A client that reconnects (to this agent after a restart, or to another agent of the same
+/// build) sends the version it last accepted. Versions are digests of what a client holds, so
+/// when it equals the digest of what the client wants now, the client already holds exactly
+/// that: nothing is re-sent. A type sent by change (endpoints, routes) is answered with no
+/// resources, which changes nothing; a whole type is not answered at all (a response would
+/// have to repeat every resource), as control planes do when the client is up to date.
+fn adopt_held(state: &mut SotwTypeState, kind: ResourceType, version: &str, current: &ResourceMap) {
+    if parse_version(version).is_none() {
+        return;
+    }
+    let common = &mut state.common;
+    let mut wanted = ClientView::default();
+    let resources: Box<dyn Iterator<Item = &Arc<XdsResource>>> = if common.interest.wildcard {
+        Box::new(current.values())
+    } else {
+        Box::new(common.interest.names.iter().filter_map(|n| current.get(n)))
+    };
+    for resource in resources {
+        wanted.insert(resource.name.clone(), resource.version);
+    }
+    if wanted.version_info() != version {
+        return;
+    }
+    common.client = wanted;
+    common.dirty.clear();
+    common.must_answer = !kind.is_state_of_the_world();
+    state.sent_version = Some(version.to_string());
 }
 
 /// A cheap, order-independent fingerprint of a list of names: the sum of a fast per-name
@@ -322,6 +355,47 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].type_url, CDS);
         assert_eq!(out[0].resources.len(), 3);
+    }
+
+    /// After an agent restart (a new stream, the same snapshot), a client that says which
+    /// versions it holds gets nothing again; one that holds something else gets it all.
+    #[test]
+    fn sotw_reconnect_with_the_versions_held_resends_nothing() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<SotwStream>::default();
+        let (cds, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        stream.on_request(&ack(&cds[0], &[]), &snap);
+        let (eds, _) = stream.on_request(&sotw(EDS, &[BUZZ, OTHER], "", ""), &snap);
+        stream.on_request(&ack(&eds[0], &[BUZZ, OTHER]), &snap);
+        let (cds_version, eds_version) = (&cds[0].version_info, &eds[0].version_info);
+
+        let mut again = Tested::<SotwStream>::default();
+        let (out, _) = again.on_request(&sotw(CDS, &[], cds_version, ""), &snap);
+        assert!(out.is_empty(), "clusters held whole: no answer");
+        let (out, _) = again.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap);
+        assert_eq!(out.len(), 1, "endpoints are answered");
+        assert!(out[0].resources.is_empty(), "with nothing in it");
+        assert_eq!(&out[0].version_info, eds_version);
+        // And it goes on from there: a change sends that change only.
+        again.on_request(&ack(&out[0], &[BUZZ, OTHER]), &snap);
+        let snap2 = world.set("/foo/other", Protocol::Http, &["10.0.0.3:8080"]);
+        let out = again.on_snapshot(&snap2);
+        assert_eq!(out.len(), 1);
+        assert_eq!(assignments(&out[0]), [OTHER]);
+
+        // Versions held of another mesh (endpoints changed while it was away), or of one
+        // name fewer: everything it wants, as on a first connect.
+        let mut stale = Tested::<SotwStream>::default();
+        let (out, _) = stale.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap2);
+        assert_eq!(assignments(&out[0]), [BUZZ, OTHER]);
+        let mut fewer = Tested::<SotwStream>::default();
+        let (out, _) = fewer.on_request(&sotw(EDS, &[BUZZ], eds_version, ""), &snap);
+        assert_eq!(assignments(&out[0]), [BUZZ]);
+        let mut foreign = Tested::<SotwStream>::default();
+        let (out, _) = foreign.on_request(&sotw(CDS, &[], "v1", ""), &snap);
+        assert_eq!(out[0].resources.len(), 2);
     }
 
     #[test]
