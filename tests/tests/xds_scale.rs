@@ -15,7 +15,8 @@
 //! of one change can be compared. Last, the agent is killed (SIGKILL) and started again, and
 //! every synthetic client reconnects with what it holds (Delta: `initial_resource_versions`;
 //! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
-//! answered and holding the whole mesh, `restart.bytes_per_delta_client` (and
+//! answered and holding the whole mesh (`restart.agent_ready_ms`: kill → the new agent's
+//! `/readyz`, its own start), `restart.bytes_per_delta_client` (and
 //! `_sotw_`) what a client received again although nothing had changed.
 //!
 //! Envoy is watched through its admin API, with queries that stay cheap at 10k clusters: for
@@ -596,6 +597,17 @@ async fn restart(
     let killed = Instant::now();
     agent.restart();
     let deadline = killed + SYNC;
+    // When the new agent is ready (its first snapshot translated): the part of the figure
+    // that is the agent's own start, before any stream is served.
+    let admin = agent.admin;
+    let ready = tokio::task::spawn_blocking(move || {
+        loop {
+            if matches!(http_get(admin, "/readyz"), Ok((200, _))) || Instant::now() > deadline {
+                return Instant::now();
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
     for client in fleet.iter_mut() {
         while let Err(e) = client.reconnect().await {
             assert!(
@@ -619,6 +631,7 @@ async fn restart(
         .filter_map(|c| c.with_view(|v| v.answered.values().max().copied()))
         .max()
         .unwrap_or(killed);
+    let ready = ready.await.expect("the readiness poll");
     let (mut sotw, mut delta) = (Vec::new(), Vec::new());
     for ((client, before), mode) in fleet.iter().zip(&bytes_before).zip(modes) {
         let sent = (client.with_view(|v| v.bytes) - before) as f64;
@@ -633,6 +646,7 @@ async fn restart(
     );
     json!({
         "consistent_ms": ms(consistent_at.duration_since(killed)),
+        "agent_ready_ms": ms(ready.duration_since(killed)),
         "bytes_per_delta_client": mean(&delta),
         "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
         "bytes_per_sotw_client": mean(&sotw),
