@@ -7,7 +7,6 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
 use lattice_agent::config::{AgentConfig, LogFormat};
@@ -20,7 +19,7 @@ use lattice_agent::readiness::Readiness;
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::xds::{ProxyRegistry, XdsServer};
+use lattice_agent::xds::{AdsService, ProxyRegistry, XdsServer};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -327,7 +326,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     tasks.spawn(async move {
         drop(xds_ready);
         tonic::transport::Server::builder()
-            .add_service(AggregatedDiscoveryServiceServer::new(xds))
+            .add_service(AdsService::new(xds))
             .serve_with_incoming_shutdown(
                 // No Nagle: a small push (one endpoint change) would otherwise wait for the
                 // proxy's delayed ACK of the previous segment, tens of milliseconds.

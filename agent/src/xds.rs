@@ -5,6 +5,7 @@
 //! translator produces an [`XdsSnapshot`] and publishes it on the [`snapshot::channel`].
 
 mod delta;
+mod grpc;
 pub mod metrics;
 pub mod server;
 pub mod snapshot;
@@ -12,10 +13,13 @@ mod sotw;
 mod stream;
 #[cfg(test)]
 mod testing;
+mod wire;
 
 pub use delta::DeltaStream;
+pub use grpc::AdsService;
 pub use metrics::XdsMetrics;
 pub use server::{ProxyRegistry, XdsServer};
 pub use snapshot::{ResourceMap, ResourceType, XdsResource, XdsRx, XdsSnapshot, XdsTx};
 pub use sotw::SotwStream;
 pub use stream::{Ads, Event, Push};
+pub use wire::{NameList, SotwRequest};

@@ -1,28 +1,20 @@
-//! The ADS gRPC service: one task per stream, driving a [`SotwStream`] or [`DeltaStream`] from
+//! The ADS streams: one task per stream, driving a [`super::SotwStream`] or [`super::DeltaStream`] from
 //! the proxy's requests and the published [`XdsSnapshot`]s, and recording what happened.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
-use futures::Stream;
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Status, Streaming};
 
-use super::delta::DeltaStream;
 use super::metrics::XdsMetrics;
 use super::snapshot::{XdsRx, XdsSnapshot};
-use super::sotw::SotwStream;
 use super::stream::{Ads, Event, Push};
 use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
 
@@ -115,7 +107,8 @@ impl XdsServer {
         self
     }
 
-    fn open<A: Ads>(
+    /// Starts the task of one ADS stream; what it sends comes out of the returned stream.
+    pub(super) fn open<A: Ads>(
         &self,
         request: Request<Streaming<A::Request>>,
     ) -> ReceiverStream<Result<A::Response, Status>> {
@@ -141,30 +134,6 @@ impl XdsServer {
         };
         tokio::spawn(stream.run());
         ReceiverStream::new(rx)
-    }
-}
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for XdsServer {
-    type StreamAggregatedResourcesStream = BoxStream<DiscoveryResponse>;
-    type DeltaAggregatedResourcesStream = BoxStream<DeltaDiscoveryResponse>;
-
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let stream = self.open::<SotwStream>(request);
-        Ok(Response::new(Box::pin(stream)))
-    }
-
-    async fn delta_aggregated_resources(
-        &self,
-        request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let stream = self.open::<DeltaStream>(request);
-        Ok(Response::new(Box::pin(stream)))
     }
 }
 

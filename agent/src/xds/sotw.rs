@@ -7,10 +7,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
 
 use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, parse_version};
 use super::stream::{Ads, ClientView, Event, Push, TypeState, intern, nonce};
+use super::wire::{NameList, SotwRequest};
 
 #[derive(Debug, Default)]
 struct SotwTypeState {
@@ -19,7 +20,7 @@ struct SotwTypeState {
     last_nonce: Option<String>,
     /// Version of the last response sent.
     sent_version: Option<String>,
-    /// Of the names of the last request (see [`fingerprint`]).
+    /// Of the names of the last request (see [`NameList::fingerprint`]).
     names_fingerprint: Option<(u64, usize)>,
 }
 
@@ -31,17 +32,17 @@ pub struct SotwStream {
 }
 
 impl Ads for SotwStream {
-    type Request = DiscoveryRequest;
+    type Request = SotwRequest;
     type Response = DiscoveryResponse;
     const MODE: &'static str = "sotw";
 
-    fn node(request: &DiscoveryRequest) -> Option<&Node> {
+    fn node(request: &SotwRequest) -> Option<&Node> {
         request.node.as_ref()
     }
 
     fn on_request(
         &mut self,
-        request: &DiscoveryRequest,
+        request: &SotwRequest,
         snapshot: &XdsSnapshot,
     ) -> (Vec<Push<DiscoveryResponse>>, Vec<Event>) {
         let Some(kind) = ResourceType::from_type_url(&request.type_url) else {
@@ -187,37 +188,17 @@ fn adopt_held(state: &mut SotwTypeState, kind: ResourceType, version: &str, curr
     state.sent_version = Some(version.to_string());
 }
 
-/// A cheap, order-independent fingerprint of a list of names: the sum of a fast per-name
-/// hash, and the count.
-fn fingerprint(names: &[String]) -> (u64, usize) {
-    let sum = names.iter().fold(0u64, |sum, name| {
-        let bytes = name.as_bytes();
-        let mut h = (bytes.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let mut chunks = bytes.chunks_exact(8);
-        for chunk in &mut chunks {
-            let word = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
-            h = (h ^ word)
-                .wrapping_mul(0xff51_afd7_ed55_8ccd)
-                .rotate_left(29);
-        }
-        for &b in chunks.remainder() {
-            h = (h ^ u64::from(b)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        }
-        sum.wrapping_add(h ^ (h >> 32))
-    });
-    (sum, names.len())
-}
-
 /// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on
 /// every request (ten thousand names on each endpoint ACK at that scale), so the usual case,
-/// the same list as last time, is recognised by its fingerprint without a lookup per name.
+/// the same list as last time, is recognised by its fingerprint (taken while the request was
+/// decoded, see [`super::wire`]) without a lookup per name.
 fn set_sotw_interest(
     state: &mut SotwTypeState,
     kind: ResourceType,
-    names: &[String],
+    names: &NameList,
     current: &ResourceMap,
 ) {
-    let fingerprint = fingerprint(names);
+    let fingerprint = names.fingerprint();
     if state.names_fingerprint == Some(fingerprint) {
         return;
     }
@@ -231,7 +212,7 @@ fn set_sotw_interest(
     // and the cost of a miss is only that a dropped name keeps being sent.
     if wildcard == interest.wildcard
         && named().count() == interest.names.len()
-        && named().all(|n| interest.names.contains(n.as_str()))
+        && named().all(|n| interest.names.contains(n))
     {
         return;
     }
@@ -239,7 +220,7 @@ fn set_sotw_interest(
         .map(|n| {
             interest
                 .names
-                .get(n.as_str())
+                .get(n)
                 .cloned()
                 .unwrap_or_else(|| intern(current, n))
         })
@@ -266,6 +247,7 @@ mod tests {
     use std::collections::{BTreeSet, HashMap};
 
     use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
     use envoy_types::pb::google::rpc::Status as RpcStatus;
     use prost::Message;
 
@@ -274,17 +256,19 @@ mod tests {
     use crate::xds::stream::RESPONSE_BUDGET;
     use crate::xds::testing::{BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world};
 
-    fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
-        DiscoveryRequest {
+    /// A request as Envoy sends it, read as the server reads it.
+    fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> SotwRequest {
+        let sent = DiscoveryRequest {
             type_url: type_url.to_string(),
             resource_names: names.iter().map(|s| s.to_string()).collect(),
             version_info: version.to_string(),
             response_nonce: nonce.to_string(),
             ..DiscoveryRequest::default()
-        }
+        };
+        SotwRequest::decode(sent.encode_to_vec().as_slice()).unwrap()
     }
 
-    fn nack(mut request: DiscoveryRequest) -> DiscoveryRequest {
+    fn nack(mut request: SotwRequest) -> SotwRequest {
         request.error_detail = Some(RpcStatus {
             code: 3,
             message: "bad cluster".to_string(),
@@ -293,7 +277,7 @@ mod tests {
         request
     }
 
-    fn ack(response: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+    fn ack(response: &DiscoveryResponse, names: &[&str]) -> SotwRequest {
         sotw(
             &response.type_url,
             names,
