@@ -201,7 +201,7 @@ impl DeltaStream {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::{BTreeSet, HashMap};
+    use std::collections::{BTreeMap, BTreeSet, HashMap};
 
     use envoy_types::pb::google::rpc::Status as RpcStatus;
 
@@ -252,6 +252,62 @@ mod tests {
             .map(|k| k.to_string())
             .collect();
         assert_eq!(got, all);
+    }
+
+    /// What did not fit in a response waits in the stream's backlog; a snapshot that changes,
+    /// removes or adds resources meanwhile, and an unsubscribe, are honoured for those too.
+    #[test]
+    fn delta_split_sync_follows_changes_made_before_the_rest_is_sent() {
+        let (mut world, snap) = big_world();
+        let new = "new.big.system.internal|8080";
+        let mut wanted: Vec<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        wanted.push(new.to_string());
+        let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(EDS, &wanted, &[], ""), &snap);
+        let first = out[0].clone();
+        let sent: BTreeSet<&str> = names(&first).into_iter().collect();
+        // The last names sort last: still waiting.
+        let changed = "s99.big.system.internal|8080";
+        let removed = "s98.big.system.internal|8080";
+        let dropped = "s97.big.system.internal|8080";
+        for name in [changed, removed, dropped] {
+            assert!(
+                !sent.contains(name),
+                "{name} went out in the first response"
+            );
+        }
+        world.set("/big/s99", Protocol::Http, &["10.9.9.9:8080"]);
+        world.remove("/big/s98");
+        let snap2 = world.set("/big/new", Protocol::Http, &["10.9.9.8:8080"]);
+        // Arrives while the first response is in flight: nothing goes out until its ACK.
+        assert!(stream.on_snapshot(&snap2).is_empty());
+        let (mut out, _) = stream.on_request(&delta(EDS, &[], &[dropped], &first.nonce), &snap2);
+        let mut got: BTreeMap<String, Vec<u8>> = first
+            .resources
+            .iter()
+            .map(|r| (r.name.clone(), r.resource.clone().unwrap().value))
+            .collect();
+        while let Some(response) = out.pop() {
+            for r in &response.resources {
+                let previous = got.insert(r.name.clone(), r.resource.clone().unwrap().value);
+                assert!(previous.is_none(), "{} sent twice", r.name);
+            }
+            (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap2);
+        }
+        let expected: BTreeMap<String, Vec<u8>> = snap2
+            .of(ResourceType::Endpoint)
+            .iter()
+            .filter(|(name, _)| &***name != dropped)
+            .map(|(name, r)| (name.to_string(), r.body.value.clone()))
+            .collect();
+        assert!(got.contains_key(new));
+        assert!(!got.contains_key(removed) && !got.contains_key(dropped));
+        assert_eq!(got, expected, "every resource once, at its latest content");
     }
 
     #[test]

@@ -184,6 +184,7 @@ fn adopt_held(state: &mut SotwTypeState, kind: ResourceType, version: &str, curr
     }
     common.client = wanted;
     common.dirty.clear();
+    common.backlog.clear();
     common.must_answer = !kind.is_state_of_the_world();
     state.sent_version = Some(version.to_string());
 }

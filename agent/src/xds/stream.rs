@@ -23,7 +23,7 @@
 //! costs the change, not the mesh. Names are the snapshot's shared `Arc<str>`s and versions are
 //! numbers, so a stream's memory is a few words per resource it holds.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
@@ -187,6 +187,11 @@ pub(super) struct TypeState {
     /// Names to look at on the next push whatever the snapshot says (new subscriptions,
     /// endpoints to re-send).
     pub(super) dirty: BTreeSet<Arc<str>>,
+    /// Resources found to send that did not fit in the last response (see [`Self::limit`]),
+    /// in name order. They stay valid until the snapshot changes them or the client's interest
+    /// does, so the next response takes from here without looking at them again: a first sync
+    /// of N resources in N/k responses costs O(N), not O(N²/k).
+    pub(super) backlog: VecDeque<Arc<XdsResource>>,
     /// Answer on the next push even with nothing new.
     pub(super) must_answer: bool,
 }
@@ -206,11 +211,16 @@ impl TypeState {
                     DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
                     DiffItem::Update { new: (name, _), .. } => name.clone(),
                 }));
+                // What is looked at again is decided again, backlog or not.
+                if !self.backlog.is_empty() && !names.is_empty() {
+                    self.backlog.retain(|r| !names.contains(&r.name));
+                }
                 for name in &names {
                     self.classify(current, name, &mut found);
                 }
             }
             None => {
+                self.backlog.clear();
                 let mut names: HashSet<Arc<str>> = self.client.versions.keys().cloned().collect();
                 if self.interest.wildcard {
                     names.extend(current.keys().cloned());
@@ -260,18 +270,33 @@ impl TypeState {
     }
 
     /// Keeps in `changed` the first resources up to [`RESPONSE_BUDGET`] bytes (at least one)
-    /// and leaves the rest for the next push, after this response's ACK.
+    /// and leaves the rest in the backlog for the next push, after this response's ACK; with
+    /// room to spare, tops `changed` up from the backlog.
     pub(super) fn limit(&mut self, changed: &mut Vec<Arc<XdsResource>>) {
         let mut bytes = 0;
-        let keep = changed
-            .iter()
-            .position(|r| {
-                bytes += r.body.value.len();
-                bytes > RESPONSE_BUDGET
-            })
-            .map_or(changed.len(), |at| at.max(1));
-        self.dirty
-            .extend(changed.drain(keep..).map(|r| r.name.clone()));
+        let over = changed.iter().position(|r| {
+            bytes += r.body.value.len();
+            bytes > RESPONSE_BUDGET
+        });
+        if let Some(at) = over {
+            let keep = at.max(1);
+            for resource in changed.drain(keep..).rev() {
+                self.backlog.push_front(resource);
+            }
+            return;
+        }
+        while let Some(next) = self.backlog.front() {
+            if !self.interest.wants(&next.name) {
+                // Unsubscribed since it was found.
+                self.backlog.pop_front();
+                continue;
+            }
+            if !changed.is_empty() && bytes + next.body.value.len() > RESPONSE_BUDGET {
+                break;
+            }
+            bytes += next.body.value.len();
+            changed.extend(self.backlog.pop_front());
+        }
     }
 
     /// Makes the endpoints of re-created clusters go out again on the next push.
