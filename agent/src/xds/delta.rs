@@ -2,7 +2,6 @@
 //! responses carry only what changed and what was removed, each resource with its own version
 //! (see [`super::stream`] for the rules both flavours keep).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
@@ -11,14 +10,14 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, Event, Push, TypeState, intern, nonce};
+use super::stream::{Ads, Event, NameSet, Push, TypeState, intern, nonce};
 
 #[derive(Debug, Default)]
 struct DeltaTypeState {
     /// What both flavours keep.
     common: TypeState,
     /// Explicitly subscribed names we already told the client do not exist.
-    told_absent: HashSet<Arc<str>>,
+    told_absent: NameSet,
     /// Versions sent in the in-flight response; a NACK leaves the client on its old ones.
     in_flight: Vec<(Arc<str>, u64)>,
     /// The snapshot version of the in-flight response, reported on its ACK or NACK.

@@ -3,14 +3,13 @@
 //! whole, endpoints and routes by change (see [`super::stream`] for the rules both flavours
 //! keep).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
 
 use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, Push, TypeState, intern, nonce};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, intern, nonce};
 use super::wire::{NameList, SotwRequest};
 
 #[derive(Debug, Default)]
@@ -217,7 +216,7 @@ fn set_sotw_interest(
     {
         return;
     }
-    let fresh: HashSet<Arc<str>> = named()
+    let fresh: NameSet = named()
         .map(|n| {
             interest
                 .names
