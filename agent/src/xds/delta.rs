@@ -78,11 +78,7 @@ impl Ads for DeltaStream {
                 let name = intern(current, name);
                 common.interest.names.insert(name.clone());
                 state.told_absent.remove(&name);
-                // Without a baseline the next push looks at everything the client names
-                // anyway: a first request naming 10k resources need not queue them one by one.
-                if common.baseline.is_some() {
-                    common.dirty.insert(name);
-                }
+                common.look_again(name);
             }
         }
         for name in &request.resource_names_unsubscribe {

@@ -1,18 +1,16 @@
 //! The ADS gRPC service as tonic serves it. It stands in for the server that envoy-types
 //! generates, for one reason: the generated one decodes state-of-the-world requests into the
 //! generated `DiscoveryRequest`, a `String` per resource name, and this one decodes them into
-//! [`SotwRequest`] (see [`super::wire`]). Delta requests use the generated types. The routing
+//! [`super::wire::SotwRequest`]. Delta requests use the generated types. The routing
 //! (two method paths of `envoy.service.discovery.v3.AggregatedDiscoveryService`, anything else
 //! `UNIMPLEMENTED`) and the codec defaults (no compression, tonic's message size limits) are
 //! the generated server's.
 
 use std::convert::Infallible;
 use std::future::{Ready, ready};
+use std::marker::PhantomData;
 use std::task::{Context, Poll};
 
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryResponse,
-};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{BoxFuture, Service, StdError, http};
 use tonic::server::{Grpc, NamedService, StreamingService};
@@ -22,7 +20,7 @@ use tonic_prost::ProstCodec;
 use super::delta::DeltaStream;
 use super::server::XdsServer;
 use super::sotw::SotwStream;
-use super::wire::SotwRequest;
+use super::stream::Ads;
 
 const SOTW_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
@@ -45,32 +43,34 @@ impl NamedService for AdsService {
     const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
 }
 
-type Opened<T> = Ready<Result<Response<ReceiverStream<Result<T, Status>>>, Status>>;
+/// One of the two methods, opened as a stream of the [`Ads`] machine `A`.
+struct Open<A>(XdsServer, PhantomData<fn() -> A>);
 
-/// `StreamAggregatedResources`.
-struct Sotw(XdsServer);
+impl<A: Ads> StreamingService<A::Request> for Open<A> {
+    type Response = A::Response;
+    type ResponseStream = ReceiverStream<Result<A::Response, Status>>;
+    type Future = Ready<Result<Response<Self::ResponseStream>, Status>>;
 
-impl StreamingService<SotwRequest> for Sotw {
-    type Response = DiscoveryResponse;
-    type ResponseStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
-    type Future = Opened<DiscoveryResponse>;
-
-    fn call(&mut self, request: Request<Streaming<SotwRequest>>) -> Self::Future {
-        ready(Ok(Response::new(self.0.open::<SotwStream>(request))))
+    fn call(&mut self, request: Request<Streaming<A::Request>>) -> Self::Future {
+        ready(Ok(Response::new(self.0.open::<A>(request))))
     }
 }
 
-/// `DeltaAggregatedResources`.
-struct Delta(XdsServer);
-
-impl StreamingService<DeltaDiscoveryRequest> for Delta {
-    type Response = DeltaDiscoveryResponse;
-    type ResponseStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
-    type Future = Opened<DeltaDiscoveryResponse>;
-
-    fn call(&mut self, request: Request<Streaming<DeltaDiscoveryRequest>>) -> Self::Future {
-        ready(Ok(Response::new(self.0.open::<DeltaStream>(request))))
-    }
+/// Serves one call of a method as a stream of `A`, with the generated server's codec defaults.
+fn serve<A: Ads, B>(
+    server: XdsServer,
+    request: http::Request<B>,
+) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    Box::pin(async move {
+        let mut grpc = Grpc::new(ProstCodec::<A::Response, A::Request>::default());
+        Ok(grpc
+            .streaming(Open::<A>(server, PhantomData), request)
+            .await)
+    })
 }
 
 impl<B> Service<http::Request<B>> for AdsService
@@ -89,16 +89,8 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let server = self.server.clone();
         match request.uri().path() {
-            SOTW_PATH => Box::pin(async move {
-                let mut grpc = Grpc::new(ProstCodec::<DiscoveryResponse, SotwRequest>::default());
-                Ok(grpc.streaming(Sotw(server), request).await)
-            }),
-            DELTA_PATH => Box::pin(async move {
-                let mut grpc = Grpc::new(
-                    ProstCodec::<DeltaDiscoveryResponse, DeltaDiscoveryRequest>::default(),
-                );
-                Ok(grpc.streaming(Delta(server), request).await)
-            }),
+            SOTW_PATH => serve::<SotwStream, B>(server, request),
+            DELTA_PATH => serve::<DeltaStream, B>(server, request),
             _ => Box::pin(async { Ok(Status::unimplemented("").into_http()) }),
         }
     }

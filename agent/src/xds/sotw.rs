@@ -239,7 +239,9 @@ fn set_sotw_interest(
     }
     // A changed subscription is answered: whole types always, the others when names were added.
     common.must_answer |= kind.is_state_of_the_world() || !added.is_empty();
-    common.dirty.extend(added);
+    for name in added {
+        common.look_again(name);
+    }
 }
 
 #[cfg(test)]

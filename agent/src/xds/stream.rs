@@ -35,7 +35,7 @@ use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a
 /// requests and every new snapshot, answering with what to send.
 pub trait Ads: Default + Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
-    type Response: Send + 'static;
+    type Response: prost::Message + Send + 'static;
     /// `sotw` or `delta`, for logs and `/debug/xds`.
     const MODE: &'static str;
 
@@ -241,7 +241,8 @@ impl TypeState {
             }
             None => {
                 // Everything, most of the snapshot: one walk over it in name order (no lookup
-                // for what it holds), then what the client holds or named that it lacks.
+                // into it per name, and `changed` comes out sorted), then what the client holds
+                // or named that it lacks.
                 self.backlog.clear();
                 for (name, resource) in current {
                     let held = self.client.get(name);
@@ -333,11 +334,20 @@ impl TypeState {
         }
     }
 
+    /// Makes the next push look at `name` whatever the snapshot says. Without a baseline the
+    /// next push is a full diff of everything the client names or holds, so nothing is queued:
+    /// a first request naming 10k resources does not insert them one by one.
+    pub(super) fn look_again(&mut self, name: Arc<str>) {
+        if self.baseline.is_some() {
+            self.dirty.insert(name);
+        }
+    }
+
     /// Makes the endpoints of re-created clusters go out again on the next push.
     pub(super) fn resend(&mut self, names: Vec<Arc<str>>) {
         for name in names {
             self.client.remove(&name);
-            self.dirty.insert(name);
+            self.look_again(name);
         }
     }
 }
