@@ -30,6 +30,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use anyhow::{Context as _, bail};
 use nix::sched::{CloneFlags, setns};
@@ -134,8 +135,14 @@ impl Netns {
     }
 
     /// A bridge `name` with `address` (CIDR), up.
+    ///
+    /// The bridge gets a MAC address of its own. Without one, Linux gives it the lowest MAC
+    /// among its ports and changes it as pods come and go; the pods' ARP caches then hold a
+    /// MAC nobody answers to, and traffic to the bridge's address (the agent's DNS and xDS)
+    /// is lost until their entries expire, tens of seconds later.
     pub fn bridge(&self, name: &str, address: &str) -> anyhow::Result<()> {
-        self.ip(&["link", "add", name, "type", "bridge"])?;
+        let mac = bridge_mac();
+        self.ip(&["link", "add", name, "address", &mac, "type", "bridge"])?;
         self.add_address(name, address)?;
         self.ip(&["link", "set", name, "up"]).map(drop)
     }
@@ -239,4 +246,16 @@ fn checked(what: &str, output: Output) -> anyhow::Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// A locally administered unicast MAC, distinct per bridge made by this process and across
+/// processes (the pid), so test runs side by side never share one.
+fn bridge_mac() -> String {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed).to_be_bytes();
+    let pid = std::process::id().to_be_bytes();
+    format!(
+        "02:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        pid[1], pid[2], pid[3], n[0], n[1]
+    )
 }
