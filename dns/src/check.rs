@@ -3,13 +3,13 @@
 //! (`cfg(test)`, or `cfg(fuzzing)` as cargo-fuzz sets it), never into the agent.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use hickory_proto::op::{Message, MessageType};
 
 use crate::fast;
 use crate::query::{self, Outcome, ZoneSettings};
-use crate::table::NameTable;
+use crate::table::{MeshRecord, NameTable};
 use crate::wire::{MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport};
 
 fn table() -> &'static NameTable {
@@ -39,7 +39,15 @@ fn table() -> &'static NameTable {
                 IpAddr::V4(Ipv4Addr::new(240, 240, 1, i)),
             )
         }));
-        NameTable::new(entries)
+        // Scopes, so the fast and general paths are held to report the same one.
+        let scopes = ["buzz.bar.foo.system.internal", "db.foo.system.internal"]
+            .map(|name| (name.to_string(), MeshRecord::Scope(Arc::from(name))));
+        NameTable::from_records(
+            entries
+                .into_iter()
+                .map(|(name, address)| (name, MeshRecord::Address(address)))
+                .chain(scopes),
+        )
     })
 }
 
@@ -61,8 +69,8 @@ pub fn check_query(data: &[u8]) {
         if let Outcome::Reply { bytes, .. } = &general {
             check_reply(data, bytes, transport);
         }
-        if let Some(len) = fast {
-            let Outcome::Reply { bytes, .. } = &general else {
+        if let Some((len, fast_scope)) = fast {
+            let Outcome::Reply { bytes, scope, .. } = &general else {
                 panic!("the fast path answered {data:02x?} but the general path gave {general:?}");
             };
             let fast_reply = Message::from_vec(&out[..len]);
@@ -77,6 +85,7 @@ pub fn check_query(data: &[u8]) {
                 general_reply.ok(),
                 "fast and general paths disagree on {data:02x?}"
             );
+            assert_eq!(fast_scope, scope.as_ref(), "scopes of {data:02x?}");
         }
         if let Outcome::Forward(request) = general
             && let Ok(mut upstream) = Message::from_vec(data)

@@ -2,6 +2,8 @@
 //! parsing into `hickory_proto` types or allocating. Anything it does not fully understand returns
 //! `None` and goes to the general path, which is the reference this path must agree with.
 
+use std::sync::Arc;
+
 use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, NameTable};
 use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MAX_WIRE_NAME_LEN, MIN_UDP_PAYLOAD, Transport};
 
@@ -10,16 +12,16 @@ const TYPE_A: u16 = 1;
 const TYPE_OPT: u16 = 41;
 const CLASS_IN: u16 = 1;
 
-/// Writes the answer to `query` into `out` and returns its length, if `query` is a plain
-/// `QUERY` for the A record of a mesh name that has IPv4 addresses and the answer fits in `out`
-/// and, over UDP, in the client's limit.
-pub(crate) fn answer(
-    table: &NameTable,
+/// Writes the answer to `query` into `out` and returns its length and the name's scope, if
+/// `query` is a plain `QUERY` for the A record of a mesh name that has IPv4 addresses and the
+/// answer fits in `out` and, over UDP, in the client's limit.
+pub(crate) fn answer<'t>(
+    table: &'t NameTable,
     ttl: u32,
     query: &[u8],
     transport: Transport,
     out: &mut [u8],
-) -> Option<usize> {
+) -> Option<(usize, Option<&'t Arc<str>>)> {
     let header = query.get(..HEADER_LEN)?;
     // QR=0, opcode QUERY, AA=0, TC=0; Z=0 and RCODE=0.
     if header[2] & 0xfe != 0 || header[3] & 0x4f != 0 {
@@ -129,7 +131,7 @@ pub(crate) fn answer(
             0,
         ]);
     }
-    Some(len)
+    Some((len, entry.scope.as_ref()))
 }
 
 #[cfg(test)]
@@ -160,7 +162,7 @@ mod tests {
         let mut out = [0u8; 512];
         for edns in [false, true] {
             let q = query("BUZZ.bar.foo.system.internal.", RecordType::A, edns);
-            let len =
+            let (len, _) =
                 answer(&table(), 42, &q, Transport::Udp, &mut out).expect("fast path answers");
             let reply = Message::from_vec(&out[..len]).unwrap();
             assert_eq!(reply.metadata.id, u16::from_be_bytes([q[0], q[1]]));

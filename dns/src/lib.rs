@@ -8,7 +8,9 @@
 //! through a `watch` channel, so a new snapshot takes effect on the next query. Queries for the
 //! A records of mesh names take a fast path that copies precomputed records; everything else
 //! takes a general path built on `hickory_proto`, which is the reference the fast path must agree
-//! with. How the DNS server fits with the rest of the agent is in `docs/architecture.md`.
+//! with. Both report the lookups of names that carry a scope to a [`LookupObserver`], which the
+//! agent uses to give a pod's Envoy a service before the pod connects to it. How the DNS server
+//! fits with the rest of the agent is in `docs/architecture.md`.
 
 // The fuzz self-check is built only for the unit tests and for cargo-fuzz (`--cfg fuzzing`).
 #[cfg(any(test, fuzzing))]
@@ -17,6 +19,7 @@ mod error;
 mod fast;
 mod forward;
 mod metrics;
+mod observe;
 mod query;
 mod resolv;
 mod server;
@@ -27,6 +30,7 @@ mod wire;
 pub use check::check_query;
 pub use error::DnsError;
 pub use metrics::DnsMetrics;
+pub use observe::LookupObserver;
 pub use resolv::upstreams_from_resolv_conf;
 pub use server::{DnsConfig, DnsServer};
 pub use table::{MeshRecord, NameTable, SrvRecord};

@@ -3,6 +3,7 @@
 //! truncation). The fast path in `fast.rs` must agree with it; `check_query` tests that.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA, SRV};
@@ -25,6 +26,8 @@ pub(crate) enum Outcome {
     Reply {
         bytes: Vec<u8>,
         rcode: ResponseCode,
+        /// The [`MeshRecord::Scope`](crate::MeshRecord::Scope) of the mesh name answered.
+        scope: Option<Arc<str>>,
     },
     /// Not ours: ask upstream, then `relay` the answer.
     Forward(Box<Message>),
@@ -75,8 +78,30 @@ pub(crate) fn handle(
         return reply_outcome(&reply, limit);
     }
     match local_answer(table, zone, &request) {
-        Some(reply) => reply_outcome(&reply, limit),
+        Some(reply) => {
+            let rcode = reply.metadata.response_code;
+            Outcome::Reply {
+                bytes: encode(&reply, limit),
+                rcode,
+                scope: (rcode == ResponseCode::NoError)
+                    .then(|| scope_of(table, question.name()))
+                    .flatten(),
+            }
+        }
         None => Outcome::Forward(Box::new(request)),
+    }
+}
+
+/// The scope of the mesh name a question asks about: its own, or that of the mesh name a
+/// search-suffixed question is a CNAME to.
+fn scope_of(table: &NameTable, name: &Name) -> Option<Arc<str>> {
+    let key = lowercase_wire_name(name);
+    match table.service(&key) {
+        Some(entry) => entry.scope.clone(),
+        None => {
+            let (_, target) = search_suffixed_mesh_name(table, name)?;
+            table.service(&target)?.scope.clone()
+        }
     }
 }
 
@@ -122,6 +147,7 @@ fn reply_outcome(reply: &Message, limit: usize) -> Outcome {
     Outcome::Reply {
         bytes: encode(reply, limit),
         rcode: reply.metadata.response_code,
+        scope: None,
     }
 }
 
@@ -154,7 +180,11 @@ fn error_reply(header: &[u8], rcode: ResponseCode) -> Outcome {
     // QR, the opcode and RD copied.
     bytes[2] = 0x80 | (header[2] & 0x79);
     bytes[3] = 0x80 | rcode.low();
-    Outcome::Reply { bytes, rcode }
+    Outcome::Reply {
+        bytes,
+        rcode,
+        scope: None,
+    }
 }
 
 fn echo_edns(request: &Message) -> Option<Edns> {

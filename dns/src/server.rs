@@ -1,6 +1,8 @@
 //! The DNS server: SO_REUSEPORT UDP sockets, each drained by its own task through the fast path,
 //! and a TCP listener; both fall back to the general path and the forwarder. The name table is
-//! read from a `watch` channel, so a new mesh snapshot takes effect on the next query.
+//! read from a `watch` channel, so a new mesh snapshot takes effect on the next query. Answers
+//! for names with a scope are reported to the [`LookupObserver`], if any, which may hold an
+//! answer back; a held UDP answer is sent by a task of its own, so the socket goes on serving.
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -19,6 +21,7 @@ use crate::error::DnsError;
 use crate::fast;
 use crate::forward::Forwarder;
 use crate::metrics::{DnsMetrics, Served};
+use crate::observe::{Hold, LookupObserver};
 use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
 use crate::wire::{MAX_UDP_PAYLOAD, Transport};
@@ -75,6 +78,8 @@ impl DnsConfig {
 
 /// State shared by every socket task.
 struct Context {
+    /// Told of answers for names with a scope; may hold them back.
+    observer: Option<Arc<dyn LookupObserver>>,
     zone: ZoneSettings,
     forwarder: Forwarder,
     metrics: DnsMetrics,
@@ -108,6 +113,7 @@ impl DnsServer {
                         tracing::warn!(%local_addr, "DNS server has no upstreams: names outside the mesh get SERVFAIL");
                     }
                     let context = Context {
+                        observer: None,
                         zone: ZoneSettings {
                             ttl: config.ttl,
                             negative_ttl: config.negative_ttl,
@@ -140,6 +146,16 @@ impl DnsServer {
             addr: config.listen,
             source: std::io::ErrorKind::AddrInUse.into(),
         }))
+    }
+
+    /// Tells `observer` of every answer for a name with a scope, and lets it hold answers
+    /// back ([`LookupObserver`]). Without one, nothing is reported or held.
+    pub fn with_observer(mut self, observer: Arc<dyn LookupObserver>) -> Self {
+        // The server is the context's only holder until `run` hands it to the socket tasks.
+        if let Some(context) = Arc::get_mut(&mut self.context) {
+            context.observer = Some(observer);
+        }
+        self
     }
 
     /// The bound address (UDP and TCP share the port).
@@ -263,15 +279,30 @@ async fn serve_udp(
                 table = names.borrow_and_update().clone();
             }
             let query = &buf[..len];
-            if let Some(n) = fast::answer(&table, ttl, query, Transport::Udp, &mut out) {
+            if let Some((n, scope)) = fast::answer(&table, ttl, query, Transport::Udp, &mut out) {
                 fast_replies += 1;
-                send_udp(&socket, &out[..n], peer);
+                match context.hold(peer, scope) {
+                    None => send_udp(&socket, &out[..n], peer),
+                    Some(hold) => {
+                        let (socket, bytes) = (socket.clone(), out[..n].to_vec());
+                        forwards.spawn(send_after(hold, socket, bytes, peer));
+                    }
+                }
                 continue;
             }
             match query::handle(&table, context.zone, query, Transport::Udp) {
-                Outcome::Reply { bytes, rcode } => {
+                Outcome::Reply {
+                    bytes,
+                    rcode,
+                    scope,
+                } => {
                     context.metrics.reply(rcode, Served::Local);
-                    send_udp(&socket, &bytes, peer);
+                    match context.hold(peer, scope.as_ref()) {
+                        None => send_udp(&socket, &bytes, peer),
+                        Some(hold) => {
+                            forwards.spawn(send_after(hold, socket.clone(), bytes, peer));
+                        }
+                    }
                 }
                 Outcome::Drop => context.metrics.dropped(),
                 Outcome::Forward(request) => {
@@ -310,6 +341,22 @@ async fn serve_udp(
         }
         context.metrics.fast_replies(fast_replies);
         while forwards.try_join_next().is_some() {}
+    }
+}
+
+impl Context {
+    /// What an answer for a name of `scope` to `peer` must wait for, if anything.
+    fn hold(&self, peer: SocketAddr, scope: Option<&Arc<str>>) -> Option<Hold> {
+        let (observer, scope) = (self.observer.as_ref()?, scope?);
+        observer.looked_up(peer.ip().to_canonical(), scope)
+    }
+}
+
+/// Sends a held answer once its hold ends; the socket task goes on meanwhile.
+async fn send_after(hold: Hold, socket: Arc<UdpSocket>, bytes: Vec<u8>, peer: SocketAddr) {
+    hold.await;
+    if let Err(e) = socket.send_to(&bytes, peer).await {
+        tracing::debug!(%peer, error = %e, "cannot send a held DNS answer");
     }
 }
 
@@ -364,7 +411,7 @@ async fn serve_tcp(
                 };
                 let (context, names) = (context.clone(), names.clone());
                 connections.spawn(async move {
-                    if let Err(e) = serve_tcp_connection(stream, &context, names).await {
+                    if let Err(e) = serve_tcp_connection(stream, peer, &context, names).await {
                         tracing::debug!(%peer, error = %e, "DNS TCP connection ended");
                     }
                     drop(permit);
@@ -381,6 +428,7 @@ async fn serve_tcp(
 
 async fn serve_tcp_connection(
     mut stream: TcpStream,
+    peer: SocketAddr,
     context: &Context,
     names: watch::Receiver<Arc<NameTable>>,
 ) -> std::io::Result<()> {
@@ -400,24 +448,33 @@ async fn serve_tcp_connection(
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
         let table = names.borrow().clone();
-        let reply = if let Some(n) =
+        let (reply, hold) = if let Some((n, scope)) =
             fast::answer(&table, context.zone.ttl, &query, Transport::Tcp, &mut out)
         {
             context.metrics.fast_replies(1);
-            out[..n].to_vec()
+            (out[..n].to_vec(), context.hold(peer, scope))
         } else {
             match query::handle(&table, context.zone, &query, Transport::Tcp) {
-                Outcome::Reply { bytes, rcode } => {
+                Outcome::Reply {
+                    bytes,
+                    rcode,
+                    scope,
+                } => {
                     context.metrics.reply(rcode, Served::Local);
-                    bytes
+                    (bytes, context.hold(peer, scope.as_ref()))
                 }
-                Outcome::Forward(request) => forward(context, &request, Transport::Tcp).await,
+                Outcome::Forward(request) => {
+                    (forward(context, &request, Transport::Tcp).await, None)
+                }
                 Outcome::Drop => {
                     context.metrics.dropped();
                     return Ok(());
                 }
             }
         };
+        if let Some(hold) = hold {
+            hold.await;
+        }
         let Ok(reply_len) = u16::try_from(reply.len()) else {
             return Ok(());
         };

@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use hickory_proto::rr::Name;
@@ -27,6 +28,10 @@ pub enum MeshRecord {
     /// The name exists but holds nothing (yet): NODATA, not NXDOMAIN. A stateful service none
     /// of whose instances is ready.
     Exists,
+    /// Not a record: answers for this name are reported to the server's
+    /// [`crate::LookupObserver`] under this key (the agent's: the service the name belongs
+    /// to). It never makes a name exist: it is ignored for a name without other records.
+    Scope(Arc<str>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +52,8 @@ pub(crate) struct NameEntry {
     pub(crate) a_records: Box<[u8]>,
     /// (priority, weight, port, target).
     pub(crate) srv: Vec<(u16, u16, u16, Name)>,
+    /// What lookups of this name are reported as ([`MeshRecord::Scope`]).
+    pub(crate) scope: Option<Arc<str>>,
 }
 
 /// What the table knows about a name inside the zone.
@@ -86,6 +93,8 @@ impl NameTable {
     pub fn from_records(entries: impl IntoIterator<Item = (String, MeshRecord)>) -> Self {
         let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
+        // Scopes are attached once every name is known: one alone makes no name exist.
+        let mut scopes = Vec::new();
         for (name, record) in entries {
             let Some(key) = lowercase_wire_name_from_dotted(&name) else {
                 tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
@@ -93,6 +102,10 @@ impl NameTable {
             };
             if key == zone || !in_zone(&key) {
                 tracing::warn!(%name, zone = ZONE, "skipping mesh name: not below the zone");
+                continue;
+            }
+            if let MeshRecord::Scope(scope) = record {
+                scopes.push((key, scope));
                 continue;
             }
             let entry = names.entry(key.into_boxed_slice()).or_default();
@@ -111,7 +124,12 @@ impl NameTable {
                         tracing::warn!(%name, target = %srv.target, "skipping SRV record: target is not a valid name")
                     }
                 },
-                MeshRecord::Address(_) | MeshRecord::Exists => {}
+                MeshRecord::Address(_) | MeshRecord::Exists | MeshRecord::Scope(_) => {}
+            }
+        }
+        for (key, scope) in scopes {
+            if let Some(entry) = names.get_mut(key.as_slice()) {
+                entry.scope = Some(scope);
             }
         }
         let mut empty_non_terminals = HashSet::new();
@@ -236,6 +254,32 @@ mod tests {
         assert_eq!(e.v6.len(), 1);
         assert_eq!(e.a_records.len(), 2 * A_RR_LEN);
         assert_eq!(&e.a_records[12..16], &[240, 240, 0, 1]);
+    }
+
+    #[test]
+    fn a_scope_marks_an_existing_name_and_makes_none_exist() {
+        let scope: Arc<str> = Arc::from("db.foo.system.internal");
+        let t = NameTable::from_records([
+            (
+                "db.foo.system.internal".to_string(),
+                MeshRecord::Scope(scope.clone()),
+            ),
+            (
+                "db.foo.system.internal".to_string(),
+                MeshRecord::Address("240.240.0.3".parse().unwrap()),
+            ),
+            (
+                "ghost.foo.system.internal".to_string(),
+                MeshRecord::Scope(scope.clone()),
+            ),
+        ]);
+        let key = lowercase_wire_name_from_dotted("db.foo.system.internal").unwrap();
+        let Lookup::Service(entry) = t.lookup(&key) else {
+            panic!("db missing")
+        };
+        assert_eq!(entry.scope.as_ref(), Some(&scope));
+        let ghost = lowercase_wire_name_from_dotted("ghost.foo.system.internal").unwrap();
+        assert!(matches!(t.lookup(&ghost), Lookup::Missing));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! addresses under the service's name; SRV records for named ports, in Kubernetes DNS's shape.
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use lattice_dns::{MeshRecord, NameTable, SrvRecord};
 
@@ -15,6 +16,19 @@ pub fn name_table(mesh: &MeshSnapshot) -> NameTable {
 /// The records of one service, as (name, record).
 fn records(service: &Service) -> Vec<(String, MeshRecord)> {
     let mut out = Vec::new();
+    // Every name of the service reports its lookups as the service's, which is what a pod's
+    // proxy must then hold (see the agent's scope module).
+    let scope: Arc<str> = Arc::from(service.dns_name.as_str());
+    let scoped = |name: &str| (name.to_string(), MeshRecord::Scope(scope.clone()));
+    out.push(scoped(&service.dns_name));
+    for instance in &service.instances {
+        out.push(scoped(&instance.dns_name));
+    }
+    for port in &service.ports {
+        if let Some(name) = &port.name {
+            out.push(scoped(&format!("_{name}._tcp.{}", service.dns_name)));
+        }
+    }
     let address = |ip: std::net::Ipv4Addr| MeshRecord::Address(IpAddr::V4(ip));
     // SRV targets: the service itself, or each ready instance (as Kubernetes DNS does for a
     // headless Service), sharing the weight equally.
@@ -150,6 +164,17 @@ mod tests {
                 srv("db-0.db.data.system.internal"),
             ),
         ];
+        // Every name of the service, instances' and SRV's included, reports its lookups as
+        // the service's.
+        let scope = MeshRecord::Scope(std::sync::Arc::from("db.data.system.internal"));
+        for name in [
+            "db.data.system.internal",
+            "db-0.db.data.system.internal",
+            "db-1.db.data.system.internal",
+            "_cql._tcp.db.data.system.internal",
+        ] {
+            expected.push((name.to_string(), scope.clone()));
+        }
         expected.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         assert_eq!(got, expected);
 

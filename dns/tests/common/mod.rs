@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hickory_proto::op::Message;
-use lattice_dns::{DnsConfig, DnsMetrics, DnsServer, NameTable};
+use lattice_dns::{DnsConfig, DnsMetrics, DnsServer, LookupObserver, NameTable};
 use prometheus_client::registry::Registry;
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
@@ -33,6 +33,15 @@ pub struct Server {
 
 impl Server {
     pub async fn start(entries: &[(&str, &str)], configure: impl FnOnce(&mut DnsConfig)) -> Self {
+        Self::start_with(table(entries), configure, None).await
+    }
+
+    /// A server on `names`, telling `observer` of its lookups.
+    pub async fn start_with(
+        names: Arc<NameTable>,
+        configure: impl FnOnce(&mut DnsConfig),
+        observer: Option<Arc<dyn LookupObserver>>,
+    ) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("lattice_dns=debug")
             .with_test_writer()
@@ -42,8 +51,11 @@ impl Server {
         configure(&mut config);
         let mut registry = Registry::default();
         let metrics = DnsMetrics::new(&mut registry);
-        let (names, rx) = watch::channel(table(entries));
-        let server = DnsServer::bind(config, rx, metrics).await.unwrap();
+        let (names, rx) = watch::channel(names);
+        let mut server = DnsServer::bind(config, rx, metrics).await.unwrap();
+        if let Some(observer) = observer {
+            server = server.with_observer(observer);
+        }
         let addr = server.local_addr();
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();

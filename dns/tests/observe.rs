@@ -1,0 +1,155 @@
+//! Lookups of names with a scope are reported to the server's observer, with the client's
+//! address, over both paths and both transports; an answer the observer holds goes out when the
+//! hold ends, and other clients are answered meanwhile. Real `dig` clients.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Server, dig};
+use lattice_dns::{LookupObserver, MeshRecord, NameTable, SrvRecord};
+use tokio::sync::Notify;
+
+/// Records every report; holds answers for the scope `held` until `release` is notified.
+#[derive(Default)]
+struct Recorder {
+    seen: Mutex<Vec<(IpAddr, String)>>,
+    release: Arc<Notify>,
+}
+
+impl LookupObserver for Recorder {
+    fn looked_up(
+        &self,
+        client: IpAddr,
+        scope: &Arc<str>,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
+        self.seen.lock().unwrap().push((client, scope.to_string()));
+        if &**scope != "held" {
+            return None;
+        }
+        let release = self.release.clone();
+        Some(Box::pin(async move { release.notified().await }))
+    }
+}
+
+impl Recorder {
+    fn take(&self) -> Vec<String> {
+        let seen = std::mem::take(&mut *self.seen.lock().unwrap());
+        for (client, _) in &seen {
+            assert_eq!(client.to_string(), "127.0.0.1");
+        }
+        seen.into_iter().map(|(_, scope)| scope).collect()
+    }
+}
+
+fn names() -> Arc<NameTable> {
+    let scope = |name: &str, key: &str| (name.to_string(), MeshRecord::Scope(Arc::from(key)));
+    let address =
+        |name: &str, ip: &str| (name.to_string(), MeshRecord::Address(ip.parse().unwrap()));
+    Arc::new(NameTable::from_records([
+        address("buzz.bar.foo.system.internal", "240.240.0.1"),
+        scope("buzz.bar.foo.system.internal", "buzz"),
+        (
+            "_http._tcp.buzz.bar.foo.system.internal".to_string(),
+            MeshRecord::Srv(SrvRecord {
+                priority: 0,
+                weight: 100,
+                port: 8080,
+                target: "buzz.bar.foo.system.internal".to_string(),
+            }),
+        ),
+        scope("_http._tcp.buzz.bar.foo.system.internal", "buzz"),
+        address("plain.system.internal", "240.240.0.2"),
+        address("held.system.internal", "240.240.0.3"),
+        scope("held.system.internal", "held"),
+    ]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookups_of_scoped_names_are_reported_on_every_path() {
+    let recorder = Arc::new(Recorder::default());
+    let server = Server::start_with(names(), |_| {}, Some(recorder.clone())).await;
+    for (args, reported) in [
+        // The fast path (UDP and TCP), the general path (AAAA: NODATA; SRV), a search-suffixed
+        // name (CNAME to the mesh name).
+        (
+            vec!["+notcp", "buzz.bar.foo.system.internal", "A"],
+            vec!["buzz"],
+        ),
+        (
+            vec!["+tcp", "buzz.bar.foo.system.internal", "A"],
+            vec!["buzz"],
+        ),
+        (vec!["buzz.bar.foo.system.internal", "AAAA"], vec!["buzz"]),
+        (
+            vec!["_http._tcp.buzz.bar.foo.system.internal", "SRV"],
+            vec!["buzz"],
+        ),
+        (
+            vec![
+                "buzz.bar.foo.system.internal.default.svc.cluster.local",
+                "A",
+            ],
+            vec!["buzz"],
+        ),
+        // No scope, or no such name: nothing reported.
+        (vec!["plain.system.internal", "A"], vec![]),
+        (vec!["nope.system.internal", "A"], vec![]),
+    ] {
+        let d = dig(server.addr, &args).await;
+        assert_eq!(
+            d.status(),
+            if args.contains(&"nope.system.internal") {
+                "NXDOMAIN"
+            } else {
+                "NOERROR"
+            },
+            "{args:?}: {}",
+            d.text
+        );
+        assert_eq!(recorder.take(), reported, "{args:?}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_answer_waits_for_its_hold_and_others_are_answered_meanwhile() {
+    let recorder = Arc::new(Recorder::default());
+    let server = Server::start_with(names(), |_| {}, Some(recorder.clone())).await;
+    for transport in ["+notcp", "+tcp"] {
+        let addr = server.addr;
+        let held = tokio::spawn(async move {
+            dig(addr, &[transport, "+time=10", "held.system.internal", "A"]).await
+        });
+        // Reported, so the answer is being held.
+        common::eventually(Duration::from_secs(5), || async {
+            recorder
+                .seen
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(_, s)| s == "held")
+        })
+        .await;
+        // Another client's query goes through meanwhile, on the same sockets.
+        let d = dig(
+            server.addr,
+            &[transport, "buzz.bar.foo.system.internal", "A"],
+        )
+        .await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+        assert!(
+            !held.is_finished(),
+            "{transport}: the held answer went out before its hold ended"
+        );
+        recorder.release.notify_one();
+        let d = held.await.unwrap();
+        assert_eq!(d.status(), "NOERROR", "{transport}: {}", d.text);
+        assert!(d.text.contains("240.240.0.3"), "{}", d.text);
+        recorder.take();
+    }
+    server.stop().await;
+}
