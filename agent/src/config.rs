@@ -18,6 +18,18 @@ pub enum LogFormat {
     Json,
 }
 
+/// What a verified proxy (a pod of this node, identity checking on) is served.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxyScope {
+    /// The services its pod uses: those it resolved through the agent's DNS, those its
+    /// annotation lattice.mlab.com/uses declares, and the backends their routes send to.
+    #[default]
+    Used,
+    /// Every service of the mesh.
+    Mesh,
+}
+
 /// Lattice node agent: serves the mesh to this node's Envoys over ADS (SotW and Delta xDS),
 /// answers `*.system.internal` DNS from it, and forwards every other name upstream.
 ///
@@ -75,6 +87,24 @@ pub struct AgentConfig {
     /// so the agent cannot tell their proxies from the node's other processes.
     #[arg(long, env = "LATTICE_ALLOW_HOST_NETWORK_PROXIES")]
     pub allow_host_network_proxies: bool,
+
+    /// What the proxy of a verified pod holds: `used`, the services its pod resolved through
+    /// this agent's DNS or declared (annotation lattice.mlab.com/uses) and their routes'
+    /// backends; `mesh`, every service. A pod opts out with lattice.mlab.com/scope: mesh.
+    /// Proxies that are not verified pods' always hold the whole mesh.
+    #[arg(long, env = "LATTICE_PROXY_SCOPE", value_enum, default_value_t = ProxyScope::Used)]
+    pub proxy_scope: ProxyScope,
+
+    /// How long, in milliseconds, the DNS answer for a service new to a pod waits for the pod's
+    /// Envoy to hold that service, so that the pod's first request finds it; after that the
+    /// answer goes anyway (counted in lattice_scope_wait_timeouts_total).
+    #[arg(
+        long,
+        env = "LATTICE_SCOPE_WAIT_MS",
+        default_value_t = 1000,
+        value_name = "MS"
+    )]
+    pub scope_wait_ms: u64,
 
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
     /// DNS clusters (external services' host names) resolve through it as pods reach it: on
@@ -175,6 +205,8 @@ mod tests {
             "Kubernetes when no mesh file is given"
         );
         assert!(!config.allow_host_network_proxies);
+        assert_eq!(config.proxy_scope, ProxyScope::Used);
+        assert_eq!(config.scope_wait_ms, 1000);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");

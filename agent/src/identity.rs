@@ -37,12 +37,67 @@ impl fmt::Display for PodKey {
     }
 }
 
+/// Pods named by namespace and name, as a mesh file's `clients:` names them: `shop/web-0`
+/// (that pod), `shop/web-*` (a name prefix: a Deployment's or StatefulSet's pods) or `shop/*`
+/// (every pod of the namespace).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodPattern {
+    namespace: String,
+    name: String,
+    prefix: bool,
+}
+
+impl std::str::FromStr for PodPattern {
+    type Err = String;
+
+    fn from_str(pattern: &str) -> Result<Self, Self::Err> {
+        let (namespace, name) = pattern
+            .split_once('/')
+            .ok_or_else(|| format!("{pattern:?} is not <namespace>/<pod name>"))?;
+        let (name, prefix) = match name.strip_suffix('*') {
+            Some(stem) => (stem, true),
+            None => (name, false),
+        };
+        let valid = |part: &str| {
+            part.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        };
+        if namespace.is_empty() || !valid(namespace) || !valid(name) || (!prefix && name.is_empty())
+        {
+            return Err(format!(
+                "{pattern:?} is not <namespace>/<pod name>, with an optional * at the end \
+                 (lower-case letters, digits, - and .)"
+            ));
+        }
+        Ok(PodPattern {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            prefix,
+        })
+    }
+}
+
+impl PodPattern {
+    pub fn matches(&self, pod: &PodKey) -> bool {
+        pod.namespace == self.namespace
+            && if self.prefix {
+                pod.name.starts_with(&self.name)
+            } else {
+                pod.name == self.name
+            }
+    }
+}
+
 /// A pod as identity checking needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodEntry {
     pub key: PodKey,
     pub ip: IpAddr,
     pub host_network: bool,
+    /// Carried for proxy scoping: false when the pod opted out (its proxy holds the whole
+    /// mesh), and the services it declared it uses, by DNS name.
+    pub scoped: bool,
+    pub uses: Vec<Arc<str>>,
 }
 
 /// This node's pods that may run a proxy (they have an IP and have not finished), by IP. Several
@@ -62,6 +117,11 @@ impl PodDirectory {
             pods.sort_by(|a, b| a.key.cmp(&b.key));
         }
         PodDirectory { by_ip }
+    }
+
+    /// Every entry.
+    pub fn entries(&self) -> impl Iterator<Item = &PodEntry> {
+        self.by_ip.values().flatten()
     }
 
     /// Whether `pod` still runs at `ip`.
@@ -243,6 +303,27 @@ mod tests {
             },
             ip: ip.parse().unwrap(),
             host_network,
+            scoped: true,
+            uses: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn pod_patterns_name_a_pod_a_prefix_or_a_namespace() {
+        let key = |namespace: &str, name: &str| PodKey {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        };
+        let web: PodPattern = "shop/web-*".parse().unwrap();
+        assert!(web.matches(&key("shop", "web-7d9f-x2")));
+        assert!(!web.matches(&key("shop", "worker-1")));
+        assert!(!web.matches(&key("other", "web-1")));
+        let one: PodPattern = "shop/web-0".parse().unwrap();
+        assert!(one.matches(&key("shop", "web-0")) && !one.matches(&key("shop", "web-01")));
+        let all: PodPattern = "shop/*".parse().unwrap();
+        assert!(all.matches(&key("shop", "anything")));
+        for bad in ["shop", "/web", "shop/", "shop/We*", "shop/w*b", "*/web"] {
+            assert!(bad.parse::<PodPattern>().is_err(), "{bad}");
         }
     }
 

@@ -8,7 +8,8 @@
 //! mesh model and knows nothing of translators; a translator reads the mesh and produces what a
 //! server serves, and knows nothing of sources; the xDS server knows neither the mesh nor the
 //! translators. Beside the flow: [`config`], [`identity`] (which proxies may connect: the
-//! Kubernetes source feeds it, the xDS server checks against it), [`admin`] (which reads the mesh and the servers'
+//! Kubernetes source feeds it, the xDS server checks against it), [`scope`] (which services
+//! each pod uses: its declarations and its DNS lookups; the xDS server gives its proxy only those), [`admin`] (which reads the mesh and the servers'
 //! state), [`metrics`], [`readiness`] and [`node_local_address`]. `tests/layers.rs` holds the
 //! rule.
 
@@ -20,6 +21,7 @@ pub mod mesh;
 pub mod metrics;
 pub mod node_local_address;
 pub mod readiness;
+pub mod scope;
 pub mod source;
 pub mod translate;
 pub mod xds;

@@ -2,20 +2,26 @@
 //! (so a bad address fails start-up, not a request later), starts the source, the pipeline
 //! and the servers, and shuts them down in order on SIGTERM or Ctrl-C.
 
+use std::future::Future;
+use std::net::IpAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
-use lattice_agent::config::{AgentConfig, LogFormat};
+use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address::{self, NodeLocalAddress};
 use lattice_agent::readiness::Readiness;
+use lattice_agent::scope::{ScopeRegistry, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
@@ -178,7 +184,24 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
-    let dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
+    let mut dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
+    // Proxies hold what their pods use only when pods can be told apart: identity checking.
+    let scopes = (kubernetes.is_some()
+        && config.node_name.is_some()
+        && config.proxy_scope == ProxyScope::Used)
+        .then(|| {
+            Arc::new(ScopeRegistry::new(
+                Duration::from_millis(config.scope_wait_ms),
+                metrics.scope.clone(),
+            ))
+        });
+    if let Some(scopes) = &scopes {
+        dns = dns.with_observer(Arc::new(ScopeObserver(scopes.clone())));
+        tracing::info!(
+            wait_ms = config.scope_wait_ms,
+            "each verified proxy holds the services its pod resolves or declares (--proxy-scope used)"
+        );
+    }
     let mut feeds = Vec::new();
     let (kube_tx, kube_rx) = mesh::provider::channel();
     if kubernetes.is_some() {
@@ -244,6 +267,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 }
                 Ok("pod watch")
             });
+            if let Some(scopes) = &scopes {
+                tasks.spawn(follow_pods(scopes.clone(), pods_rx.clone()));
+            }
             IdentityCheck::Pods {
                 pods: pods_rx,
                 allow_host_network: config.allow_host_network_proxies,
@@ -322,6 +348,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         shutdown.clone(),
     )
     .with_identity(identity);
+    let xds = match &scopes {
+        Some(scopes) => xds.with_scopes(scopes.clone()),
+        None => xds,
+    };
     let token = shutdown.clone();
     tasks.spawn(async move {
         drop(xds_ready);
@@ -412,5 +442,47 @@ async fn shutdown_signal() -> &'static str {
     tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+    }
+}
+
+/// Keeps the scope registry's pods those of this node: a pod that goes loses its scope, a new
+/// one starts with what it declares. Host-network pods are not scoped (their address is the
+/// node's, shared).
+async fn follow_pods(
+    scopes: Arc<ScopeRegistry>,
+    mut pods: identity::PodsRx,
+) -> anyhow::Result<&'static str> {
+    loop {
+        let directory = pods.borrow_and_update().clone();
+        if let Some(directory) = directory {
+            scopes.set_pods(
+                directory
+                    .entries()
+                    .filter(|pod| !pod.host_network)
+                    .map(|pod| ScopedPod {
+                        ip: pod.ip,
+                        scoped: pod.scoped,
+                        declared: pod.uses.clone(),
+                    }),
+            );
+        }
+        if pods.changed().await.is_err() {
+            return Ok("pod scopes");
+        }
+    }
+}
+
+/// The DNS server's lookups, reported to the scope registry.
+struct ScopeObserver(Arc<ScopeRegistry>);
+
+impl lattice_dns::LookupObserver for ScopeObserver {
+    fn looked_up(
+        &self,
+        client: IpAddr,
+        scope: &Arc<str>,
+    ) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+        self.0
+            .resolved(client, scope)
+            .map(|wait| Box::pin(wait) as Pin<Box<dyn Future<Output = ()> + Send>>)
     }
 }

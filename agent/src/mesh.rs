@@ -369,6 +369,9 @@ pub struct ServiceSpec {
     pub traffic_distribution: TrafficDistribution,
     /// The `Host` its HTTP requests carry upstream, for a service with host-name endpoints.
     pub host_header: HostHeader,
+    /// Pods whose proxies hold this service whether or not they resolve it
+    /// (`namespace/name`, `namespace/prefix*`), sorted; checked by the source.
+    pub clients: Vec<Arc<str>>,
 }
 
 impl ServiceSpec {
@@ -383,7 +386,16 @@ impl ServiceSpec {
             health: HealthPolicy::default(),
             traffic_distribution: TrafficDistribution::Any,
             host_header: HostHeader::default(),
+            clients: Vec::new(),
         }
+    }
+
+    /// Pods that use this service without resolving its name.
+    pub fn with_clients(mut self, mut clients: Vec<Arc<str>>) -> Self {
+        clients.sort();
+        clients.dedup();
+        self.clients = clients;
+        self
     }
 
     pub fn with_traffic_distribution(mut self, distribution: TrafficDistribution) -> Self {
@@ -504,6 +516,9 @@ pub struct Service {
     pub traffic_distribution: TrafficDistribution,
     /// The `Host` its HTTP requests carry upstream when its endpoints are host names.
     pub host_header: HostHeader,
+    /// Pods whose proxies hold it whether or not they resolve it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub clients: Vec<Arc<str>>,
 }
 
 impl Service {
@@ -678,6 +693,7 @@ impl MeshState {
             && existing.health == spec.health
             && existing.traffic_distribution == spec.traffic_distribution
             && existing.host_header == spec.host_header
+            && existing.clients == spec.clients
             && existing.instances == instances
         {
             return Ok(false);
@@ -692,6 +708,7 @@ impl MeshState {
             health: spec.health,
             traffic_distribution: spec.traffic_distribution,
             host_header: spec.host_header,
+            clients: spec.clients,
         };
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
         self.services.insert(spec.path, Arc::new(service));

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use prometheus_client::registry::Registry;
 
 use crate::mesh::MeshMetrics;
+use crate::scope::ScopeMetrics;
 use crate::xds::XdsMetrics;
 
 /// The registry and the recorders registered in it.
@@ -14,6 +15,7 @@ pub struct Metrics {
     pub mesh: MeshMetrics,
     pub xds: XdsMetrics,
     pub dns: lattice_dns::DnsMetrics,
+    pub scope: ScopeMetrics,
 }
 
 impl Metrics {
@@ -22,11 +24,13 @@ impl Metrics {
         let mesh = MeshMetrics::register(&mut registry);
         let xds = XdsMetrics::register(&mut registry);
         let dns = lattice_dns::DnsMetrics::new(&mut registry);
+        let scope = ScopeMetrics::register(&mut registry);
         Arc::new(Metrics {
             registry,
             mesh,
             xds,
             dns,
+            scope,
         })
     }
 

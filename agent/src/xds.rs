@@ -7,17 +7,20 @@
 mod delta;
 mod grpc;
 pub mod metrics;
+pub mod parts;
 pub mod server;
 pub mod snapshot;
 mod sotw;
 mod stream;
 #[cfg(test)]
 mod testing;
+mod view;
 mod wire;
 
 pub use delta::DeltaStream;
 pub use grpc::AdsService;
 pub use metrics::XdsMetrics;
+pub use parts::{ListenerBase, Part, PartsIndex, ServiceParts};
 pub use server::{ProxyRegistry, XdsServer};
 pub use snapshot::{ResourceMap, ResourceType, XdsResource, XdsRx, XdsSnapshot, XdsTx};
 pub use sotw::SotwStream;

@@ -16,11 +16,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("node_local_address", &[]),
     ("mesh", &[]),
     ("identity", &[]),
+    ("scope", &[]),
     ("source", &["mesh", "identity"]),
     ("catalog", &["mesh", "readiness"]),
     ("translate", &["mesh", "xds", "readiness"]),
-    ("xds", &["identity"]),
-    ("metrics", &["mesh", "xds"]),
+    ("xds", &["identity", "scope"]),
+    ("metrics", &["mesh", "xds", "scope"]),
     ("admin", &["catalog", "mesh", "metrics", "readiness", "xds"]),
 ];
 

@@ -152,7 +152,7 @@ impl Node {
     /// A mesh client pod: `lattice-init`, then Envoy as UID 1337, waited on until LIVE (so the
     /// agent must be serving). See [`ClientPod`].
     pub fn client(&self, label: &str, host: u8) -> anyhow::Result<ClientPod> {
-        ClientPod::start(self, label, host, XDS, DNS)
+        ClientPod::start(self, label, host, XDS, DNS, &[])
     }
 
     /// [`Node::client`] whose Envoy and resolver use the agent at `xds` and `dns`.
@@ -163,7 +163,18 @@ impl Node {
         xds: SocketAddr,
         dns: SocketAddr,
     ) -> anyhow::Result<ClientPod> {
-        ClientPod::start(self, label, host, xds, dns)
+        ClientPod::start(self, label, host, xds, dns, &[])
+    }
+
+    /// [`Node::client_of`] with more `lattice-init` flags (`--xds-mode=sotw`).
+    pub fn client_with(
+        &self,
+        label: &str,
+        host: u8,
+        (xds, dns): (SocketAddr, SocketAddr),
+        init_args: &[&str],
+    ) -> anyhow::Result<ClientPod> {
+        ClientPod::start(self, label, host, xds, dns, init_args)
     }
 }
 
@@ -545,6 +556,7 @@ impl ClientPod {
         host: u8,
         xds: SocketAddr,
         dns: SocketAddr,
+        init_args: &[&str],
     ) -> anyhow::Result<ClientPod> {
         let pod = node.pod(label, host)?;
         let std::net::IpAddr::V4(nameserver) = dns.ip() else {
@@ -559,6 +571,7 @@ impl ClientPod {
             .arg(format!("--xds-address={xds}"))
             .arg(format!("--node-id={label}.default"))
             .arg(format!("--redirect-dns={dns}"))
+            .args(init_args)
             .arg("--bootstrap-out")
             .arg(&bootstrap)
             .stdin(Stdio::null())

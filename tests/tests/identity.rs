@@ -161,7 +161,14 @@ fn only_this_nodes_pods_get_the_mesh_and_only_as_themselves() {
 
     // The client pod's Envoy is served (it goes LIVE only once it holds its config) and routes.
     let client = node.client_of("client", 2, XDS, DNS).unwrap();
+    // Its Envoy holds what its pod uses (tests/scope.rs): the app resolves the name first.
     let shared = SocketAddr::from((Ipv4Addr::new(240, 240, 0, 1), 8080));
+    wait::until("web's name to resolve", WITHIN, || {
+        client
+            .resolve("web.shop.system.internal")
+            .map_err(|e| e.to_string())
+    })
+    .unwrap();
     wait::until("a request through the client's Envoy", WITHIN, || {
         client.http(shared, "web.shop.system.internal:8080")
     })

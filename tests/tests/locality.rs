@@ -82,7 +82,9 @@ fn start(node: &Node, kubernetes: bool, near: &Backend, far: &Backend) -> (Sourc
             server
                 .apply_json(json!({
                     "apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"namespace": "default", "name": "client"},
+                    // Its Envoy holds what the pod declares it uses (tests/scope.rs).
+                    "metadata": {"namespace": "default", "name": "client",
+                                 "annotations": {"lattice.mlab.com/uses": "/loc/web"}},
                     "spec": {"nodeName": NODE_NAME, "containers": [{"name": "app", "image": "app"}]},
                     "status": {"phase": "Running", "podIP": "10.200.0.2",
                                "podIPs": [{"ip": "10.200.0.2"}]},

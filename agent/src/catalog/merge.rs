@@ -440,7 +440,13 @@ fn merged_spec(
         .next()
         .map(|c| c.host_header)
         .unwrap_or_default();
+    // Every provider may name clients: they add up.
+    let clients = contributions
+        .values()
+        .flat_map(|c| c.clients.iter().cloned())
+        .collect();
     let mut spec = ServiceSpec::new(path.clone(), ports)
+        .with_clients(clients)
         .with_health(health)
         .with_traffic_distribution(traffic_distribution)
         .with_instances(instances)

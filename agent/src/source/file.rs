@@ -18,6 +18,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::identity::PodPattern;
 use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
 use crate::mesh::{
@@ -69,6 +70,10 @@ struct FileService {
     /// `rewrite` (the default) or `keep`: the `Host` HTTP requests to host-name endpoints
     /// carry upstream.
     host_header: Option<String>,
+    /// Pods whose Envoys hold this service whether or not they resolve its name
+    /// (`namespace/name`, `namespace/prefix*`).
+    #[serde(default)]
+    clients: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -224,6 +229,13 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
             }
             Some(mode) => mode.parse().map_err(|e| format!("{at}.hostHeader: {e}"))?,
         };
+        let mut clients = Vec::with_capacity(service.clients.len());
+        for (j, client) in service.clients.iter().enumerate() {
+            client
+                .parse::<PodPattern>()
+                .map_err(|e| format!("{at}.clients[{j}]: {e}"))?;
+            clients.push(std::sync::Arc::from(client.as_str()));
+        }
         let mut ports = Vec::with_capacity(service.ports.len());
         let mut port_numbers = HashSet::new();
         for (j, port) in service.ports.iter().enumerate() {
@@ -301,7 +313,8 @@ pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String
                 .with_instances(instances)
                 .with_health(health)
                 .with_traffic_distribution(traffic_distribution)
-                .with_host_header(host_header),
+                .with_host_header(host_header)
+                .with_clients(clients),
         );
         all_routes.push((at, service.routes));
     }
@@ -773,6 +786,21 @@ services:
             err.contains("services[1] (/foo/db).health.check.interval: must be more than 0"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn clients_name_pods_and_a_bad_one_is_refused_with_its_place() {
+        let specs = parse(
+            "services:\n- path: /data/db\n  ports: [{port: 5432}]\n  \
+             clients: [shop/web-*, shop/batch-0, shop/web-*]\n",
+        )
+        .unwrap();
+        let clients: Vec<&str> = specs[0].clients.iter().map(|c| &**c).collect();
+        assert_eq!(clients, ["shop/batch-0", "shop/web-*"]);
+        let err = parse("services:\n- path: /data/db\n  ports: [{port: 5432}]\n  clients: [web]\n")
+            .unwrap_err();
+        assert!(err.contains("services[0] (/data/db).clients[0]"), "{err}");
+        assert!(err.contains("<namespace>/<pod name>"), "{err}");
     }
 
     #[test]

@@ -50,14 +50,16 @@ use prost::Message;
 
 mod routes;
 
-pub use routes::{UNRESOLVED_BACKEND, route_config, route_configs};
+pub use routes::UNRESOLVED_BACKEND;
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
+use crate::mesh::route::BackendTarget;
 use crate::mesh::{
     HostHeader, MeshSnapshot, NodeLocality, Provider, Service, ServiceAddress, ServiceMap,
     ServicePort, TrafficDistribution,
 };
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
+use crate::xds::{ListenerBase, Part, PartsIndex, ServiceParts};
 
 /// The one listener every captured connection lands on, on
 /// [`lattice_contract::ENVOY_OUTBOUND_PORT`], where iptables in the pod sends the trapped block.
@@ -105,6 +107,9 @@ pub struct EnvoyTranslator {
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
     resources: [ResourceMap; 4],
+    /// Each service's share of the resources; the listener and the route configurations are
+    /// composed from them, for the whole mesh here and for a proxy's view in the xDS server.
+    parts: PartsIndex,
 }
 
 impl Default for EnvoyTranslator {
@@ -125,6 +130,7 @@ impl EnvoyTranslator {
             mesh: None,
             shape_version: None,
             resources: Default::default(),
+            parts: PartsIndex::default(),
         }
     }
 
@@ -135,12 +141,18 @@ impl EnvoyTranslator {
 
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
+        if self.parts.listener.is_none() {
+            self.parts.listener = Some(listener_base(mesh));
+        }
         // Ports whose route configuration must be rebuilt though the shape did not change: a
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
         let mut rerouted = BTreeSet::new();
         for change in previous.diff(&mesh.services) {
             match change {
-                DiffItem::Add(_, service) => self.insert(service, true),
+                DiffItem::Add(_, service) => {
+                    self.insert(service, true);
+                    self.insert_parts(service, mesh);
+                }
                 DiffItem::Update {
                     old: (_, old),
                     new: (_, new),
@@ -153,38 +165,76 @@ impl EnvoyTranslator {
                         self.insert(new, !same_shape);
                     }
                     if old.routes != new.routes {
-                        rerouted.extend(new.ports.iter().map(|p| p.port));
+                        rerouted.extend(new.ports.iter().map(|p| route_name(p.port)));
+                    }
+                    if !same_shape || old.routes != new.routes || old.clients != new.clients {
+                        self.insert_parts(new, mesh);
                     }
                 }
-                DiffItem::Remove(_, service) => self.remove(service),
+                DiffItem::Remove(_, service) => {
+                    self.remove(service);
+                    self.parts.remove(service.dns_name.as_str());
+                }
             }
         }
         // The listener depends on names, addresses and ports only; the routes on those and on
         // the services' routing rules.
+        let all = || self.parts.services.values().map(|p| &**p);
         if self.shape_version == Some(mesh.shape_version) {
-            let routes = &mut self.resources[ResourceType::Route.index()];
-            for port in rerouted {
-                match route_config(mesh, port) {
-                    Some(config) => routes.insert(config.name.clone(), config),
-                    None => routes.remove(route_name(port).as_str()),
-                };
-            }
-        } else {
-            let listener = outbound_listener(mesh);
-            self.resources[ResourceType::Listener.index()] =
-                ResourceMap::unit(listener.name.clone(), listener);
-            self.resources[ResourceType::Route.index()] = route_configs(mesh)
+            let mut routes = self.resources[ResourceType::Route.index()].clone();
+            let rebuilt: BTreeMap<Arc<str>, Arc<XdsResource>> = self
+                .parts
+                .route_configs(
+                    all(),
+                    Some(&rerouted.iter().map(|r| Arc::from(r.as_str())).collect()),
+                )
                 .into_iter()
                 .map(|r| (r.name.clone(), r))
                 .collect();
+            for name in &rerouted {
+                match rebuilt.get(name.as_str()) {
+                    Some(config) => routes.insert(config.name.clone(), config.clone()),
+                    None => routes.remove(name.as_str()),
+                };
+            }
+            self.resources[ResourceType::Route.index()] = routes;
+        } else {
+            // The listener base is set above, so there is always a listener.
+            if let Some(listener) = self.parts.listener(all()) {
+                self.resources[ResourceType::Listener.index()] =
+                    ResourceMap::unit(listener.name.clone(), listener);
+            }
+            self.resources[ResourceType::Route.index()] = self.parts.route_map(all());
             self.shape_version = Some(mesh.shape_version);
         }
         self.mesh = Some(mesh.services.clone());
         XdsSnapshot {
             version: mesh.version,
             resources: self.resources.clone(),
+            parts: self.parts.clone(),
             changed_at: mesh.taken_at,
         }
+    }
+
+    /// Records what `service` adds to the listener and the route configurations, and its
+    /// clusters (named as the cluster map names them, sharing those strings).
+    fn insert_parts(&mut self, service: &Service, mesh: &MeshSnapshot) {
+        let clusters = &self.resources[ResourceType::Cluster.index()];
+        let parts = ServiceParts {
+            clusters: cluster_names(service)
+                .map(|name| {
+                    clusters
+                        .get_key_value(name.as_str())
+                        .map_or_else(|| Arc::from(name.as_str()), |(key, _)| key.clone())
+                })
+                .collect(),
+            chains: chains_for(service, mesh.trap.shared()),
+            virtual_hosts: routes::virtual_hosts(service),
+            backends: backends_of(service),
+            clients: service.clients.clone(),
+        };
+        self.parts
+            .insert(Arc::from(service.dns_name.as_str()), parts);
     }
 
     fn insert(&mut self, service: &Service, with_clusters: bool) {
@@ -673,52 +723,64 @@ fn tcp_chain(dns_name: &str, ip: Ipv4Addr, port: u16) -> FilterChain {
     }
 }
 
-/// The capture listener. Connections keep their original destination (restored by the
-/// original_dst listener filter) and pick a chain by it: the shared address and a port → HTTP
-/// routing by Host; a service's or an instance's own address and a port → straight TCP proxy. There is no
-/// default chain, so Envoy closes anything else instead of passing it through.
-pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
-    let shared = mesh.trap.shared();
-    let http_ports: BTreeSet<u16> = mesh
-        .services
-        .values()
-        .filter(|s| matches!(s.address, ServiceAddress::Shared(_)))
-        .flat_map(|s| s.ports.iter().map(|p| p.port))
-        .collect();
-    let mut chains: Vec<FilterChain> = http_ports
+/// A service's chains in the capture listener. Connections keep their original destination
+/// (restored by the original_dst listener filter) and pick a chain by it: the shared address
+/// and a port → HTTP routing by Host (one chain per port, which every service on the shared
+/// address with that port shares); a service's or an instance's own address and a port →
+/// straight TCP proxy.
+fn chains_for(service: &Service, shared: Ipv4Addr) -> Vec<Part> {
+    let listener: Arc<str> = Arc::from(OUTBOUND_LISTENER);
+    let mut chains = Vec::new();
+    let mut add = |chain: FilterChain| {
+        chains.push(Part::filter_chain(&listener, &chain.name, &chain));
+    };
+    match service.address {
+        ServiceAddress::Shared(_) => {
+            for port in &service.ports {
+                add(http_chain(route_name(port.port), shared, port.port));
+            }
+        }
+        ServiceAddress::Own(ip) => {
+            for port in &service.ports {
+                add(tcp_chain(&service.dns_name, ip, port.port));
+            }
+        }
+        ServiceAddress::Instances => {}
+    }
+    // An instance's address reaches that instance alone, on every port of its service.
+    // HTTP ports are passed through as bytes too: a client that picked one instance wants
+    // no load balancing, and HTTP/1, HTTP/2 and gRPC all cross a TCP proxy unchanged.
+    for instance in &service.instances {
+        for port in &service.ports {
+            add(tcp_chain(&instance.dns_name, instance.address, port.port));
+        }
+    }
+    chains
+}
+
+/// The services `service`'s routing rules send traffic to, by DNS name.
+fn backends_of(service: &Service) -> Vec<Arc<str>> {
+    let names: BTreeSet<String> = service
+        .routes
         .iter()
-        .map(|&port| http_chain(route_name(port), shared, port))
+        .flat_map(|rule| &rule.backends)
+        .filter_map(|backend| match &backend.target {
+            BackendTarget::Service { path, .. } => Some(path.dns_name()),
+            BackendTarget::Unresolved { .. } => None,
+        })
+        .filter(|name| *name != service.dns_name)
         .collect();
-    for service in mesh.services.values() {
-        if let ServiceAddress::Own(ip) = service.address {
-            chains.extend(
-                service
-                    .ports
-                    .iter()
-                    .map(|p| tcp_chain(&service.dns_name, ip, p.port)),
-            );
-        }
-        // An instance's address reaches that instance alone, on every port of its service.
-        // HTTP ports are passed through as bytes too: a client that picked one instance wants
-        // no load balancing, and HTTP/1, HTTP/2 and gRPC all cross a TCP proxy unchanged.
-        for instance in &service.instances {
-            chains.extend(
-                service
-                    .ports
-                    .iter()
-                    .map(|p| tcp_chain(&instance.dns_name, instance.address, p.port)),
-            );
-        }
-    }
-    if chains.is_empty() {
-        // Envoy rejects a listener without chains. This one matches only the block's network
-        // address, which is never assigned, so it is never hit and nothing is passed through.
-        chains.push(http_chain(
-            "unassigned".to_string(),
-            mesh.trap.ipv4().network(),
-            1,
-        ));
-    }
+    names
+        .into_iter()
+        .map(|name| Arc::from(name.as_str()))
+        .collect()
+}
+
+/// The capture listener without chains: the chains are each service's ([`chains_for`]).
+/// There is no default chain, so Envoy closes anything no chain matches instead of passing it
+/// through. A listener with no service's chain gets one that matches only the block's network
+/// address, which is never assigned: Envoy rejects a listener without chains.
+fn listener_base(mesh: &MeshSnapshot) -> ListenerBase {
     let listener = Listener {
         name: OUTBOUND_LISTENER.to_string(),
         address: Some(socket_address("0.0.0.0".to_string(), ENVOY_OUTBOUND_PORT)),
@@ -730,10 +792,32 @@ pub fn outbound_listener(mesh: &MeshSnapshot) -> Arc<XdsResource> {
             ))),
             ..ListenerFilter::default()
         }],
-        filter_chains: chains,
         ..Listener::default()
     };
-    XdsResource::new(OUTBOUND_LISTENER.to_string(), listener)
+    let name: Arc<str> = Arc::from(OUTBOUND_LISTENER);
+    // A TCP proxy to a cluster that never exists, not an HTTP chain: an HTTP chain would make
+    // Envoy wait for a route configuration that no view holds, and never finish starting.
+    let proxy = TcpProxy {
+        stat_prefix: "unassigned".to_string(),
+        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(
+            "lattice-unassigned".to_string(),
+        )),
+        ..TcpProxy::default()
+    };
+    let fallback = FilterChain {
+        name: "unassigned".to_string(),
+        filter_chain_match: Some(chain_match(mesh.trap.ipv4().network(), 1)),
+        filters: vec![Filter {
+            name: "envoy.filters.network.tcp_proxy".to_string(),
+            config_type: Some(filter::ConfigType::TypedConfig(typed(proxy))),
+        }],
+        ..FilterChain::default()
+    };
+    ListenerBase {
+        fallback: Part::filter_chain(&name, &fallback.name, &fallback),
+        name,
+        base: listener.encode_to_vec().into(),
+    }
 }
 
 #[cfg(test)]
@@ -1506,6 +1590,12 @@ mod tests {
         assert_eq!(
             m.prefix_ranges[0].address_prefix, "240.240.0.0",
             "never an assigned address"
+        );
+        // Nothing Envoy would wait for: no route configuration (a proxy scoped to nothing
+        // holds none, and Delta Envoy would never finish starting).
+        assert_eq!(
+            listener.filter_chains[0].filters[0].name,
+            "envoy.filters.network.tcp_proxy"
         );
         assert!(xds.of(ResourceType::Cluster).is_empty());
     }

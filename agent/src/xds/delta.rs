@@ -126,6 +126,12 @@ impl Ads for DeltaStream {
     fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
         self.push(snapshot)
     }
+
+    fn holds(&self, snapshot: &XdsSnapshot) -> bool {
+        ResourceType::ALL
+            .into_iter()
+            .all(|kind| self.types[kind.index()].common.holds(snapshot.of(kind)))
+    }
 }
 
 impl DeltaStream {

@@ -16,7 +16,9 @@ use tonic::{Request, Status, Streaming};
 use super::metrics::XdsMetrics;
 use super::snapshot::{XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
+use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
+use crate::scope::{ScopeRegistry, ScopeWatch};
 
 /// One connected proxy, as `/debug/xds` shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -33,6 +35,10 @@ pub struct ProxyStatus {
     /// Last ACKed version per type (`cds`, `eds`, `lds`, `rds`).
     pub acked: BTreeMap<&'static str, String>,
     pub nacks: u64,
+    /// The services the proxy holds when its pod's scope limits them (its pod's and their
+    /// routes' backends); absent when it holds the whole mesh.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Vec<String>>,
     #[serde(skip)]
     connected_at: Option<Instant>,
 }
@@ -81,6 +87,7 @@ pub struct XdsServer {
     next_id: Arc<AtomicU64>,
     identity: IdentityCheck,
     refusals: Arc<RefusalLog>,
+    scopes: Option<Arc<ScopeRegistry>>,
 }
 
 impl XdsServer {
@@ -98,7 +105,14 @@ impl XdsServer {
             next_id: Arc::new(AtomicU64::new(1)),
             identity: IdentityCheck::Off,
             refusals: Arc::default(),
+            scopes: None,
         }
+    }
+
+    /// Gives each verified proxy whose pod is scoped only the services its pod uses.
+    pub fn with_scopes(mut self, scopes: Arc<ScopeRegistry>) -> Self {
+        self.scopes = Some(scopes);
+        self
     }
 
     /// Checks every stream's identity as `identity` says (off by default).
@@ -131,6 +145,8 @@ impl XdsServer {
             identity: self.identity.clone(),
             refusals: self.refusals.clone(),
             verified: None,
+            scopes: self.scopes.clone(),
+            scoped: None,
         };
         tokio::spawn(stream.run());
         ReceiverStream::new(rx)
@@ -154,6 +170,28 @@ struct StreamTask<A: Ads> {
     refusals: Arc<RefusalLog>,
     /// Set once the first request passed the identity check: the pod, if checking is on.
     verified: Option<Option<PodKey>>,
+    scopes: Option<Arc<ScopeRegistry>>,
+    /// The pod's scope and the proxy's view, when the proxy holds only what its pod uses.
+    scoped: Option<Scoped>,
+}
+
+struct Scoped {
+    watch: ScopeWatch,
+    view: View,
+    /// The scope generation the current view was made for.
+    generation: u64,
+}
+
+/// Waits for the next change of a scope; forever when the proxy is not scoped.
+async fn scope_changed(scoped: &mut Option<Scoped>) {
+    match scoped {
+        Some(s) => {
+            if s.watch.scope.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// How a stream ended.
@@ -194,6 +232,7 @@ impl<A: Ads> StreamTask<A> {
                 acked: BTreeMap::new(),
                 nacks: 0,
                 connected_at: Some(Instant::now()),
+                scope: None,
             },
         );
         match self.serve().await {
@@ -238,6 +277,7 @@ impl<A: Ads> StreamTask<A> {
                 () = self.shutdown.cancelled() => return "agent shutting down".into(),
             }
         };
+        let mut view = snapshot.clone();
         loop {
             let pushes = tokio::select! {
                 message = self.inbound.message() => match message {
@@ -248,7 +288,9 @@ impl<A: Ads> StreamTask<A> {
                                 Ok(pod) => {
                                     let shown = pod.as_ref().map(PodKey::to_string);
                                     self.proxies.update(self.id, |p| p.pod = shown);
+                                    self.scope_if_known(pod.is_some());
                                     self.verified = Some(pod);
+                                    view = self.view_of(&snapshot);
                                 }
                                 Err(refusal) => {
                                     self.node_id = node_id.unwrap_or_default().to_string();
@@ -256,7 +298,7 @@ impl<A: Ads> StreamTask<A> {
                                 }
                             }
                         }
-                        self.on_request(&request, &snapshot)
+                        self.on_request(&request, &view)
                     }
                     Ok(None) => return "proxy closed the stream".into(),
                     Err(status) => return Ended::Closed(format!("stream error: {status}")),
@@ -270,6 +312,10 @@ impl<A: Ads> StreamTask<A> {
                     }
                     Vec::new()
                 },
+                () = scope_changed(&mut self.scoped) => {
+                    view = self.view_of(&snapshot);
+                    self.state.on_snapshot(&view)
+                },
                 changed = self.snapshots.changed() => {
                     if changed.is_err() {
                         return "agent shutting down".into();
@@ -277,7 +323,8 @@ impl<A: Ads> StreamTask<A> {
                     if let Some(latest) = self.snapshots.borrow_and_update().clone() {
                         snapshot = latest;
                     }
-                    self.state.on_snapshot(&snapshot)
+                    view = self.view_of(&snapshot);
+                    self.state.on_snapshot(&view)
                 },
                 () = self.shutdown.cancelled() => return "agent shutting down".into(),
             };
@@ -288,7 +335,45 @@ impl<A: Ads> StreamTask<A> {
                 self.metrics.pushed(push.kind, snapshot.changed_at);
                 tracing::debug!(stream = self.id, node = %self.node_id, kind = push.kind.short(), version = snapshot.version, "pushed");
             }
+            // A DNS answer may be waiting for this proxy to hold a service its pod just
+            // resolved: tell it once the proxy holds the whole view.
+            if let Some(scoped) = &self.scoped
+                && scoped.watch.awaited(scoped.generation)
+                && self.state.holds(&view)
+            {
+                scoped.watch.held(scoped.generation);
+            }
         }
+    }
+
+    /// Follows the pod's scope when the proxy was verified as a pod's and that pod is scoped.
+    fn scope_if_known(&mut self, verified_pod: bool) {
+        let (Some(scopes), Some(peer), true) = (&self.scopes, self.peer, verified_pod) else {
+            return;
+        };
+        if let Some(watch) = scopes.attach(peer) {
+            self.scoped = Some(Scoped {
+                watch,
+                view: View::default(),
+                generation: 0,
+            });
+        }
+    }
+
+    /// What this proxy holds of `snapshot`: all of it, or its view.
+    fn view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {
+        let Some(scoped) = &mut self.scoped else {
+            return snapshot.clone();
+        };
+        let scope = scoped.watch.scope.borrow_and_update().clone();
+        let pod = self.verified.as_ref().and_then(Option::as_ref);
+        let view = scoped.view.update(snapshot, &scope.services, pod);
+        if scoped.generation != scope.generation {
+            scoped.generation = scope.generation;
+            let shown = scoped.view.services().map(|s| s.to_string()).collect();
+            self.proxies.update(self.id, |p| p.scope = Some(shown));
+        }
+        view
     }
 
     fn on_request(

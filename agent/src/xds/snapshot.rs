@@ -10,6 +10,8 @@ use envoy_types::util::pack_any;
 use prost::Message;
 use tokio::sync::watch;
 
+use super::parts::PartsIndex;
+
 /// The four resource types, in the order Envoy must receive them (CDS → EDS → LDS → RDS), so a
 /// listener never points at a cluster or route that does not exist yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -130,6 +132,9 @@ pub struct XdsSnapshot {
     /// The mesh snapshot version this was built from.
     pub version: u64,
     pub resources: [ResourceMap; 4],
+    /// Each service's share of the resources, for proxies that hold only some services
+    /// (`resources` holds every service's).
+    pub parts: PartsIndex,
     /// When the mesh change behind it was taken, for the push-latency histogram.
     pub changed_at: Instant,
 }

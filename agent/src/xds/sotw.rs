@@ -91,6 +91,12 @@ impl Ads for SotwStream {
     fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DiscoveryResponse>> {
         self.push(snapshot)
     }
+
+    fn holds(&self, snapshot: &XdsSnapshot) -> bool {
+        ResourceType::ALL
+            .into_iter()
+            .all(|kind| self.types[kind.index()].common.holds(snapshot.of(kind)))
+    }
 }
 
 impl SotwStream {

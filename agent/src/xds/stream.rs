@@ -52,6 +52,10 @@ pub trait Ads: Default + Send + 'static {
     /// A new snapshot: whatever changed for every requested type, in CDS → EDS → LDS → RDS
     /// order.
     fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<Self::Response>>;
+
+    /// Whether the client holds every resource of `snapshot`, acknowledged, with nothing in
+    /// flight: what a DNS answer for a service new to the proxy waits for.
+    fn holds(&self, snapshot: &XdsSnapshot) -> bool;
 }
 
 /// A response to send, and the type it carries.
@@ -332,6 +336,16 @@ impl TypeState {
             bytes += next.body.value.len();
             changed.extend(self.backlog.pop_front());
         }
+    }
+
+    /// Nothing in flight or waiting, and the client holds every resource of `current` at its
+    /// version (for endpoints and routes, it has subscribed to them all).
+    pub(super) fn holds(&self, current: &ResourceMap) -> bool {
+        self.pending.is_none()
+            && self.backlog.is_empty()
+            && current
+                .iter()
+                .all(|(name, resource)| self.client.get(name) == Some(resource.version))
     }
 
     /// Makes the next push look at `name` whatever the snapshot says. Without a baseline the

@@ -13,6 +13,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::identity::{PodDirectory, PodEntry, PodKey, PodsTx};
+use crate::mesh::MeshPath;
+
+/// The services a pod declares it uses, for a workload that connects without resolving their
+/// names: mesh paths, separated by commas or spaces. Its Envoy holds them from the start.
+pub const USES_ANNOTATION: &str = "lattice.mlab.com/uses";
+/// `mesh`: the pod's Envoy holds the whole mesh instead of what the pod uses (`used`, the
+/// default).
+pub const SCOPE_ANNOTATION: &str = "lattice.mlab.com/scope";
 
 /// The entries of one pod: one per pod IP, while it may run a proxy (it has an IP and has not
 /// finished). A pod that is Pending has one as soon as its sandbox is up, which is before its
@@ -43,14 +51,49 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
     if ips.is_empty() {
         ips.extend(status.and_then(|s| s.pod_ip.as_deref()));
     }
+    let (scoped, uses) = scoping(pod, &key);
     ips.into_iter()
         .filter_map(|ip| ip.parse().ok())
         .map(|ip| PodEntry {
             key: key.clone(),
             ip,
             host_network,
+            scoped,
+            uses: uses.clone(),
         })
         .collect()
+}
+
+/// Whether the pod's proxy is scoped, and the services (DNS names) it declares. A value the
+/// agent cannot read is logged and leaves the pod on the whole mesh (an unknown scope) or
+/// skips that entry (a path that is not one), so a typo costs memory, never a broken call.
+fn scoping(pod: &Pod, key: &PodKey) -> (bool, Vec<std::sync::Arc<str>>) {
+    let annotations = pod.metadata.annotations.as_ref();
+    let annotation = |name: &str| annotations.and_then(|a| a.get(name)).map(String::as_str);
+    let scoped = match annotation(SCOPE_ANNOTATION).map(str::trim) {
+        None | Some("used") => true,
+        Some("mesh") => false,
+        Some(other) => {
+            warn!(pod = %key, value = other, "unknown {SCOPE_ANNOTATION} (used or mesh): the pod's proxy holds the whole mesh");
+            false
+        }
+    };
+    let mut uses: Vec<std::sync::Arc<str>> = Vec::new();
+    for path in annotation(USES_ANNOTATION)
+        .unwrap_or_default()
+        .split([',', ' ', '\n'])
+        .filter(|p| !p.is_empty())
+    {
+        match path.parse::<MeshPath>() {
+            Ok(path) => uses.push(path.dns_name().into()),
+            Err(error) => {
+                warn!(pod = %key, path, %error, "skipping an entry of {USES_ANNOTATION}: not a mesh path");
+            }
+        }
+    }
+    uses.sort();
+    uses.dedup();
+    (scoped, uses)
 }
 
 /// Follows this node's pods until shutdown, publishing the directory after the first
@@ -175,5 +218,30 @@ mod tests {
             "status": {"phase": "Running", "podIP": "192.168.1.5"},
         }));
         assert!(pod_entries(&host)[0].host_network);
+    }
+
+    #[test]
+    fn annotations_declare_the_services_used_or_opt_out() {
+        let annotated = |annotations: serde_json::Value| {
+            pod_entries(&pod(json!({
+                "metadata": {"namespace": "shop", "name": "web-1", "annotations": annotations},
+                "spec": {"containers": []},
+                "status": {"phase": "Running", "podIP": "10.0.0.2"},
+            })))
+            .remove(0)
+        };
+        let plain = annotated(json!({}));
+        assert!(plain.scoped && plain.uses.is_empty());
+        let declared =
+            annotated(json!({USES_ANNOTATION: "/data/db, /foo/bar/buzz not/a/path /data/db"}));
+        assert!(declared.scoped);
+        let uses: Vec<&str> = declared.uses.iter().map(|u| &**u).collect();
+        assert_eq!(
+            uses,
+            ["buzz.bar.foo.system.internal", "db.data.system.internal"]
+        );
+        assert!(!annotated(json!({SCOPE_ANNOTATION: "mesh"})).scoped);
+        assert!(!annotated(json!({SCOPE_ANNOTATION: "everything"})).scoped);
+        assert!(annotated(json!({SCOPE_ANNOTATION: "used"})).scoped);
     }
 }

@@ -4,8 +4,6 @@
 //! match, in precedence order ([`RouteTable`]), so the first Envoy route that matches is the
 //! rule the Gateway API says should win.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
@@ -16,8 +14,8 @@ use envoy_types::pb::envoy::config::route::v3::route_action::ClusterNotFoundResp
 use envoy_types::pb::envoy::config::route::v3::weighted_cluster::ClusterWeight;
 use envoy_types::pb::envoy::config::route::v3::{
     DirectResponseAction, HeaderMatcher, QueryParameterMatcher, RetryPolicy, Route, RouteAction,
-    RouteConfiguration, RouteMatch, VirtualHost, WeightedCluster, header_matcher,
-    query_parameter_matcher, retry_policy, route, route_action, route_match,
+    RouteMatch, VirtualHost, WeightedCluster, header_matcher, query_parameter_matcher,
+    retry_policy, route, route_action, route_match,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::{Duration, UInt32Value};
@@ -27,8 +25,8 @@ use crate::mesh::route::{
     BackendTarget, HeaderEdits, PathMatch, RequestMatch, RouteRule, RouteTable, ValueCondition,
     ValueMatch,
 };
-use crate::mesh::{HostHeader, MeshSnapshot, Service, ServiceAddress};
-use crate::xds::snapshot::XdsResource;
+use crate::mesh::{HostHeader, Service, ServiceAddress};
+use crate::xds::Part;
 
 /// A cluster name no resource ever has (real ones are `<name>|<port>`): the share of traffic
 /// of a backend that could not be resolved goes here, and Envoy answers it with the route's
@@ -38,48 +36,20 @@ pub const UNRESOLVED_BACKEND: &str = "lattice-unresolved-backend";
 /// What a request gets when its rule sends nowhere (every weight 0, or no backend).
 const NO_BACKEND_STATUS: u32 = 500;
 
-/// Every route configuration of the mesh.
-pub fn route_configs(mesh: &MeshSnapshot) -> Vec<Arc<XdsResource>> {
-    let mut by_port: BTreeMap<u16, Vec<VirtualHost>> = BTreeMap::new();
-    for service in shared(mesh) {
-        for port in &service.ports {
-            by_port
-                .entry(port.port)
-                .or_default()
-                .push(virtual_host(service, port.port));
-        }
+/// A service's virtual hosts, one per port, each in the route configuration of its port
+/// (`http.<port>`); none for a service that is not on the shared address.
+pub fn virtual_hosts(service: &Service) -> Vec<Part> {
+    if !matches!(service.address, ServiceAddress::Shared(_)) {
+        return Vec::new();
     }
-    by_port
-        .into_iter()
-        .map(|(port, virtual_hosts)| config(port, virtual_hosts))
+    service
+        .ports
+        .iter()
+        .map(|port| {
+            let host = virtual_host(service, port.port);
+            Part::virtual_host(&route_name(port.port), &host.name, &host)
+        })
         .collect()
-}
-
-/// The route configuration of one port, or `None` when no service on the shared address has
-/// that port.
-pub fn route_config(mesh: &MeshSnapshot, port: u16) -> Option<Arc<XdsResource>> {
-    let virtual_hosts: Vec<VirtualHost> = shared(mesh)
-        .filter(|service| service.ports.iter().any(|p| p.port == port))
-        .map(|service| virtual_host(service, port))
-        .collect();
-    (!virtual_hosts.is_empty()).then(|| config(port, virtual_hosts))
-}
-
-fn shared(mesh: &MeshSnapshot) -> impl Iterator<Item = &Service> {
-    mesh.services
-        .values()
-        .filter(|s| matches!(s.address, ServiceAddress::Shared(_)))
-        .map(|s| &**s)
-}
-
-fn config(port: u16, virtual_hosts: Vec<VirtualHost>) -> Arc<XdsResource> {
-    let name = route_name(port);
-    let config = RouteConfiguration {
-        name: name.clone(),
-        virtual_hosts,
-        ..RouteConfiguration::default()
-    };
-    XdsResource::new(name, config)
 }
 
 /// The service's virtual host on `port`, matched by `name` and `name:port`.
@@ -357,7 +327,12 @@ mod tests {
 
     use prost::Message;
 
+    use std::sync::Arc;
+
+    use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+
     use super::*;
+    use crate::mesh::MeshSnapshot;
     use crate::mesh::route::{Backend, RetryOn, RetryPolicy, test_rule};
     use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
     use crate::translate::envoy::EnvoyTranslator;
@@ -407,7 +382,8 @@ mod tests {
 
     /// The Envoy routes of `/shop/web` on `port`.
     fn web_routes(mesh: &MeshSnapshot, port: u16) -> Vec<Route> {
-        let config = route_config(mesh, port).unwrap();
+        let xds = EnvoyTranslator::default().translate(mesh);
+        let config = &xds.of(ResourceType::Route)[route_name(port).as_str()];
         let config = RouteConfiguration::decode(config.body.value.as_slice()).unwrap();
         config
             .virtual_hosts
