@@ -124,6 +124,14 @@ impl PodDirectory {
         self.by_ip.values().flatten()
     }
 
+    /// The entry of `pod` at `ip`.
+    pub fn entry(&self, pod: &PodKey, ip: IpAddr) -> Option<&PodEntry> {
+        self.by_ip
+            .get(&ip.to_canonical())?
+            .iter()
+            .find(|p| p.key == *pod)
+    }
+
     /// Whether `pod` still runs at `ip`.
     pub fn holds(&self, pod: &PodKey, ip: IpAddr) -> bool {
         self.by_ip

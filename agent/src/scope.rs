@@ -154,13 +154,17 @@ impl ScopeRegistry {
         *known = next;
     }
 
-    /// The scope a proxy at `ip` follows, or `None` when that proxy holds the whole mesh.
-    pub fn attach(&self, ip: IpAddr) -> Option<ScopeWatch> {
-        let pods = self.pods.read().unwrap_or_else(|p| p.into_inner());
-        let pod = pods.get(&ip.to_canonical()).filter(|p| p.scoped)?;
-        Some(ScopeWatch {
-            scope: pod.scope.subscribe(),
-            acked: pod.acked.clone(),
+    /// The scope the proxy of `pod` follows, or `None` when that proxy holds the whole mesh.
+    /// A pod the registry does not know yet (its proxy connected before the pod list reached
+    /// the registry) is added as it is.
+    pub fn attach(&self, pod: &ScopedPod) -> Option<ScopeWatch> {
+        let mut pods = self.pods.write().unwrap_or_else(|p| p.into_inner());
+        let held = pods
+            .entry(pod.ip.to_canonical())
+            .or_insert_with(|| PodScope::new(pod));
+        held.scoped.then(|| ScopeWatch {
+            scope: held.scope.subscribe(),
+            acked: held.acked.clone(),
         })
     }
 
@@ -257,7 +261,7 @@ mod tests {
         let client: IpAddr = "10.0.0.5".parse().unwrap();
         // Before a proxy follows the pod, the lookup is recorded and answered at once.
         assert!(registry.resolved(client, &buzz).is_none());
-        let watch = registry.attach(client).unwrap();
+        let watch = registry.attach(&pod("10.0.0.5", true, &[])).unwrap();
         assert_eq!(
             names(&watch.scope.borrow()),
             ["buzz.bar.foo.system.internal", "db.data.system.internal"]
@@ -286,20 +290,22 @@ mod tests {
         let registry = ScopeRegistry::new(Duration::from_secs(1), ScopeMetrics::default());
         registry.set_pods([pod("10.0.0.5", false, &[]), pod("10.0.0.6", true, &[])]);
         let buzz: Arc<str> = Arc::from("buzz.bar.foo.system.internal");
-        assert!(registry.attach("10.0.0.5".parse().unwrap()).is_none());
-        assert!(registry.attach("10.0.0.7".parse().unwrap()).is_none());
-        assert!(
-            registry
-                .resolved("10.0.0.5".parse().unwrap(), &buzz)
-                .is_none()
-        );
-        assert!(
-            registry
-                .resolved("10.0.0.7".parse().unwrap(), &buzz)
-                .is_none()
-        );
+        let ip = |ip: &str| -> IpAddr { ip.parse().unwrap() };
+        // Opted out: whatever its proxy says when it connects.
+        assert!(registry.attach(&pod("10.0.0.5", true, &[])).is_none());
+        assert!(registry.resolved(ip("10.0.0.5"), &buzz).is_none());
+        // Not a pod: its lookups are not recorded.
+        assert!(registry.resolved(ip("10.0.0.7"), &buzz).is_none());
         assert_eq!(registry.metrics.added.get(), 0);
-        assert!(registry.attach("10.0.0.6".parse().unwrap()).is_some());
+        assert!(registry.attach(&pod("10.0.0.6", true, &[])).is_some());
+        // A pod whose proxy connects before the pod list reaches the registry is added.
+        let early = registry.attach(&pod("10.0.0.8", true, &["db.data.system.internal"]));
+        assert_eq!(early.unwrap().scope.borrow().services.len(), 1);
+        assert!(
+            registry.resolved(ip("10.0.0.8"), &buzz).is_none(),
+            "no proxy follows it"
+        );
+        assert_eq!(registry.metrics.added.get(), 1);
     }
 
     #[test]
@@ -314,23 +320,17 @@ mod tests {
             pod("10.0.0.5", true, &["db.data.system.internal"]),
             pod("10.0.0.6", true, &[]),
         ]);
-        let watch = registry.attach(client).unwrap();
+        let watch = registry.attach(&pod("10.0.0.5", true, &[])).unwrap();
         assert_eq!(
             names(&watch.scope.borrow()),
             ["buzz.bar.foo.system.internal", "db.data.system.internal"]
         );
-        // It goes, and a new pod at its address starts from nothing.
+        // It goes (its lookups are no longer recorded), and a new pod at its address starts
+        // from nothing.
         registry.set_pods([pod("10.0.0.6", true, &[])]);
-        assert!(registry.attach(client).is_none());
+        assert!(registry.resolved(client, &buzz).is_none());
         registry.set_pods([pod("10.0.0.5", true, &[])]);
-        assert!(
-            registry
-                .attach(client)
-                .unwrap()
-                .scope
-                .borrow()
-                .services
-                .is_empty()
-        );
+        let fresh = registry.attach(&pod("10.0.0.5", true, &[])).unwrap();
+        assert!(fresh.scope.borrow().services.is_empty());
     }
 }

@@ -18,7 +18,7 @@ use super::snapshot::{XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
-use crate::scope::{ScopeRegistry, ScopeWatch};
+use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
 
 /// One connected proxy, as `/debug/xds` shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -288,7 +288,7 @@ impl<A: Ads> StreamTask<A> {
                                 Ok(pod) => {
                                     let shown = pod.as_ref().map(PodKey::to_string);
                                     self.proxies.update(self.id, |p| p.pod = shown);
-                                    self.scope_if_known(pod.is_some());
+                                    self.scope_if_known(pod.as_ref());
                                     self.verified = Some(pod);
                                     view = self.view_of(&snapshot);
                                 }
@@ -346,12 +346,27 @@ impl<A: Ads> StreamTask<A> {
         }
     }
 
-    /// Follows the pod's scope when the proxy was verified as a pod's and that pod is scoped.
-    fn scope_if_known(&mut self, verified_pod: bool) {
-        let (Some(scopes), Some(peer), true) = (&self.scopes, self.peer, verified_pod) else {
+    /// Follows the pod's scope when the proxy was verified as a pod's and that pod is scoped
+    /// (not opted out, not on the host network).
+    fn scope_if_known(&mut self, pod: Option<&PodKey>) {
+        let (Some(scopes), Some(peer), Some(pod), Some(pods)) =
+            (&self.scopes, self.peer, pod, &self.pods)
+        else {
             return;
         };
-        if let Some(watch) = scopes.attach(peer) {
+        let entry = pods
+            .borrow()
+            .as_ref()
+            .and_then(|d| d.entry(pod, peer).cloned());
+        let Some(entry) = entry.filter(|e| !e.host_network) else {
+            return;
+        };
+        let scoped = ScopedPod {
+            ip: entry.ip,
+            scoped: entry.scoped,
+            declared: entry.uses,
+        };
+        if let Some(watch) = scopes.attach(&scoped) {
             self.scoped = Some(Scoped {
                 watch,
                 view: View::default(),
