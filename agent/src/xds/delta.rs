@@ -151,6 +151,7 @@ impl DeltaStream {
                 .retain(|name| !state.told_absent.contains(name));
             common.limit(&mut found.changed);
             if found.is_empty() && !common.must_answer {
+                common.settle(snapshot.of(kind));
                 continue;
             }
             let resend = common.changed_clusters(kind, &found.changed);

@@ -119,6 +119,9 @@ impl SotwStream {
                 && (found.removed.is_empty() || !whole)
                 && !common.must_answer
             {
+                if found.is_empty() {
+                    common.settle(current);
+                }
                 continue;
             }
             let resend = common.changed_clusters(kind, &found.changed);
