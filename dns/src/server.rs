@@ -93,7 +93,8 @@ pub struct DnsServer {
     tcp: TcpListener,
     local_addr: SocketAddr,
     names: watch::Receiver<Arc<NameTable>>,
-    context: Arc<Context>,
+    /// Shared by the socket tasks once `run` starts them; until then the builder methods edit it.
+    context: Context,
 }
 
 impl DnsServer {
@@ -135,7 +136,7 @@ impl DnsServer {
                         tcp,
                         local_addr,
                         names,
-                        context: Arc::new(context),
+                        context,
                     });
                 }
                 Err(error) => last_error = Some(error),
@@ -151,10 +152,7 @@ impl DnsServer {
     /// Tells `observer` of every answer for a name with a scope, and lets it hold answers
     /// back ([`LookupObserver`]). Without one, nothing is reported or held.
     pub fn with_observer(mut self, observer: Arc<dyn LookupObserver>) -> Self {
-        // The server is the context's only holder until `run` hands it to the socket tasks.
-        if let Some(context) = Arc::get_mut(&mut self.context) {
-            context.observer = Some(observer);
-        }
+        self.context.observer = Some(observer);
         self
     }
 
@@ -165,18 +163,19 @@ impl DnsServer {
 
     /// Serves until `shutdown` is cancelled, or returns the error that stopped a socket.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), DnsError> {
+        let context = Arc::new(self.context);
         let mut tasks = JoinSet::new();
         for socket in self.udp {
             tasks.spawn(serve_udp(
                 Arc::new(socket),
-                self.context.clone(),
+                context.clone(),
                 self.names.clone(),
                 shutdown.clone(),
             ));
         }
         tasks.spawn(serve_tcp(
             self.tcp,
-            self.context.clone(),
+            context,
             self.names.clone(),
             shutdown.clone(),
         ));

@@ -1,6 +1,7 @@
 //! The mesh name table: an immutable index from lower-cased wire-format names to addresses, with the
-//! A answer records of every name encoded once so the fast path only copies bytes; and which names
-//! are in the zone at all.
+//! A answer records of every name encoded once so the fast path only copies bytes; which names
+//! are in the zone at all; and the scope each name's lookups are reported under (see
+//! `observe.rs`), which is not a record and never makes a name exist.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -30,7 +31,8 @@ pub enum MeshRecord {
     Exists,
     /// Not a record: answers for this name are reported to the server's
     /// [`crate::LookupObserver`] under this key (the agent's: the service the name belongs
-    /// to). It never makes a name exist: it is ignored for a name without other records.
+    /// to). It never makes a name exist: it is ignored for a name without other records, in
+    /// whatever order the records come. A name given several scopes keeps the last one.
     Scope(Arc<str>),
 }
 
@@ -93,7 +95,8 @@ impl NameTable {
     pub fn from_records(entries: impl IntoIterator<Item = (String, MeshRecord)>) -> Self {
         let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry> = HashMap::new();
-        // Scopes are attached once every name is known: one alone makes no name exist.
+        // Scopes are attached once every name is known, as records come in any order: one alone
+        // makes no name exist. The last one of a name wins.
         let mut scopes = Vec::new();
         for (name, record) in entries {
             let Some(key) = lowercase_wire_name_from_dotted(&name) else {
@@ -258,28 +261,32 @@ mod tests {
 
     #[test]
     fn a_scope_marks_an_existing_name_and_makes_none_exist() {
-        let scope: Arc<str> = Arc::from("db.foo.system.internal");
+        let (first, last): (Arc<str>, Arc<str>) = (Arc::from("first"), Arc::from("last"));
+        let scope = |name: &str, key: &Arc<str>| (name.to_string(), MeshRecord::Scope(key.clone()));
+        // The scopes come before the address they mark: the order of records is arbitrary.
         let t = NameTable::from_records([
-            (
-                "db.foo.system.internal".to_string(),
-                MeshRecord::Scope(scope.clone()),
-            ),
+            scope("db.foo.system.internal", &first),
+            scope("db.foo.system.internal", &last),
             (
                 "db.foo.system.internal".to_string(),
                 MeshRecord::Address("240.240.0.3".parse().unwrap()),
             ),
-            (
-                "ghost.foo.system.internal".to_string(),
-                MeshRecord::Scope(scope.clone()),
-            ),
+            scope("ghost.elsewhere.system.internal", &first),
         ]);
         let key = lowercase_wire_name_from_dotted("db.foo.system.internal").unwrap();
         let Lookup::Service(entry) = t.lookup(&key) else {
             panic!("db missing")
         };
-        assert_eq!(entry.scope.as_ref(), Some(&scope));
-        let ghost = lowercase_wire_name_from_dotted("ghost.foo.system.internal").unwrap();
-        assert!(matches!(t.lookup(&ghost), Lookup::Missing));
+        assert_eq!(entry.scope.as_ref(), Some(&last), "the last scope wins");
+        // A name with a scope only is not there, and neither are its ancestors.
+        for name in [
+            "ghost.elsewhere.system.internal",
+            "elsewhere.system.internal",
+        ] {
+            let key = lowercase_wire_name_from_dotted(name).unwrap();
+            assert!(matches!(t.lookup(&key), Lookup::Missing), "{name}");
+        }
+        assert_eq!(t.names.len(), 1);
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! Lookups of names with a scope are reported to the server's observer, with the client's
 //! address, over both paths and both transports; an answer the observer holds goes out when the
-//! hold ends, and other clients are answered meanwhile. Real `dig` clients.
+//! hold ends, and other clients are answered meanwhile. Real `dig` clients; a second client
+//! is a second loopback address (`dig -b 127.0.0.2`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,12 +37,20 @@ impl LookupObserver for Recorder {
 }
 
 impl Recorder {
+    /// The scopes reported since the last call, all for 127.0.0.1 (as an IPv4 address: one
+    /// that reaches a dual-stack socket must be reported as such, not IPv4-mapped).
     fn take(&self) -> Vec<String> {
-        let seen = std::mem::take(&mut *self.seen.lock().unwrap());
-        for (client, _) in &seen {
-            assert_eq!(client.to_string(), "127.0.0.1");
-        }
-        seen.into_iter().map(|(_, scope)| scope).collect()
+        self.take_with_clients()
+            .into_iter()
+            .map(|(client, scope)| {
+                assert_eq!(client, IpAddr::V4(Ipv4Addr::LOCALHOST), "{scope}");
+                scope
+            })
+            .collect()
+    }
+
+    fn take_with_clients(&self) -> Vec<(IpAddr, String)> {
+        std::mem::take(&mut *self.seen.lock().unwrap())
     }
 }
 
@@ -95,21 +104,23 @@ async fn lookups_of_scoped_names_are_reported_on_every_path() {
             ],
             vec!["buzz"],
         ),
-        // No scope, or no such name: nothing reported.
+        // No scope, no such name, or no answer (another class): nothing reported.
         (vec!["plain.system.internal", "A"], vec![]),
         (vec!["nope.system.internal", "A"], vec![]),
+        (
+            vec!["-c", "CH", "buzz.bar.foo.system.internal", "A"],
+            vec![],
+        ),
     ] {
         let d = dig(server.addr, &args).await;
-        assert_eq!(
-            d.status(),
-            if args.contains(&"nope.system.internal") {
-                "NXDOMAIN"
-            } else {
-                "NOERROR"
-            },
-            "{args:?}: {}",
-            d.text
-        );
+        let status = if args.contains(&"nope.system.internal") {
+            "NXDOMAIN"
+        } else if args.contains(&"CH") {
+            "REFUSED"
+        } else {
+            "NOERROR"
+        };
+        assert_eq!(d.status(), status, "{args:?}: {}", d.text);
         assert_eq!(recorder.take(), reported, "{args:?}");
     }
     server.stop().await;
@@ -118,10 +129,13 @@ async fn lookups_of_scoped_names_are_reported_on_every_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_answer_waits_for_its_hold_and_others_are_answered_meanwhile() {
     let recorder = Arc::new(Recorder::default());
-    let server = Server::start_with(names(), |_| {}, Some(recorder.clone())).await;
+    // One UDP socket: with several, the kernel may give the other client's query to another
+    // socket, and a socket stuck waiting for a hold would go unnoticed.
+    let server = Server::start_with(names(), |c| c.udp_sockets = 1, Some(recorder.clone())).await;
+    let other = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
     for transport in ["+notcp", "+tcp"] {
         let addr = server.addr;
-        let held = tokio::spawn(async move {
+        let mut held = tokio::spawn(async move {
             dig(addr, &[transport, "+time=10", "held.system.internal", "A"]).await
         });
         // Reported, so the answer is being held.
@@ -134,22 +148,67 @@ async fn a_held_answer_waits_for_its_hold_and_others_are_answered_meanwhile() {
                 .any(|(_, s)| s == "held")
         })
         .await;
-        // Another client's query goes through meanwhile, on the same sockets.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut held)
+                .await
+                .is_err(),
+            "{transport}: the held answer went out before its hold ended"
+        );
+        // Another client's query goes through meanwhile, on the same socket.
         let d = dig(
             server.addr,
-            &[transport, "buzz.bar.foo.system.internal", "A"],
+            &[
+                "-b",
+                "127.0.0.2",
+                transport,
+                "buzz.bar.foo.system.internal",
+                "A",
+            ],
         )
         .await;
-        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+        assert_eq!(d.status(), "NOERROR", "{transport}: {}", d.text);
         assert!(
             !held.is_finished(),
             "{transport}: the held answer went out before its hold ended"
         );
         recorder.release.notify_one();
-        let d = held.await.unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(5), held)
+            .await
+            .expect("the held answer goes out once its hold ends")
+            .unwrap();
         assert_eq!(d.status(), "NOERROR", "{transport}: {}", d.text);
         assert!(d.text.contains("240.240.0.3"), "{}", d.text);
-        recorder.take();
+        // Each reported with its own client.
+        assert_eq!(
+            recorder.take_with_clients(),
+            vec![
+                (IpAddr::V4(Ipv4Addr::LOCALHOST), "held".to_string()),
+                (other, "buzz".to_string()),
+            ],
+            "{transport}"
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv4_client_of_a_dual_stack_server_is_reported_by_its_ipv4_address() {
+    let recorder = Arc::new(Recorder::default());
+    let server = Server::start_with(
+        names(),
+        |c| c.listen = "[::]:0".parse().unwrap(),
+        Some(recorder.clone()),
+    )
+    .await;
+    // The sockets see ::ffff:127.0.0.1; the observer must be told 127.0.0.1, the pod's address.
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, server.addr.port()));
+    for transport in ["+notcp", "+tcp"] {
+        // The fast path (A) and the general path (AAAA).
+        for qtype in ["A", "AAAA"] {
+            let d = dig(addr, &[transport, "buzz.bar.foo.system.internal", qtype]).await;
+            assert_eq!(d.status(), "NOERROR", "{transport} {qtype}: {}", d.text);
+            assert_eq!(recorder.take(), vec!["buzz"], "{transport} {qtype}");
+        }
     }
     server.stop().await;
 }
