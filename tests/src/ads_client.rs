@@ -15,16 +15,26 @@
 //!   its control plane: SotW requests carry the last accepted version of each type (and EDS the
 //!   clusters it holds), Delta requests the version of every resource it holds
 //!   (`initial_resource_versions`) and subscribe again to the endpoints of its clusters.
+//!
+//! [`Options`] make it more like a pod's Envoy behind an agent that checks identity: `bind`
+//! gives its connection the pod's source address (any of 127.0.0.0/8 works on loopback without
+//! setup), and `routes` makes it subscribe to the route configurations its listeners name
+//! (RDS), as Envoy does; off by default, so a client that holds the whole mesh is not sent
+//! every virtual host.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::core::v3::{Node, address, socket_address};
 use envoy_types::pb::envoy::config::endpoint::v3::{ClusterLoadAssignment, lb_endpoint};
-use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::listener::v3::{Listener, filter};
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager, http_connection_manager,
+};
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
@@ -40,6 +50,8 @@ use crate::envoy::AdsMode;
 pub const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 pub const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 pub const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+const HCM: &str = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 
 /// A SotW response of 10k clusters is several MB; tonic's default cap is 4 MB.
 const MAX_MESSAGE: usize = 256 << 20;
@@ -51,9 +63,14 @@ pub struct ClientView {
     /// Cluster → endpoint addresses (sorted), with when they last changed.
     pub endpoints: BTreeMap<String, (Vec<SocketAddr>, Instant)>,
     pub listeners: BTreeSet<String>,
+    /// With [`Options::routes`]: route configuration → its number of virtual hosts, with when
+    /// it last changed.
+    pub routes: BTreeMap<String, (usize, Instant)>,
     pub responses: u64,
     /// Encoded (protobuf) size of every response received, gRPC framing left out.
     pub bytes: u64,
+    /// The same, per type URL.
+    pub bytes_by_type: BTreeMap<String, u64>,
     pub acks: u64,
     pub nacks: u64,
     pub last_response: Option<Instant>,
@@ -63,6 +80,10 @@ pub struct ClientView {
     sotw_versions: HashMap<String, String>,
     /// Delta: per type, the version of every resource held.
     delta_versions: HashMap<String, HashMap<String, String>>,
+    /// With [`Options::routes`]: the route configurations each listener names, and their
+    /// union, the RDS subscription.
+    listener_routes: BTreeMap<String, BTreeSet<String>>,
+    route_names: BTreeSet<String>,
 }
 
 impl ClientView {
@@ -70,6 +91,15 @@ impl ClientView {
     pub fn endpoints_of(&self, cluster: &str) -> Option<&[SocketAddr]> {
         self.endpoints.get(cluster).map(|(e, _)| e.as_slice())
     }
+}
+
+/// How a client connects and what it subscribes to, beyond clusters, endpoints and listeners.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// The source address of its connection (the agent sees it as the peer's IP).
+    pub bind: Option<IpAddr>,
+    /// Subscribe to the route configurations its listeners name, as Envoy does.
+    pub routes: bool,
 }
 
 pub struct AdsClient {
@@ -80,6 +110,7 @@ pub struct AdsClient {
     xds: SocketAddr,
     node: Node,
     mode: AdsMode,
+    options: Options,
 }
 
 impl AdsClient {
@@ -88,6 +119,16 @@ impl AdsClient {
         node_id: &str,
         mode: AdsMode,
     ) -> anyhow::Result<AdsClient> {
+        AdsClient::connect_with(xds, node_id, mode, Options::default()).await
+    }
+
+    /// Like [`AdsClient::connect`], with [`Options`].
+    pub async fn connect_with(
+        xds: SocketAddr,
+        node_id: &str,
+        mode: AdsMode,
+        options: Options,
+    ) -> anyhow::Result<AdsClient> {
         let view = Arc::new(Mutex::new(ClientView::default()));
         let (bump, changed) = watch::channel(0u64);
         let node = Node {
@@ -95,7 +136,7 @@ impl AdsClient {
             cluster: "lattice".to_string(),
             ..Node::default()
         };
-        let task = open(xds, &node, mode, &view, &bump).await?;
+        let task = open(xds, &node, mode, options, &view, &bump).await?;
         Ok(AdsClient {
             view,
             changed,
@@ -104,7 +145,18 @@ impl AdsClient {
             xds,
             node,
             mode,
+            options,
         })
+    }
+
+    pub fn mode(&self) -> AdsMode {
+        self.mode
+    }
+
+    /// Whether the current stream has ended (the agent closed or refused it); see
+    /// [`AdsClient::reconnect`].
+    pub fn stream_ended(&self) -> bool {
+        self.task.is_finished()
     }
 
     /// Ends the current stream, if it still runs, and opens a new one that says what the
@@ -113,7 +165,15 @@ impl AdsClient {
     pub async fn reconnect(&mut self) -> anyhow::Result<()> {
         self.task.abort();
         lock(&self.view).answered.clear();
-        self.task = open(self.xds, &self.node, self.mode, &self.view, &self.bump).await?;
+        self.task = open(
+            self.xds,
+            &self.node,
+            self.mode,
+            self.options,
+            &self.view,
+            &self.bump,
+        )
+        .await?;
         Ok(())
     }
 
@@ -172,17 +232,66 @@ async fn open(
     xds: SocketAddr,
     node: &Node,
     mode: AdsMode,
+    options: Options,
     view: &Arc<Mutex<ClientView>>,
     bump: &watch::Sender<u64>,
 ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
-    let client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-        .await?
-        .max_decoding_message_size(MAX_MESSAGE);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{xds}"))?
+        .local_address(options.bind)
+        .connect()
+        .await?;
+    let client =
+        AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(MAX_MESSAGE);
     let (node, view, bump) = (node.clone(), view.clone(), bump.clone());
+    let routes = options.routes;
     Ok(match mode {
-        AdsMode::Sotw => tokio::spawn(run_sotw(client, node, view, bump)),
-        AdsMode::Delta => tokio::spawn(run_delta(client, node, view, bump)),
+        AdsMode::Sotw => tokio::spawn(run_sotw(client, node, routes, view, bump)),
+        AdsMode::Delta => tokio::spawn(run_delta(client, node, routes, view, bump)),
     })
+}
+
+/// The route configurations a listener's HTTP connection managers name (RDS).
+fn route_names(listener: &Listener) -> BTreeSet<String> {
+    listener
+        .filter_chains
+        .iter()
+        .chain(&listener.default_filter_chain)
+        .flat_map(|chain| &chain.filters)
+        .filter_map(|f| match &f.config_type {
+            Some(filter::ConfigType::TypedConfig(any)) if any.type_url == HCM => {
+                HttpConnectionManager::decode(any.value.as_slice()).ok()
+            }
+            _ => None,
+        })
+        .filter_map(|manager| match manager.route_specifier {
+            Some(http_connection_manager::RouteSpecifier::Rds(rds)) => Some(rds.route_config_name),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Makes the RDS subscription the union of what the listeners name; the (subscribed,
+/// unsubscribed) names when it changed. Routes no longer named are dropped.
+fn follow_listeners(v: &mut ClientView) -> (Vec<String>, Vec<String>) {
+    let wanted: BTreeSet<String> = v.listener_routes.values().flatten().cloned().collect();
+    let subscribe: Vec<String> = wanted.difference(&v.route_names).cloned().collect();
+    let unsubscribe: Vec<String> = v.route_names.difference(&wanted).cloned().collect();
+    for name in &unsubscribe {
+        v.routes.remove(name);
+        if let Some(versions) = v.delta_versions.get_mut(RDS) {
+            versions.remove(name);
+        }
+    }
+    v.route_names = wanted;
+    (subscribe, unsubscribe)
+}
+
+/// Route configurations received (each one a change: they come by change), with the number
+/// of virtual hosts of each.
+fn apply_routes(v: &mut ClientView, routes: Vec<(String, usize)>, now: Instant) {
+    for (name, hosts) in routes {
+        v.routes.insert(name, (hosts, now));
+    }
 }
 
 fn endpoints_of(assignment: &ClusterLoadAssignment) -> Vec<SocketAddr> {
@@ -239,6 +348,7 @@ fn receive<T>(
     }
     v.responses += 1;
     v.bytes += encoded_len as u64;
+    *v.bytes_by_type.entry(type_url.to_string()).or_default() += encoded_len as u64;
     v.last_response = Some(now);
     let outcome = apply(&mut v, now);
     match outcome {
@@ -264,13 +374,22 @@ struct SotwType {
     nonce: String,
 }
 
-/// Applies a SotW response to the view; `Err` is the NACK's message. Returns the cluster
-/// names to subscribe to when they changed.
+/// The subscriptions a SotW response changed: the whole new EDS and RDS name lists.
+#[derive(Default)]
+struct SotwSubscriptions {
+    eds: Option<Vec<String>>,
+    rds: Option<Vec<String>>,
+}
+
+/// Applies a SotW response to the view; `Err` is the NACK's message. Returns the
+/// subscriptions that changed.
 fn apply_sotw(
     v: &mut ClientView,
     response: &DiscoveryResponse,
+    routes: bool,
     now: Instant,
-) -> Result<Option<Vec<String>>, String> {
+) -> Result<SotwSubscriptions, String> {
+    let mut out = SotwSubscriptions::default();
     match response.type_url.as_str() {
         CDS => {
             let clusters = response
@@ -279,11 +398,12 @@ fn apply_sotw(
                 .map(|any| decode::<Cluster>(any, CDS).map(|c| c.name))
                 .collect::<Result<BTreeSet<String>, String>>()?;
             if clusters == v.clusters {
-                return Ok(None);
+                return Ok(out);
             }
             v.endpoints.retain(|name, _| clusters.contains(name));
             v.clusters = clusters;
-            Ok(Some(v.clusters.iter().cloned().collect()))
+            out.eds = Some(v.clusters.iter().cloned().collect());
+            Ok(out)
         }
         EDS => {
             // Endpoints come by change: a response updates the assignments it holds and
@@ -299,15 +419,40 @@ fn apply_sotw(
                     v.endpoints.insert(cla.cluster_name, (endpoints, now));
                 }
             }
-            Ok(None)
+            Ok(out)
         }
         LDS => {
-            v.listeners = response
+            let listeners = response
                 .resources
                 .iter()
-                .map(|any| decode::<Listener>(any, LDS).map(|l| l.name))
-                .collect::<Result<_, _>>()?;
-            Ok(None)
+                .map(|any| decode::<Listener>(any, LDS))
+                .collect::<Result<Vec<_>, _>>()?;
+            v.listeners = listeners.iter().map(|l| l.name.clone()).collect();
+            if routes {
+                v.listener_routes = listeners
+                    .iter()
+                    .map(|l| (l.name.clone(), route_names(l)))
+                    .collect();
+                let (subscribe, unsubscribe) = follow_listeners(v);
+                if !subscribe.is_empty() || !unsubscribe.is_empty() {
+                    out.rds = Some(v.route_names.iter().cloned().collect());
+                }
+            }
+            Ok(out)
+        }
+        // Route configurations come by change, as endpoints do.
+        RDS if routes => {
+            let configs = response
+                .resources
+                .iter()
+                .map(|any| decode::<RouteConfiguration>(any, RDS))
+                .collect::<Result<Vec<_>, String>>()?;
+            let configs = configs
+                .into_iter()
+                .map(|c| (c.name, c.virtual_hosts.len()))
+                .collect();
+            apply_routes(v, configs, now);
+            Ok(out)
         }
         other => Err(format!("not subscribed to {other}")),
     }
@@ -316,12 +461,14 @@ fn apply_sotw(
 async fn run_sotw(
     mut client: AggregatedDiscoveryServiceClient<tonic::transport::Channel>,
     node: Node,
+    routes: bool,
     view: Arc<Mutex<ClientView>>,
     bump: watch::Sender<u64>,
 ) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::unbounded_channel();
     // What it holds from an earlier stream (nothing on the first): the versions it accepted,
-    // and the clusters whose endpoints it wants.
+    // and the clusters whose endpoints (and the route configurations) it wants.
+    let held_routes: Vec<String> = lock(&view).route_names.iter().cloned().collect();
     let (mut types, held): (HashMap<String, SotwType>, Vec<String>) = {
         let v = lock(&view);
         let types = v
@@ -362,6 +509,15 @@ async fn run_sotw(
         ))?;
         eds_names = Some(held);
     }
+    let mut rds_names: Option<Vec<String>> = None;
+    if routes && !held_routes.is_empty() {
+        tx.send(request(
+            types.entry(RDS.to_string()).or_default(),
+            RDS,
+            &held_routes,
+        ))?;
+        rds_names = Some(held_routes);
+    }
     let mut stream = client
         .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await?
@@ -372,7 +528,7 @@ async fn run_sotw(
             &response.type_url,
             response.encoded_len(),
             |v, now| {
-                let outcome = apply_sotw(v, &response, now);
+                let outcome = apply_sotw(v, &response, routes, now);
                 if outcome.is_ok() {
                     v.sotw_versions
                         .insert(response.type_url.clone(), response.version_info.clone());
@@ -384,6 +540,7 @@ async fn run_sotw(
         state.nonce = response.nonce.clone();
         let names = match response.type_url.as_str() {
             EDS => eds_names.clone().unwrap_or_default(),
+            RDS => rds_names.clone().unwrap_or_default(),
             _ => Vec::new(),
         };
         // An ACK carries the response's version, a NACK the last one accepted.
@@ -395,28 +552,38 @@ async fn run_sotw(
             Ok(subscribe) => subscribe,
             Err(message) => {
                 ack.error_detail = Some(rejection(message));
-                None
+                SotwSubscriptions::default()
             }
         };
         tx.send(ack)?;
-        if let Some(names) = subscribe {
+        if let Some(names) = subscribe.eds {
             let state = types.entry(EDS.to_string()).or_default();
             tx.send(request(state, EDS, &names))?;
             eds_names = Some(names);
+        }
+        if let Some(names) = subscribe.rds {
+            let state = types.entry(RDS.to_string()).or_default();
+            tx.send(request(state, RDS, &names))?;
+            rds_names = Some(names);
         }
         bump.send_modify(|n| *n += 1);
     }
     Ok(())
 }
 
+/// The subscription changes a Delta response made: (type URL, subscribe, unsubscribe).
+type DeltaSubscriptions = Vec<(&'static str, Vec<String>, Vec<String>)>;
+
 /// Applies a Delta response to the view; `Err` is the NACK's message. Returns the endpoint
-/// subscription changes: (subscribe, unsubscribe).
+/// (and route) subscription changes.
 fn apply_delta(
     v: &mut ClientView,
     response: &DeltaDiscoveryResponse,
+    routes: bool,
     now: Instant,
-) -> Result<(Vec<String>, Vec<String>), String> {
+) -> Result<DeltaSubscriptions, String> {
     let (mut subscribe, mut unsubscribe) = (Vec::new(), Vec::new());
+    let mut more: DeltaSubscriptions = Vec::new();
     // Decode everything first: a NACKed response changes nothing.
     match response.type_url.as_str() {
         CDS => {
@@ -461,9 +628,10 @@ fn apply_delta(
             }
         }
         LDS => {
+            let mut listeners = Vec::new();
             for r in &response.resources {
                 if let Some(any) = &r.resource {
-                    decode::<Listener>(any, LDS)?;
+                    listeners.push(decode::<Listener>(any, LDS)?);
                 }
             }
             for r in response.resources.iter().filter(|r| r.resource.is_some()) {
@@ -471,6 +639,30 @@ fn apply_delta(
             }
             for name in &response.removed_resources {
                 v.listeners.remove(name);
+                v.listener_routes.remove(name);
+            }
+            if routes {
+                for listener in &listeners {
+                    v.listener_routes
+                        .insert(listener.name.clone(), route_names(listener));
+                }
+                let (subscribe, unsubscribe) = follow_listeners(v);
+                if !subscribe.is_empty() || !unsubscribe.is_empty() {
+                    more.push((RDS, subscribe, unsubscribe));
+                }
+            }
+        }
+        RDS if routes => {
+            let mut configs = Vec::new();
+            for r in &response.resources {
+                if let Some(any) = &r.resource {
+                    let config: RouteConfiguration = decode(any, RDS)?;
+                    configs.push((r.name.clone(), config.virtual_hosts.len()));
+                }
+            }
+            apply_routes(v, configs, now);
+            for name in &response.removed_resources {
+                v.routes.remove(name);
             }
         }
         other => return Err(format!("not subscribed to {other}")),
@@ -490,21 +682,26 @@ fn apply_delta(
             endpoints.remove(name);
         }
     }
-    Ok((subscribe, unsubscribe))
+    if !subscribe.is_empty() || !unsubscribe.is_empty() {
+        more.insert(0, (EDS, subscribe, unsubscribe));
+    }
+    Ok(more)
 }
 
 async fn run_delta(
     mut client: AggregatedDiscoveryServiceClient<tonic::transport::Channel>,
     node: Node,
+    routes: bool,
     view: Arc<Mutex<ClientView>>,
     bump: watch::Sender<u64>,
 ) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let (mut held, clusters): (HashMap<String, HashMap<String, String>>, Vec<String>) = {
+    let (mut held, clusters, route_names) = {
         let v = lock(&view);
         (
             v.delta_versions.clone(),
-            v.clusters.iter().cloned().collect(),
+            v.clusters.iter().cloned().collect::<Vec<String>>(),
+            v.route_names.iter().cloned().collect::<Vec<String>>(),
         )
     };
     // No names on the first request of a wildcard type: the legacy wildcard, as Envoy sends;
@@ -526,6 +723,15 @@ async fn run_delta(
             ..DeltaDiscoveryRequest::default()
         })?;
     }
+    if routes && !route_names.is_empty() {
+        tx.send(DeltaDiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: RDS.to_string(),
+            resource_names_subscribe: route_names,
+            initial_resource_versions: held.remove(RDS).unwrap_or_default(),
+            ..DeltaDiscoveryRequest::default()
+        })?;
+    }
     let mut stream = client
         .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await?
@@ -535,7 +741,7 @@ async fn run_delta(
             &view,
             &response.type_url,
             response.encoded_len(),
-            |v, now| apply_delta(v, &response, now),
+            |v, now| apply_delta(v, &response, routes, now),
         );
         let mut ack = DeltaDiscoveryRequest {
             node: Some(node.clone()),
@@ -543,18 +749,18 @@ async fn run_delta(
             response_nonce: response.nonce.clone(),
             ..DeltaDiscoveryRequest::default()
         };
-        let (subscribe, unsubscribe) = match outcome {
+        let changes = match outcome {
             Ok(changes) => changes,
             Err(message) => {
                 ack.error_detail = Some(rejection(message));
-                (Vec::new(), Vec::new())
+                Vec::new()
             }
         };
         tx.send(ack)?;
-        if !subscribe.is_empty() || !unsubscribe.is_empty() {
+        for (type_url, subscribe, unsubscribe) in changes {
             tx.send(DeltaDiscoveryRequest {
                 node: Some(node.clone()),
-                type_url: EDS.to_string(),
+                type_url: type_url.to_string(),
                 resource_names_subscribe: subscribe,
                 resource_names_unsubscribe: unsubscribe,
                 ..DeltaDiscoveryRequest::default()

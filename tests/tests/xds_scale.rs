@@ -31,18 +31,44 @@
 //! Changes are at least 25 ms apart, so each is a lone change for the agent's push rate limit
 //! (`--debounce-ms`, 10 ms).
 //!
+//! **Scoped run** (issue 16; Kubernetes source only, `LATTICE_BENCH_SCOPED=0` skips it): the
+//! full-size mesh again, but the agent runs as on a node (`NODE_NAME` set), so it checks each
+//! stream's identity and each proxy holds only what its pod uses. Every synthetic client plays
+//! a pod of that node: the fake API server lists a Pod per client whose IP is a loopback
+//! address of its own (client `k` at 127.1.0.0 + 1 + k; all of 127.0.0.0/8 is local, no setup),
+//! the client's gRPC connection and its DNS queries come from that address, and its node id
+//! names the pod. The real Envoy is the pod at 127.0.1.200 (`upstream_bind_config` on its xDS
+//! cluster), whose DNS queries this process sends from that address. Each client (and Envoy)
+//! connects with nothing in scope, then resolves its `LATTICE_BENCH_SCOPE` (20) names at once
+//! through the agent's DNS, as an app starting up does; each answer is held until its proxy
+//! holds the service. The scopes are windows of a sequence spread over the mesh, each starting
+//! `scope / 5` after the previous client's, so a service is in about five clients' scopes. The
+//! clients follow route configurations (RDS) as Envoy does, since a scoped proxy holds the
+//! view when every type is acknowledged. Measured: initial sync (agent start → every client
+//! and Envoy hold every cluster and assignment of their scope: the arrival of the last one, as
+//! in the unscoped runs), bytes per client at sync, agent and Envoy RSS, the same changes but
+//! of services in some clients' scopes (latency until every client that holds the service,
+//! and Envoy if it does, holds the new endpoint; how many clients received anything, against
+//! how many hold it), and DNS: one client at a time, a first lookup of a name new to it (its
+//! stream connected and ACKing; the answer waits for its proxy) and the same lookup repeated,
+//! `LATTICE_BENCH_DNS_LOOKUPS` (10) names per client. No restart. Envoy has no LDS, so the
+//! agent never sees it hold a view (listeners and routes are part of it): the answers to its
+//! lookups wait out `--scope-wait-ms`, which does not delay what Envoy receives.
+//!
 //! Ignored by default; `cargo xtask bench --only xds` runs it with a release agent. Sizes from
 //! `LATTICE_BENCH_SERVICES` (10000), `LATTICE_BENCH_BASELINE_SERVICES` (100),
 //! `LATTICE_BENCH_CLIENTS` (100), `LATTICE_BENCH_CHANGES` (1000), `LATTICE_BENCH_SOTW_PERCENT`
-//! (50: the share of clients on SotW, the rest on Delta); `LATTICE_BENCH_SOURCES` (`kube,file`)
-//! chooses the sources, `LATTICE_BENCH_ENVOY` (`delta`) Envoy's ADS flavour: `delta`, `sotw`,
-//! or `none` for no Envoy.
+//! (50: the share of clients on SotW, the rest on Delta), `LATTICE_BENCH_SCOPE` (20),
+//! `LATTICE_BENCH_DNS_LOOKUPS` (10); `LATTICE_BENCH_SOURCES` (`kube,file`) chooses the
+//! sources, `LATTICE_BENCH_ENVOY` (`delta`) Envoy's ADS flavour: `delta`, `sotw`, or `none`
+//! for no Envoy; `LATTICE_BENCH_SCOPED` (`1`) the scoped run.
 
-use std::net::SocketAddr;
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use lattice_e2e::ads_client::{AdsClient, ClientView, EDS};
+use lattice_e2e::ads_client::{AdsClient, ClientView, EDS, Options, RDS};
 use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
@@ -61,6 +87,14 @@ const CHANGE_SPACING: Duration = Duration::from_millis(25);
 const ENVOY_POLL: Duration = Duration::from_millis(1);
 /// USER_HZ: the unit of utime and stime in /proc/<pid>/stat, 100 on Linux.
 const TICKS_PER_SECOND: f64 = 100.0;
+/// The scoped run's node, and the namespace of its pods.
+const NODE: &str = "bench-node";
+const POD_NAMESPACE: &str = "bench";
+/// The scoped run's Envoy: its pod and its address.
+const ENVOY_POD: &str = "bench-envoy";
+const ENVOY_IP: Ipv4Addr = Ipv4Addr::new(127, 0, 1, 200);
+/// How long a DNS query waits for its answer (a held one waits at most `--scope-wait-ms`).
+const DNS_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -101,8 +135,13 @@ fn envoy_mode() -> Option<AdsMode> {
 }
 
 fn cluster(i: usize) -> String {
+    format!("{}|80", dns_name(i))
+}
+
+/// The DNS name of generated service `i` (mesh path `/<namespace>/<name>`).
+fn dns_name(i: usize) -> String {
     let (namespace, name) = generated(i);
-    format!("{name}.{namespace}.system.internal|80")
+    format!("{name}.{namespace}.system.internal")
 }
 
 /// The generated mesh, and the source that hands it to the agent.
@@ -162,6 +201,26 @@ impl Feed {
                 Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.to_str().unwrap())])
             }
             Sink::File(path) => Agent::start(&["--mesh-file", path.to_str().unwrap()]),
+        }
+    }
+
+    /// The agent of node [`NODE`] on the Kubernetes source: identity checking, and scoped
+    /// proxies.
+    fn start_node_agent(&self) -> Agent {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        Agent::start_with_env(
+            &[],
+            &[
+                ("KUBECONFIG", kubeconfig.to_str().unwrap()),
+                ("NODE_NAME", NODE),
+            ],
+        )
+    }
+
+    fn server(&self) -> &FakeApiServer {
+        match &self.sink {
+            Sink::Kube(server) => server,
+            Sink::File(_) => panic!("the mesh file has no API server"),
         }
     }
 
@@ -339,23 +398,41 @@ fn envoy_get(admin: SocketAddr, pid: u32, path: &str) -> Result<String, String> 
 /// Polls Envoy until it is LIVE and each of the `services` mesh clusters holds all its
 /// endpoints; when the answer that showed it arrived.
 fn envoy_synced(admin: SocketAddr, pid: u32, services: usize) -> anyhow::Result<Instant> {
+    envoy_holds_clusters(admin, pid, &format!("all {services} clusters"), |held| {
+        held.len() == services
+    })
+}
+
+/// Polls Envoy until it is LIVE and `done` holds for the mesh clusters that hold all their
+/// endpoints (read from the `membership_total` gauges); when the answer that showed it
+/// arrived.
+fn envoy_holds_clusters(
+    admin: SocketAddr,
+    pid: u32,
+    what: &str,
+    done: impl Fn(&BTreeSet<&str>) -> bool,
+) -> anyhow::Result<Instant> {
     let gauges = format!(
         "/stats?usedonly&type=Gauges&filter={}",
         query_value(r"\.membership_total$")
     );
     let full = format!(".membership_total: {PER_SERVICE}");
-    lattice_e2e::wait::until("Envoy to hold every cluster's endpoints", SYNC, || {
+    lattice_e2e::wait::until(&format!("Envoy to hold {what}"), SYNC, || {
         envoy_get(admin, pid, "/ready")?;
         let body = envoy_get(admin, pid, &gauges)?;
-        let held = body
+        let held: BTreeSet<&str> = body
             .lines()
-            .filter(|l| l.contains(".system.internal|") && l.ends_with(&full))
-            .count();
-        if held == services {
+            .filter(|l| l.contains(".system.internal|"))
+            .filter_map(|l| l.strip_suffix(&full))
+            .map(|l| l.strip_prefix("cluster.").unwrap_or(l))
+            .collect();
+        if done(&held) {
             Ok(Instant::now())
         } else {
             Err(format!(
-                "{held} of {services} clusters with {PER_SERVICE} endpoints"
+                "{} clusters with {PER_SERVICE} endpoints: {:.300}",
+                held.len(),
+                held.iter().copied().collect::<Vec<_>>().join(" ")
             ))
         }
     })
@@ -400,6 +477,48 @@ struct EnvoyFigures {
     poll_ms: Vec<f64>,
 }
 
+/// SotW and Delta clients interleaved, `sotw` of them SotW.
+fn modes(clients: usize, sotw: usize) -> Vec<AdsMode> {
+    (0..clients)
+        .map(|k| {
+            if (k + 1) * sotw / clients > k * sotw / clients {
+                AdsMode::Sotw
+            } else {
+                AdsMode::Delta
+            }
+        })
+        .collect()
+}
+
+/// The mean bytes received so far per SotW and per Delta client, of every type and without
+/// route configurations: `{sotw_mean, delta_mean, ..._without_routes}`.
+fn bytes_per_client(fleet: &[AdsClient]) -> Value {
+    let (mut sotw, mut delta) = (Vec::new(), Vec::new());
+    let (mut sotw_bare, mut delta_bare) = (Vec::new(), Vec::new());
+    for client in fleet {
+        let (all, routes) = client.with_view(|v| {
+            let routes = v.bytes_by_type.get(RDS).copied().unwrap_or(0);
+            (v.bytes as f64, (v.bytes - routes) as f64)
+        });
+        match client.mode() {
+            AdsMode::Sotw => {
+                sotw.push(all);
+                sotw_bare.push(routes);
+            }
+            AdsMode::Delta => {
+                delta.push(all);
+                delta_bare.push(routes);
+            }
+        }
+    }
+    json!({
+        "sotw_mean": mean(&sotw),
+        "delta_mean": mean(&delta),
+        "sotw_mean_without_routes": mean(&sotw_bare),
+        "delta_mean_without_routes": mean(&delta_bare),
+    })
+}
+
 /// One run: a mesh of `services` through `source`, `clients` clients, `changes`
 /// single-endpoint changes, and Envoy unless `envoy_mode` is `None`.
 async fn run(
@@ -415,16 +534,7 @@ async fn run(
     let start = Instant::now();
     let mut agent = feed.start_agent();
     let pid = agent.pid().expect("the agent runs");
-    // SotW and Delta clients interleaved, `sotw` of them SotW.
-    let modes: Vec<AdsMode> = (0..clients)
-        .map(|k| {
-            if (k + 1) * sotw / clients > k * sotw / clients {
-                AdsMode::Sotw
-            } else {
-                AdsMode::Delta
-            }
-        })
-        .collect();
+    let modes = modes(clients, sotw);
     let mut fleet = Vec::new();
     let mut envoy = None;
     for (k, mode) in modes.iter().enumerate() {
@@ -463,6 +573,7 @@ async fn run(
         None => None,
     };
     let synced_at = clients_synced_at.max(envoy_synced_at.unwrap_or(start));
+    let bytes_at_sync = bytes_per_client(&fleet);
     let rss_synced = rss_mib(pid);
     let cpu_synced = cpu_seconds(pid);
     let envoy_rss_synced = envoy_pid.and_then(rss_mib);
@@ -559,6 +670,10 @@ async fn run(
         "initial_sync_synthetic_clients_ms": ms(clients_synced_at.duration_since(start)),
         "change_to_all_clients_ms": summary(&latencies_ms),
         "change_to_synthetic_clients_ms": summary(&client_latencies_ms),
+        "bytes_per_client_at_sync": {
+            "sotw_mean": bytes_at_sync["sotw_mean"],
+            "delta_mean": bytes_at_sync["delta_mean"],
+        },
         "bytes_per_change_per_client": {
             "sotw_mean": mean(&bytes_sotw),
             "delta_mean": mean(&bytes_delta),
@@ -653,6 +768,767 @@ async fn restart(
     })
 }
 
+/// Which services each pod of the scoped run uses, and which it will look up fresh.
+struct Plan {
+    /// Client `k`'s services.
+    scopes: Vec<Vec<usize>>,
+    /// Envoy's services.
+    envoy: Vec<usize>,
+    /// Every service in some client's or Envoy's scope, sorted: what the changes pick from.
+    used: Vec<usize>,
+    /// Service → the clients whose scope holds it.
+    holders: HashMap<usize, Vec<usize>>,
+    /// Client `k`'s names for the DNS measurement: in no scope, and each client's its own
+    /// while the mesh is large enough.
+    fresh: Vec<Vec<usize>>,
+}
+
+impl Plan {
+    /// Scopes of `scope` services, as windows of one sequence spread over the mesh (a stride
+    /// coprime with 10ⁿ): client `k`'s window starts `scope / 5` after client `k - 1`'s, so a
+    /// service is in about five clients' scopes; Envoy's window is among the middle clients'.
+    fn new(services: usize, clients: usize, scope: usize, lookups: usize) -> Plan {
+        let scope = scope.clamp(1, services);
+        let step = (scope / 5).max(1);
+        let spread = |x: usize| (x * 7919) % services;
+        let window = |from: usize| -> Vec<usize> {
+            let mut out = Vec::with_capacity(scope);
+            for x in from.. {
+                let i = spread(x);
+                if !out.contains(&i) {
+                    out.push(i);
+                }
+                if out.len() == scope || x >= from + services {
+                    break;
+                }
+            }
+            out
+        };
+        let scopes: Vec<Vec<usize>> = (0..clients).map(|k| window(k * step)).collect();
+        let envoy = window(clients / 2 * step + step / 2);
+        let mut holders: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (k, services) in scopes.iter().enumerate() {
+            for &i in services {
+                holders.entry(i).or_default().push(k);
+            }
+        }
+        let used: BTreeSet<usize> = scopes.iter().flatten().chain(&envoy).copied().collect();
+        let past = (clients.saturating_sub(1)) * step + scope;
+        let fresh = (0..clients)
+            .map(|k| {
+                let mut out: Vec<usize> = Vec::with_capacity(lookups);
+                for x in past + k * lookups.. {
+                    if out.len() == lookups || x >= past + k * lookups + services {
+                        break;
+                    }
+                    let i = spread(x);
+                    if !scopes[k].contains(&i) && !out.contains(&i) {
+                        out.push(i);
+                    }
+                }
+                out
+            })
+            .collect();
+        Plan {
+            scopes,
+            envoy,
+            used: used.into_iter().collect(),
+            holders,
+            fresh,
+        }
+    }
+}
+
+/// Client `k`'s address: its pod's IP.
+fn client_ip(k: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 1, 0, 0)) + 1 + k as u32)
+}
+
+fn client_pod(k: usize) -> String {
+    format!("bench-{k}")
+}
+
+/// A running Pod of [`NODE`] at `ip`.
+fn pod(name: &str, ip: Ipv4Addr) -> Value {
+    let ip = ip.to_string();
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"namespace": POD_NAMESPACE, "name": name},
+           "spec": {"nodeName": NODE, "containers": [{"name": "app", "image": "app"}]},
+           "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
+}
+
+/// A DNS query for `name` A, recursion desired.
+fn dns_query(id: u16, name: &str) -> Vec<u8> {
+    let mut query = Vec::with_capacity(18 + name.len());
+    query.extend_from_slice(&id.to_be_bytes());
+    // RD; one question.
+    query.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for label in name.split('.') {
+        query.push(label.len() as u8);
+        query.extend_from_slice(label.as_bytes());
+    }
+    query.push(0);
+    // A, IN.
+    query.extend_from_slice(&[0, 1, 0, 1]);
+    query
+}
+
+/// A DNS response's id, and whether it answers (NOERROR with at least one record).
+fn dns_reply(packet: &[u8]) -> Option<(u16, bool)> {
+    if packet.len() < 12 || packet[2] & 0x80 == 0 {
+        return None;
+    }
+    let id = u16::from_be_bytes([packet[0], packet[1]]);
+    let answers = u16::from_be_bytes([packet[6], packet[7]]);
+    Some((id, packet[3] & 0x0f == 0 && answers > 0))
+}
+
+/// A pod's resolver: UDP queries to the agent's DNS from the pod's address.
+struct Resolver {
+    socket: tokio::net::UdpSocket,
+    dns: SocketAddr,
+    id: u16,
+}
+
+/// One lookup: how long it took, whether it answered with an address, and when the answer
+/// arrived.
+struct Lookup {
+    took: Duration,
+    answered: bool,
+    at: Instant,
+}
+
+impl Resolver {
+    async fn bind(ip: Ipv4Addr, dns: SocketAddr) -> Resolver {
+        let socket = tokio::net::UdpSocket::bind((ip, 0))
+            .await
+            .unwrap_or_else(|e| panic!("cannot bind a UDP socket on {ip}: {e}"));
+        Resolver { socket, dns, id: 0 }
+    }
+
+    async fn send(&mut self, name: &str) -> Result<u16, String> {
+        self.id = self.id.wrapping_add(1);
+        self.socket
+            .send_to(&dns_query(self.id, name), self.dns)
+            .await
+            .map_err(|e| format!("sending a query for {name}: {e}"))?;
+        Ok(self.id)
+    }
+
+    /// The next response, if one comes within `timeout`: (id, answered, when).
+    async fn receive(&self, timeout: Duration) -> Result<Option<(u16, bool, Instant)>, String> {
+        let mut buf = [0u8; 1500];
+        match tokio::time::timeout(timeout, self.socket.recv_from(&mut buf)).await {
+            Err(_) => Ok(None),
+            Ok(Err(e)) => Err(format!("receiving DNS answers: {e}")),
+            Ok(Ok((len, _))) => Ok(dns_reply(&buf[..len]).map(|(id, ok)| (id, ok, Instant::now()))),
+        }
+    }
+
+    /// One query for `name`, not repeated: its answer, or an error after [`DNS_TIMEOUT`].
+    async fn lookup(&mut self, name: &str) -> Result<Lookup, String> {
+        let sent = Instant::now();
+        let id = self.send(name).await?;
+        let deadline = sent + DNS_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.receive(left).await? {
+                Some((got, answered, at)) if got == id => {
+                    return Ok(Lookup {
+                        took: at.duration_since(sent),
+                        answered,
+                        at,
+                    });
+                }
+                // A late answer to an earlier query.
+                Some(_) => {}
+                None => return Err(format!("no answer for {name} within {DNS_TIMEOUT:?}")),
+            }
+        }
+    }
+
+    /// Resolves `names` all at once, as an app starting up does; a name that does not resolve
+    /// (the agent does not serve the mesh yet) or is not answered within [`DNS_TIMEOUT`] is
+    /// asked again, until `deadline`.
+    async fn resolve_all(&mut self, names: &[String], deadline: Instant) -> Result<(), String> {
+        let mut unresolved: BTreeSet<usize> = (0..names.len()).collect();
+        let mut asked: HashMap<u16, usize> = HashMap::new();
+        let mut to_ask: Vec<usize> = unresolved.iter().copied().collect();
+        while !unresolved.is_empty() {
+            if Instant::now() >= deadline {
+                let left: Vec<&str> = unresolved.iter().map(|&n| names[n].as_str()).collect();
+                return Err(format!("{} names did not resolve: {left:?}", left.len()));
+            }
+            for n in to_ask.drain(..) {
+                let id = self.send(&names[n]).await?;
+                asked.insert(id, n);
+            }
+            match self.receive(DNS_TIMEOUT).await? {
+                None => {
+                    asked.clear();
+                    to_ask = unresolved.iter().copied().collect();
+                }
+                Some((id, answered, _)) => match asked.remove(&id) {
+                    Some(n) if answered => {
+                        unresolved.remove(&n);
+                    }
+                    Some(n) => {
+                        tracing::debug!("{} did not resolve yet", names[n]);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        to_ask.push(n);
+                    }
+                    None => {}
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Connects client `k` as its pod and waits for its stream's first answer: before the agent
+/// has listed its node's pods it turns streams away (UNAVAILABLE), and the client tries
+/// again, as Envoy does.
+async fn connect_pod(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
+    let deadline = Instant::now() + SYNC;
+    let options = Options {
+        bind: Some(IpAddr::V4(client_ip(k))),
+        routes: true,
+    };
+    let node_id = format!("{}.{POD_NAMESPACE}", client_pod(k));
+    let mut client = loop {
+        match AdsClient::connect_with(agent.xds, &node_id, mode, options).await {
+            Ok(client) => break client,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("xDS not up yet: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("cannot connect to the agent's xDS: {e}\n{}", agent.log()),
+        }
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match client
+            .wait_for("its stream's first answer", left, |v| {
+                !v.answered.is_empty()
+            })
+            .await
+        {
+            Ok(()) => return client,
+            Err(e)
+                if client.stream_ended()
+                    && !format!("{e:#}").contains(tonic::Code::PermissionDenied.description())
+                    && Instant::now() < deadline =>
+            {
+                tracing::debug!("client {k} turned away: {e:#}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                while let Err(e) = client.reconnect().await {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot reconnect: {e}\n{}",
+                        agent.log()
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            Err(e) => panic!("client {k} ({node_id}): {e:#}\nagent log:\n{}", agent.log()),
+        }
+    }
+}
+
+/// Whether a client holds every cluster of `clusters` with all its endpoints.
+fn holds_scope(v: &ClientView, clusters: &[String]) -> bool {
+    clusters.iter().all(|c| {
+        v.clusters.contains(c) && v.endpoints_of(c).is_some_and(|e| e.len() == PER_SERVICE)
+    })
+}
+
+/// When the last assignment of `clusters` reached the client.
+fn scope_arrival(client: &AdsClient, clusters: &[String]) -> Option<Instant> {
+    client.with_view(|v| {
+        clusters
+            .iter()
+            .filter_map(|c| v.endpoints.get(c).map(|(_, at)| *at))
+            .max()
+    })
+}
+
+/// The run's real Envoy as the pod [`ENVOY_POD`] at [`ENVOY_IP`]: its node id names the pod and
+/// its xDS connection comes from the pod's address.
+fn start_pod_envoy(xds: SocketAddr, mode: AdsMode) -> Envoy {
+    let node_id = format!("{ENVOY_POD}.{POD_NAMESPACE}");
+    Envoy::start_edited(&node_id, xds, mode, |bootstrap| {
+        if let Some(dynamic) = bootstrap["dynamic_resources"].as_object_mut() {
+            dynamic.remove("lds_config");
+        }
+        let bind = json!({"source_address": {"address": ENVOY_IP.to_string(), "port_value": 0}});
+        for cluster in bootstrap["static_resources"]["clusters"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+        {
+            cluster["upstream_bind_config"] = bind.clone();
+        }
+    })
+}
+
+/// `/debug/xds` of the agent: its connected proxies.
+fn proxies(admin: SocketAddr) -> Result<Vec<Value>, String> {
+    let (status, body) = http_get(admin, "/debug/xds").map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("/debug/xds: {status} {body:.300}"));
+    }
+    let value: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+    match value {
+        Value::Array(list) => Ok(list),
+        other => Ok(other["proxies"].as_array().cloned().unwrap_or_default()),
+    }
+}
+
+/// Envoy's pod resolves its names once its stream follows its pod's scope (the registry
+/// knows the pod then; the answers wait out `--scope-wait-ms`, Envoy having no listeners), and
+/// Envoy holds them: when the answer that showed it arrived.
+async fn envoy_scope_sync(
+    agent_admin: SocketAddr,
+    dns: SocketAddr,
+    envoy: (SocketAddr, u32),
+    services: Vec<usize>,
+) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + SYNC;
+    let node_id = format!("{ENVOY_POD}.{POD_NAMESPACE}");
+    lattice_e2e::wait::until_async("Envoy's stream to follow its pod's scope", SYNC, || {
+        let node_id = node_id.clone();
+        async move {
+            let list = tokio::task::spawn_blocking(move || proxies(agent_admin))
+                .await
+                .map_err(|e| e.to_string())??;
+            let attached = list
+                .iter()
+                .any(|p| p["node_id"] == node_id.as_str() && p["scope"].is_array());
+            if attached {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} proxies, not {node_id} with a scope",
+                    list.len()
+                ))
+            }
+        }
+    })
+    .await?;
+    let names: Vec<String> = services.iter().map(|&i| dns_name(i)).collect();
+    let lookups = tokio::spawn(async move {
+        Resolver::bind(ENVOY_IP, dns)
+            .await
+            .resolve_all(&names, deadline)
+            .await
+    });
+    let clusters: BTreeSet<String> = services.iter().map(|&i| cluster(i)).collect();
+    let (admin, pid) = envoy;
+    let synced = tokio::task::spawn_blocking(move || {
+        envoy_holds_clusters(admin, pid, "its pod's services", |held| {
+            clusters.iter().all(|c| held.contains(c.as_str()))
+        })
+    })
+    .await??;
+    lookups.await?.map_err(anyhow::Error::msg)?;
+    Ok(synced)
+}
+
+/// The agent's scope counters (`lattice_scope_*_total`).
+fn scope_counters(agent: &Agent) -> Value {
+    let metrics = agent
+        .get("/metrics")
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    let counter = |name: &str| -> Option<f64> {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    };
+    json!({
+        "added": counter("lattice_scope_services_added_total"),
+        "waited": counter("lattice_scope_waits_total"),
+        "timed_out": counter("lattice_scope_wait_timeouts_total"),
+    })
+}
+
+/// `after - before` for each counter of [`scope_counters`].
+fn counters_since(before: &Value, after: &Value) -> Value {
+    let get = |v: &Value, k: &str| v[k].as_f64();
+    let diff = |k: &str| get(after, k).zip(get(before, k)).map(|(a, b)| a - b);
+    json!({"added": diff("added"), "waited": diff("waited"), "timed_out": diff("timed_out")})
+}
+
+/// The scoped run (see the top): the mesh of `services` from the API server, the agent as
+/// node [`NODE`]'s, `clients` pods each using `scope` services, then `changes` endpoint changes
+/// of used services, then `lookups` fresh names per client.
+async fn scoped_run(
+    services: usize,
+    clients: usize,
+    sotw: usize,
+    changes: usize,
+    (scope, lookups): (usize, usize),
+    envoy_mode: Option<AdsMode>,
+) -> Value {
+    let mut feed = Feed::new(Source::Kube, services);
+    let plan = Plan::new(services, clients, scope, lookups);
+    {
+        let server = feed.server();
+        server
+            .apply_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}))
+            .unwrap();
+        for k in 0..clients {
+            server
+                .apply_json(pod(&client_pod(k), client_ip(k)))
+                .unwrap();
+        }
+        if envoy_mode.is_some() {
+            server.apply_json(pod(ENVOY_POD, ENVOY_IP)).unwrap();
+        }
+    }
+    let clusters_of =
+        |services: &[usize]| -> Vec<String> { services.iter().map(|&i| cluster(i)).collect() };
+    let scope_clusters: Vec<Vec<String>> = plan.scopes.iter().map(|s| clusters_of(s)).collect();
+
+    let start = Instant::now();
+    let agent = feed.start_node_agent();
+    let pid = agent.pid().expect("the agent runs");
+    let modes = modes(clients, sotw);
+    // The first client in means the agent serves (its pods listed, the mesh known): Envoy
+    // starts now, so its sync is not stretched by its reconnect back-off.
+    let mut fleet = vec![connect_pod(&agent, 0, modes[0]).await];
+    let envoy = envoy_mode.map(|mode| start_pod_envoy(agent.xds, mode));
+    let envoy_pid = envoy.as_ref().map(|e| e.pid().expect("Envoy runs"));
+    let envoy_sync = envoy.as_ref().zip(envoy_pid).map(|(envoy, envoy_pid)| {
+        tokio::spawn(envoy_scope_sync(
+            agent.admin,
+            agent.dns,
+            (envoy.admin, envoy_pid),
+            plan.envoy.clone(),
+        ))
+    });
+    fleet.extend(
+        futures::future::join_all((1..clients).map(|k| connect_pod(&agent, k, modes[k]))).await,
+    );
+    let mut resolvers = Vec::with_capacity(clients);
+    for k in 0..clients {
+        resolvers.push(Resolver::bind(client_ip(k), agent.dns).await);
+    }
+    // Every pod resolves its names at once, and its proxy comes to hold them.
+    let deadline = Instant::now() + SYNC;
+    let syncs = fleet
+        .iter_mut()
+        .zip(resolvers.iter_mut())
+        .zip(&plan.scopes)
+        .zip(&scope_clusters)
+        .map(|(((client, resolver), services), clusters)| async move {
+            let names: Vec<String> = services.iter().map(|&i| dns_name(i)).collect();
+            resolver.resolve_all(&names, deadline).await?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            client
+                .wait_for("its scope", left, |v| holds_scope(v, clusters))
+                .await
+                .map_err(|e| format!("{e:#}"))
+        });
+    for (k, outcome) in futures::future::join_all(syncs)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        if let Err(e) = outcome {
+            panic!("client {k}: {e}\nagent log:\n{}", agent.log());
+        }
+    }
+    let clients_synced_at = fleet
+        .iter()
+        .zip(&scope_clusters)
+        .filter_map(|(c, clusters)| scope_arrival(c, clusters))
+        .max()
+        .unwrap_or(start);
+    let envoy_synced_at = match envoy_sync {
+        Some(wait) => Some(
+            wait.await
+                .expect("the Envoy sync")
+                .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", agent.log())),
+        ),
+        None => None,
+    };
+    let synced_at = clients_synced_at.max(envoy_synced_at.unwrap_or(start));
+    let bytes_at_sync = bytes_per_client(&fleet);
+    let rss_synced = rss_mib(pid);
+    let cpu_synced = cpu_seconds(pid);
+    let envoy_rss_synced = envoy_pid.and_then(rss_mib);
+    let counters_synced = scope_counters(&agent);
+    // Whether the scope applies: each client holds its services and nothing else.
+    let held: Vec<usize> = fleet
+        .iter()
+        .map(|c| c.with_view(|v| v.clusters.len()))
+        .collect();
+    let listed = proxies(agent.admin).unwrap_or_default();
+    let proxies_scoped = listed.iter().filter(|p| p["scope"].is_array()).count();
+    println!(
+        "scoped: {clients} clients synced in {:?}, Envoy in {:?}; clusters per client {:?}..{:?}; \
+         {proxies_scoped} of {} proxies scoped",
+        clients_synced_at.duration_since(start),
+        envoy_synced_at.map(|at| at.duration_since(start)),
+        held.iter().min(),
+        held.iter().max(),
+        listed.len(),
+    );
+
+    // Endpoint changes of services in some clients' scopes.
+    let mut latencies_ms = Vec::with_capacity(changes);
+    let mut client_latencies_ms = Vec::with_capacity(changes);
+    let mut envoy_figures = EnvoyFigures::default();
+    let (mut bytes_sotw, mut bytes_delta, mut bytes_others) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut holding_total, mut received_total, mut others_received) = (0usize, 0usize, 0usize);
+    let mut mismatched = 0usize;
+    let cpu_before_changes = cpu_seconds(pid);
+    // The change waiting for its accounting: the bytes before it, and who holds it. A client's
+    // bytes are read just before the next change (or after the spacing, for the last), so
+    // whatever the change sent anyone is counted.
+    let mut pending: Option<(Vec<u64>, BTreeSet<usize>)> = None;
+    let mut settle = |fleet: &[AdsClient], pending: Option<(Vec<u64>, BTreeSet<usize>)>| {
+        let Some((before, holders)) = pending else {
+            return;
+        };
+        let mut received = 0;
+        for (k, client) in fleet.iter().enumerate() {
+            let sent = (client.with_view(|v| v.bytes) - before[k]) as f64;
+            received += usize::from(sent > 0.0);
+            if holders.contains(&k) {
+                match client.mode() {
+                    AdsMode::Sotw => bytes_sotw.push(sent),
+                    AdsMode::Delta => bytes_delta.push(sent),
+                }
+            } else {
+                bytes_others.push(sent);
+                others_received += usize::from(sent > 0.0);
+            }
+        }
+        holding_total += holders.len();
+        received_total += received;
+        mismatched += usize::from(received != holders.len());
+    };
+    let mut last_change: Option<Instant> = None;
+    let mut envoy_changes = 0usize;
+    for k in 0..changes {
+        if let Some(at) = last_change {
+            tokio::time::sleep_until((at + CHANGE_SPACING).into()).await;
+        }
+        settle(&fleet, pending.take());
+        let i = plan.used[(k * 7919) % plan.used.len()];
+        let fresh_ip = ip(50_000_000 + k as u32);
+        let fresh = SocketAddr::new(fresh_ip.parse().unwrap(), 8080);
+        let name = cluster(i);
+        let holders: BTreeSet<usize> = plan
+            .holders
+            .get(&i)
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        let in_envoy = plan.envoy.contains(&i);
+        let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
+        let applied = feed.change(i, k % PER_SERVICE, fresh_ip);
+        last_change = Some(applied);
+        let envoy_wait =
+            envoy
+                .as_ref()
+                .zip(envoy_pid)
+                .filter(|_| in_envoy)
+                .map(|(envoy, envoy_pid)| {
+                    let (admin, name) = (envoy.admin, name.clone());
+                    tokio::task::spawn_blocking(move || envoy_holds(admin, envoy_pid, &name, fresh))
+                });
+        for &h in &holders {
+            fleet[h]
+                .wait_for(&format!("change {k} at {name}"), CHANGE, |v| {
+                    v.endpoints_of(&name).is_some_and(|e| e.contains(&fresh))
+                })
+                .await
+                .unwrap_or_else(|e| panic!("client {h}: {e}\nagent log:\n{}", agent.log()));
+        }
+        let mut arrived = holders
+            .iter()
+            .filter_map(|&h| fleet[h].with_view(|v| v.endpoints.get(&name).map(|(_, at)| *at)))
+            .max()
+            .unwrap_or(applied);
+        if !holders.is_empty() {
+            client_latencies_ms.push(ms(arrived.duration_since(applied)));
+        }
+        if let Some(wait) = envoy_wait {
+            let (at, polls) = wait
+                .await
+                .expect("the Envoy poll")
+                .unwrap_or_else(|e| panic!("change {k}: {e}\nagent log:\n{}", agent.log()));
+            envoy_figures.change_ms.push(ms(at.duration_since(applied)));
+            envoy_figures.poll_ms.extend(polls.into_iter().map(ms));
+            envoy_changes += 1;
+            arrived = arrived.max(at);
+        }
+        latencies_ms.push(ms(arrived.duration_since(applied)));
+        pending = Some((bytes_before, holders));
+    }
+    if let Some(at) = last_change {
+        tokio::time::sleep_until((at + CHANGE_SPACING).into()).await;
+    }
+    settle(&fleet, pending.take());
+    let cpu_after = cpu_seconds(pid);
+    let rss_after = rss_mib(pid);
+    let envoy_rss_after = envoy_pid.and_then(rss_mib);
+    let cpu_per_change_ms = match (cpu_before_changes, cpu_after) {
+        (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
+        _ => None,
+    };
+    println!(
+        "scoped: {changes} changes, p50 {:?} ms; {received_total} clients received of \
+         {holding_total} holding",
+        summary(&latencies_ms)["p50"]
+    );
+
+    // DNS: one client at a time, a name new to it, then the same name again.
+    let counters_before_dns = scope_counters(&agent);
+    let (mut first, mut repeated) = (Vec::new(), Vec::new());
+    let (mut first_sotw, mut first_delta) = (Vec::new(), Vec::new());
+    let (mut held_at_answer, mut unanswered) = (0usize, Vec::new());
+    for (k, (client, resolver)) in fleet.iter().zip(resolvers.iter_mut()).enumerate() {
+        for &i in &plan.fresh[k] {
+            let (name, cluster) = (dns_name(i), cluster(i));
+            let lookup = resolver
+                .lookup(&name)
+                .await
+                .unwrap_or_else(|e| panic!("client {k}: {e}\nagent log:\n{}", agent.log()));
+            if !lookup.answered {
+                unanswered.push(name.clone());
+            }
+            first.push(ms(lookup.took));
+            match client.mode() {
+                AdsMode::Sotw => first_sotw.push(ms(lookup.took)),
+                AdsMode::Delta => first_delta.push(ms(lookup.took)),
+            }
+            // Its proxy held the service's endpoints when the answer came.
+            let held = client.with_view(|v| {
+                v.endpoints
+                    .get(&cluster)
+                    .is_some_and(|(e, at)| e.len() == PER_SERVICE && *at <= lookup.at)
+            });
+            held_at_answer += usize::from(held);
+            let again = resolver
+                .lookup(&name)
+                .await
+                .unwrap_or_else(|e| panic!("client {k}: {e}\nagent log:\n{}", agent.log()));
+            if !again.answered {
+                unanswered.push(name);
+            }
+            repeated.push(ms(again.took));
+        }
+    }
+    let counters_after_dns = scope_counters(&agent);
+    let first_summary = summary(&first);
+    let repeated_summary = summary(&repeated);
+    let p99_difference = first_summary["p99"]
+        .as_f64()
+        .zip(repeated_summary["p99"].as_f64())
+        .map(|(a, b)| a - b);
+    println!(
+        "scoped DNS: {} first lookups p50/p99 {}/{} ms, repeated {}/{} ms; {held_at_answer} \
+         held by the proxy at the answer",
+        first.len(),
+        first_summary["p50"],
+        first_summary["p99"],
+        repeated_summary["p50"],
+        repeated_summary["p99"],
+    );
+    let nacks: u64 = fleet.iter().map(|c| c.with_view(|v| v.nacks)).sum();
+    let envoy_report = envoy_mode.map(|mode| {
+        json!({
+            "mode": format!("{mode:?}").to_lowercase(),
+            "scope": plan.envoy.len(),
+            "initial_sync_ms": envoy_synced_at.map(|at| ms(at.duration_since(start))),
+            "changes_in_scope": envoy_changes,
+            "change_ms": summary(&envoy_figures.change_ms),
+            "admin_poll_ms": summary(&envoy_figures.poll_ms),
+            "rss_mib": {"synced": envoy_rss_synced, "after_changes": envoy_rss_after},
+        })
+    });
+    let holding_mean = (changes > 0).then(|| holding_total as f64 / changes as f64);
+    json!({
+        "source": "kube",
+        "services": services,
+        "endpoints": services * PER_SERVICE,
+        "clients": clients,
+        "clients_sotw": modes.iter().filter(|m| matches!(m, AdsMode::Sotw)).count(),
+        "clients_delta": modes.iter().filter(|m| matches!(m, AdsMode::Delta)).count(),
+        "scope": plan.scopes.first().map_or(0, Vec::len),
+        "services_in_some_scope": plan.used.len(),
+        "changes": changes,
+        "initial_sync_ms": ms(synced_at.duration_since(start)),
+        "initial_sync_synthetic_clients_ms": ms(clients_synced_at.duration_since(start)),
+        "clusters_per_client": {"min": held.iter().min(), "max": held.iter().max()},
+        "proxies_scoped": proxies_scoped,
+        "proxies_connected": listed.len(),
+        "bytes_per_client_at_sync": bytes_at_sync,
+        "change_to_all_holders_ms": summary(&latencies_ms),
+        "change_to_synthetic_holders_ms": summary(&client_latencies_ms),
+        "change_receivers": {
+            "clients_holding_mean": holding_mean,
+            "clients_holding_total": holding_total,
+            "clients_received_total": received_total,
+            "other_clients_received_total": others_received,
+            "changes_where_received_differs": mismatched,
+        },
+        "bytes_per_change_per_holder": {
+            "sotw_mean": mean(&bytes_sotw),
+            "delta_mean": mean(&bytes_delta),
+            "delta_max": bytes_delta.iter().copied().reduce(f64::max),
+        },
+        "bytes_per_change_per_other_client": mean(&bytes_others),
+        "agent_rss_mib": {"synced": rss_synced, "after_changes": rss_after, "after_dns": rss_mib(pid)},
+        "agent_cpu_s": {"to_sync": cpu_synced, "after_changes": cpu_after},
+        "agent_cpu_ms_per_change": cpu_per_change_ms,
+        "client_nacks": nacks,
+        "scope_counters": {
+            "at_sync": counters_synced,
+            "dns_phase": counters_since(&counters_before_dns, &counters_after_dns),
+        },
+        "dns": {
+            "lookups": first.len(),
+            "first_ms": first_summary,
+            "repeated_ms": repeated_summary,
+            "p99_first_minus_repeated_ms": p99_difference,
+            "first_sotw_ms": summary(&first_sotw),
+            "first_delta_ms": summary(&first_delta),
+            "held_by_proxy_at_answer": held_at_answer,
+            "unanswered": unanswered,
+        },
+        "envoy": envoy_report,
+    })
+}
+
+/// The scoped run against the full one, both at full size: scoped / full.
+fn scoped_vs_full(full: &Value, scoped: &Value) -> Value {
+    let ratio = |full_path: &[&str], scoped_path: &[&str]| -> Option<f64> {
+        let get = |v: &Value, path: &[&str]| path.iter().fold(v, |v, k| &v[*k]).as_f64();
+        Some(get(scoped, scoped_path)? / get(full, full_path)?)
+    };
+    let same = |path: &[&str]| ratio(path, path);
+    json!({
+        "bytes_at_sync_sotw": ratio(&["bytes_per_client_at_sync", "sotw_mean"], &["bytes_per_client_at_sync", "sotw_mean"]),
+        "bytes_at_sync_delta": ratio(&["bytes_per_client_at_sync", "delta_mean"], &["bytes_per_client_at_sync", "delta_mean"]),
+        "bytes_at_sync_sotw_without_routes": ratio(&["bytes_per_client_at_sync", "sotw_mean"], &["bytes_per_client_at_sync", "sotw_mean_without_routes"]),
+        "bytes_at_sync_delta_without_routes": ratio(&["bytes_per_client_at_sync", "delta_mean"], &["bytes_per_client_at_sync", "delta_mean_without_routes"]),
+        "envoy_rss_synced": same(&["envoy", "rss_mib", "synced"]),
+        "envoy_rss_after_changes": same(&["envoy", "rss_mib", "after_changes"]),
+        "agent_rss_synced": same(&["agent_rss_mib", "synced"]),
+        "agent_rss_after_changes": same(&["agent_rss_mib", "after_changes"]),
+        "initial_sync": same(&["initial_sync_ms"]),
+        "change_p50": ratio(&["change_to_all_clients_ms", "p50"], &["change_to_all_holders_ms", "p50"]),
+        "change_p99": ratio(&["change_to_all_clients_ms", "p99"], &["change_to_all_holders_ms", "p99"]),
+        "agent_cpu_per_change": same(&["agent_cpu_ms_per_change"]),
+    })
+}
+
 /// The baseline and full runs of one source, and how the cost of a change compares.
 fn section(small: Value, large: Value) -> Value {
     let ratio = |path: &[&str]| -> Option<f64> {
@@ -676,6 +1552,9 @@ async fn xds_propagation_and_cost_at_scale() {
     let clients = env_or("LATTICE_BENCH_CLIENTS", 100).max(1);
     let changes = env_or("LATTICE_BENCH_CHANGES", 1000);
     let sotw = clients * env_or("LATTICE_BENCH_SOTW_PERCENT", 50).min(100) / 100;
+    let scope = env_or("LATTICE_BENCH_SCOPE", 20);
+    let lookups = env_or("LATTICE_BENCH_DNS_LOOKUPS", 10);
+    let scoped = std::env::var("LATTICE_BENCH_SCOPED").map_or(true, |v| v.trim() != "0");
     let envoy = envoy_mode();
     let sources = sources();
     let mut report = serde_json::Map::new();
@@ -684,6 +1563,16 @@ async fn xds_propagation_and_cost_at_scale() {
         println!("{source:?} baseline: {small}");
         let large = run(source, services, clients, sotw, changes, envoy).await;
         println!("{source:?} full: {large}");
+        // Only the Kubernetes source has pods, so only it can be scoped.
+        let scoped = if scoped && source == Source::Kube {
+            let sizes = (scope, lookups);
+            let figures = scoped_run(services, clients, sotw, changes, sizes, envoy).await;
+            println!("{source:?} scoped: {figures}");
+            let ratios = scoped_vs_full(&large, &figures);
+            Some((figures, ratios))
+        } else {
+            None
+        };
         let section = section(small, large);
         match source {
             // The Kubernetes source's figures stay at the top, where they have always been.
@@ -691,6 +1580,10 @@ async fn xds_propagation_and_cost_at_scale() {
             Source::File => {
                 report.insert("mesh_file".into(), section);
             }
+        }
+        if let Some((figures, ratios)) = scoped {
+            report.insert("scoped".into(), figures);
+            report.insert("scoped_vs_full".into(), ratios);
         }
     }
     if envoy.is_some() {

@@ -5,8 +5,12 @@
 //! and CPU, Envoy's own latency and RSS, and an agent restart (kill -9) until every client is
 //! consistent again with the bytes re-sent, at a 100-service baseline and at 10k services (sizes
 //! overridable from the environment, see `run`; `LATTICE_BENCH_SOURCES=kube` or `=file` runs
-//! one source, `LATTICE_BENCH_ENVOY=sotw` or `=none` changes or drops the Envoy). A smoke run
-//! uses 10 vs 100 services, 10 clients, 20 changes and a debug build.
+//! one source, `LATTICE_BENCH_ENVOY=sotw` or `=none` changes or drops the Envoy). With the
+//! Kubernetes source it also runs the full size **scoped** (issue 16): the agent as a node's,
+//! each client and Envoy a pod of that node holding only the `LATTICE_BENCH_SCOPE` services it
+//! resolved, with DNS first-lookup latency (`LATTICE_BENCH_DNS_LOOKUPS` names per client);
+//! `LATTICE_BENCH_SCOPED=0` skips it. A smoke run uses 10 vs 100 services, 10 clients, 20
+//! changes, scopes of 5 and 3 lookups per client, and a debug build.
 
 use crate::scale_test::ScaleTest;
 
@@ -25,6 +29,9 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_CLIENTS", "10", "100"),
         ("LATTICE_BENCH_CHANGES", "20", "1000"),
         ("LATTICE_BENCH_SOTW_PERCENT", "50", "50"),
+        ("LATTICE_BENCH_SCOPE", "5", "20"),
+        ("LATTICE_BENCH_DNS_LOOKUPS", "3", "10"),
+        ("LATTICE_BENCH_SCOPED", "1", "1"),
     ];
     let envs = sizes.iter().map(|(name, small, full)| {
         let default = if smoke { small } else { full };
@@ -160,4 +167,106 @@ fn print_table(report: &serde_json::Value) {
             );
         }
     }
+    print_scoped(report);
+}
+
+/// The scoped run (issue 16) beside the unscoped full run of the same source and size.
+fn print_scoped(report: &serde_json::Value) {
+    let (full, scoped) = (&report["full"], &report["scoped"]);
+    if scoped.is_null() {
+        return;
+    }
+    let num = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
+    let ratio = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.3}"));
+    let at = |v: &serde_json::Value, path: &[&str]| path.iter().fold(v, |v, k| &v[*k]).clone();
+    println!(
+        "scoped (kube, {} services, {} clients, {} services each, {} in some scope):",
+        scoped["services"], scoped["clients"], scoped["scope"], scoped["services_in_some_scope"]
+    );
+    println!("{:<34} {:>12} {:>12} {:>8}", "", "full", "scoped", "ratio");
+    let ratios = &report["scoped_vs_full"];
+    let rows: [(&str, &[&str], &[&str], &str); 9] = [
+        (
+            "initial sync ms",
+            &["initial_sync_ms"],
+            &["initial_sync_ms"],
+            "initial_sync",
+        ),
+        (
+            "bytes at sync per SotW client",
+            &["bytes_per_client_at_sync", "sotw_mean"],
+            &["bytes_per_client_at_sync", "sotw_mean"],
+            "bytes_at_sync_sotw",
+        ),
+        (
+            "bytes at sync per Delta client",
+            &["bytes_per_client_at_sync", "delta_mean"],
+            &["bytes_per_client_at_sync", "delta_mean"],
+            "bytes_at_sync_delta",
+        ),
+        (
+            "change p50 ms",
+            &["change_to_all_clients_ms", "p50"],
+            &["change_to_all_holders_ms", "p50"],
+            "change_p50",
+        ),
+        (
+            "change p99 ms",
+            &["change_to_all_clients_ms", "p99"],
+            &["change_to_all_holders_ms", "p99"],
+            "change_p99",
+        ),
+        (
+            "agent RSS MiB synced",
+            &["agent_rss_mib", "synced"],
+            &["agent_rss_mib", "synced"],
+            "agent_rss_synced",
+        ),
+        (
+            "agent RSS MiB after changes",
+            &["agent_rss_mib", "after_changes"],
+            &["agent_rss_mib", "after_changes"],
+            "agent_rss_after_changes",
+        ),
+        (
+            "agent CPU ms per change",
+            &["agent_cpu_ms_per_change"],
+            &["agent_cpu_ms_per_change"],
+            "agent_cpu_per_change",
+        ),
+        (
+            "Envoy RSS MiB synced",
+            &["envoy", "rss_mib", "synced"],
+            &["envoy", "rss_mib", "synced"],
+            "envoy_rss_synced",
+        ),
+    ];
+    for (name, full_path, scoped_path, key) in rows {
+        println!(
+            "{name:<34} {:>12} {:>12} {:>8}",
+            num(&at(full, full_path)),
+            num(&at(scoped, scoped_path)),
+            ratio(&ratios[key])
+        );
+    }
+    let receivers = &scoped["change_receivers"];
+    println!(
+        "scoped changes: {} clients received of {} holding ({} others received)",
+        receivers["clients_received_total"],
+        receivers["clients_holding_total"],
+        receivers["other_clients_received_total"]
+    );
+    let dns = &scoped["dns"];
+    let num = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.2}"));
+    println!(
+        "scoped DNS ({} lookups): first p50/p99 {}/{} ms, repeated {}/{} ms, p99 difference {} ms; \
+         {} held by the proxy at the answer",
+        dns["lookups"],
+        num(&dns["first_ms"]["p50"]),
+        num(&dns["first_ms"]["p99"]),
+        num(&dns["repeated_ms"]["p50"]),
+        num(&dns["repeated_ms"]["p99"]),
+        num(&dns["p99_first_minus_repeated_ms"]),
+        dns["held_by_proxy_at_answer"]
+    );
 }
