@@ -2,10 +2,8 @@
 //! (so a bad address fails start-up, not a request later), starts the source, the pipeline
 //! and the servers, and shuts them down in order on SIGTERM or Ctrl-C.
 
-use std::future::Future;
 use std::net::IpAddr;
 use std::path::Path;
-use std::pin::Pin;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -461,16 +459,7 @@ async fn follow_pods(
     loop {
         let directory = pods.borrow_and_update().clone();
         if let Some(directory) = directory {
-            scopes.set_pods(
-                directory
-                    .entries()
-                    .filter(|pod| !pod.host_network)
-                    .map(|pod| ScopedPod {
-                        ip: pod.ip,
-                        scoped: pod.scoped,
-                        declared: pod.uses.clone(),
-                    }),
-            );
+            scopes.set_pods(directory.entries().filter_map(ScopedPod::of));
         }
         if pods.changed().await.is_err() {
             return Ok("pod scopes");
@@ -482,13 +471,9 @@ async fn follow_pods(
 struct ScopeObserver(Arc<ScopeRegistry>);
 
 impl lattice_dns::LookupObserver for ScopeObserver {
-    fn looked_up(
-        &self,
-        client: IpAddr,
-        scope: &Arc<str>,
-    ) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+    fn looked_up(&self, client: IpAddr, scope: &Arc<str>) -> Option<lattice_dns::Hold> {
         self.0
             .resolved(client, scope)
-            .map(|wait| Box::pin(wait) as Pin<Box<dyn Future<Output = ()> + Send>>)
+            .map(|wait| Box::pin(wait) as lattice_dns::Hold)
     }
 }

@@ -21,6 +21,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
+use crate::identity::PodEntry;
+
 /// What a scoped proxy holds: the services (DNS names) its pod uses, and a generation that
 /// moves with every addition.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -37,6 +39,18 @@ pub struct ScopedPod {
     pub scoped: bool,
     /// The services it declared it uses, by DNS name.
     pub declared: Vec<Arc<str>>,
+}
+
+impl ScopedPod {
+    /// A pod of the directory as scoping sees it; `None` on the host network, where the
+    /// address is the node's and its proxies cannot be told apart.
+    pub fn of(entry: &PodEntry) -> Option<ScopedPod> {
+        (!entry.host_network).then(|| ScopedPod {
+            ip: entry.ip,
+            scoped: entry.scoped,
+            declared: entry.uses.clone(),
+        })
+    }
 }
 
 /// Counters of the DNS side of scoping.
@@ -198,18 +212,6 @@ impl ScopeRegistry {
                 timed_out.inc();
             }
         })
-    }
-
-    /// The services each scoped pod holds, for `/debug/scopes`.
-    pub fn list(&self) -> Vec<(IpAddr, Scope)> {
-        let pods = self.pods.read().unwrap_or_else(|p| p.into_inner());
-        let mut list: Vec<(IpAddr, Scope)> = pods
-            .iter()
-            .filter(|(_, p)| p.scoped)
-            .map(|(ip, p)| (*ip, p.scope.borrow().clone()))
-            .collect();
-        list.sort_by_key(|(ip, _)| *ip);
-        list
     }
 }
 

@@ -16,7 +16,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("node_local_address", &[]),
     ("mesh", &[]),
     ("identity", &[]),
-    ("scope", &[]),
+    ("scope", &["identity"]),
     ("source", &["mesh", "identity"]),
     ("catalog", &["mesh", "readiness"]),
     ("translate", &["mesh", "xds", "readiness"]),

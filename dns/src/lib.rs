@@ -30,7 +30,7 @@ mod wire;
 pub use check::check_query;
 pub use error::DnsError;
 pub use metrics::DnsMetrics;
-pub use observe::LookupObserver;
+pub use observe::{Hold, LookupObserver};
 pub use resolv::upstreams_from_resolv_conf;
 pub use server::{DnsConfig, DnsServer};
 pub use table::{MeshRecord, NameTable, SrvRecord};

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{Server, dig};
-use lattice_dns::{LookupObserver, MeshRecord, NameTable, SrvRecord};
+use lattice_dns::{Hold, LookupObserver, MeshRecord, NameTable, SrvRecord};
 use tokio::sync::Notify;
 
 /// Records every report; holds answers for the scope `held` until `release` is notified.
@@ -22,11 +22,7 @@ struct Recorder {
 }
 
 impl LookupObserver for Recorder {
-    fn looked_up(
-        &self,
-        client: IpAddr,
-        scope: &Arc<str>,
-    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
+    fn looked_up(&self, client: IpAddr, scope: &Arc<str>) -> Option<Hold> {
         self.seen.lock().unwrap().push((client, scope.to_string()));
         if &**scope != "held" {
             return None;

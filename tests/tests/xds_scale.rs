@@ -395,6 +395,20 @@ fn envoy_get(admin: SocketAddr, pid: u32, path: &str) -> Result<String, String> 
     }
 }
 
+/// When the Envoy sync poll saw Envoy hold everything, if there is an Envoy; its failure ends
+/// the benchmark with the agent's log.
+async fn envoy_sync_end(
+    wait: Option<tokio::task::JoinHandle<anyhow::Result<Instant>>>,
+    agent: &Agent,
+) -> Option<Instant> {
+    let wait = wait?;
+    Some(
+        wait.await
+            .expect("the Envoy sync poll")
+            .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", agent.log())),
+    )
+}
+
 /// Polls Envoy until it is LIVE and each of the `services` mesh clusters holds all its
 /// endpoints; when the answer that showed it arrived.
 fn envoy_synced(admin: SocketAddr, pid: u32, services: usize) -> anyhow::Result<Instant> {
@@ -564,14 +578,7 @@ async fn run(
         .filter_map(|c| c.with_view(|v| v.endpoints.values().map(|(_, at)| *at).max()))
         .max()
         .unwrap_or(start);
-    let envoy_synced_at = match envoy_sync {
-        Some(wait) => Some(
-            wait.await
-                .expect("the Envoy sync poll")
-                .unwrap_or_else(|e| panic!("{e}\nagent log:\n{}", agent.log())),
-        ),
-        None => None,
-    };
+    let envoy_synced_at = envoy_sync_end(envoy_sync, &agent).await;
     let synced_at = clients_synced_at.max(envoy_synced_at.unwrap_or(start));
     let bytes_at_sync = bytes_per_client(&fleet);
     let rss_synced = rss_mib(pid);
@@ -1245,14 +1252,7 @@ async fn scoped_run(
         .filter_map(|(c, clusters)| scope_arrival(c, clusters))
         .max()
         .unwrap_or(start);
-    let envoy_synced_at = match envoy_sync {
-        Some(wait) => Some(
-            wait.await
-                .expect("the Envoy sync")
-                .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", agent.log())),
-        ),
-        None => None,
-    };
+    let envoy_synced_at = envoy_sync_end(envoy_sync, &agent).await;
     let synced_at = clients_synced_at.max(envoy_synced_at.unwrap_or(start));
     let bytes_at_sync = bytes_per_client(&fleet);
     let rss_synced = rss_mib(pid);

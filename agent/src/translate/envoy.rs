@@ -146,7 +146,7 @@ impl EnvoyTranslator {
         }
         // Ports whose route configuration must be rebuilt though the shape did not change: a
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
-        let mut rerouted = BTreeSet::new();
+        let mut rerouted: BTreeSet<Arc<str>> = BTreeSet::new();
         for change in previous.diff(&mesh.services) {
             match change {
                 DiffItem::Add(_, service) => {
@@ -165,7 +165,7 @@ impl EnvoyTranslator {
                         self.insert(new, !same_shape);
                     }
                     if old.routes != new.routes {
-                        rerouted.extend(new.ports.iter().map(|p| route_name(p.port)));
+                        rerouted.extend(new.ports.iter().map(|p| Arc::from(route_name(p.port))));
                     }
                     if !same_shape || old.routes != new.routes || old.clients != new.clients {
                         self.insert_parts(new, mesh);
@@ -181,30 +181,21 @@ impl EnvoyTranslator {
         // the services' routing rules.
         let all = || self.parts.services.values().map(|p| &**p);
         if self.shape_version == Some(mesh.shape_version) {
-            let mut routes = self.resources[ResourceType::Route.index()].clone();
-            let rebuilt: BTreeMap<Arc<str>, Arc<XdsResource>> = self
-                .parts
-                .route_configs(
-                    all(),
-                    Some(&rerouted.iter().map(|r| Arc::from(r.as_str())).collect()),
-                )
-                .into_iter()
-                .map(|r| (r.name.clone(), r))
-                .collect();
+            let rebuilt = self.parts.route_map(all(), Some(&rerouted));
+            let routes = &mut self.resources[ResourceType::Route.index()];
             for name in &rerouted {
-                match rebuilt.get(name.as_str()) {
-                    Some(config) => routes.insert(config.name.clone(), config.clone()),
-                    None => routes.remove(name.as_str()),
+                match rebuilt.get(name) {
+                    Some(config) => routes.insert(name.clone(), config.clone()),
+                    None => routes.remove(name),
                 };
             }
-            self.resources[ResourceType::Route.index()] = routes;
         } else {
             // The listener base is set above, so there is always a listener.
             if let Some(listener) = self.parts.listener(all()) {
                 self.resources[ResourceType::Listener.index()] =
                     ResourceMap::unit(listener.name.clone(), listener);
             }
-            self.resources[ResourceType::Route.index()] = self.parts.route_map(all());
+            self.resources[ResourceType::Route.index()] = self.parts.route_map(all(), None);
             self.shape_version = Some(mesh.shape_version);
         }
         self.mesh = Some(mesh.services.clone());

@@ -182,11 +182,11 @@ impl PartsIndex {
 
     /// The route configurations holding the virtual hosts of `services`, one per port any of
     /// them has on the shared address; `only` limits them to these route configurations.
-    pub fn route_configs<'a>(
+    pub fn route_map<'a>(
         &'a self,
         services: impl IntoIterator<Item = &'a ServiceParts>,
         only: Option<&BTreeSet<Arc<str>>>,
-    ) -> Vec<Arc<XdsResource>> {
+    ) -> ResourceMap {
         let mut by_route: BTreeMap<&Arc<str>, BTreeMap<&Arc<str>, &Bytes>> = BTreeMap::new();
         for part in services.into_iter().flat_map(|s| &s.virtual_hosts) {
             if only.is_none_or(|only| only.contains(&part.resource)) {
@@ -204,24 +204,14 @@ impl PartsIndex {
                     ..RouteConfiguration::default()
                 }
                 .encode_to_vec();
-                composed(
+                let config = composed(
                     ResourceType::Route,
                     name.clone(),
                     &base,
                     hosts.into_values().collect(),
-                )
+                );
+                (name.clone(), config)
             })
-            .collect()
-    }
-
-    /// The route configurations of `services` as a map.
-    pub fn route_map<'a>(
-        &'a self,
-        services: impl IntoIterator<Item = &'a ServiceParts>,
-    ) -> ResourceMap {
-        self.route_configs(services, None)
-            .into_iter()
-            .map(|r| (r.name.clone(), r))
             .collect()
     }
 }
@@ -368,9 +358,9 @@ mod tests {
         let pick = |keys: &[&str]| -> Vec<&ServiceParts> {
             keys.iter().map(|k| &*index.services[*k]).collect()
         };
-        let routes = index.route_configs(pick(&["a", "b"]), None);
+        let routes = index.route_map(pick(&["a", "b"]), None);
         let decoded: Vec<(String, Vec<String>)> = routes
-            .iter()
+            .values()
             .map(|r| {
                 let config = RouteConfiguration::decode(&r.body.value[..]).unwrap();
                 assert_eq!(r.name.as_ref(), config.name);
@@ -406,6 +396,6 @@ mod tests {
         let decoded = Listener::decode(&empty.body.value[..]).unwrap();
         assert_eq!(decoded.filter_chains.len(), 1);
         assert_eq!(decoded.filter_chains[0].name, "unassigned");
-        assert!(index.route_configs(pick(&[]), None).is_empty());
+        assert!(index.route_map(pick(&[]), None).is_empty());
     }
 }

@@ -354,19 +354,11 @@ impl<A: Ads> StreamTask<A> {
         else {
             return;
         };
-        let entry = pods
+        let scoped = pods
             .borrow()
             .as_ref()
-            .and_then(|d| d.entry(pod, peer).cloned());
-        let Some(entry) = entry.filter(|e| !e.host_network) else {
-            return;
-        };
-        let scoped = ScopedPod {
-            ip: entry.ip,
-            scoped: entry.scoped,
-            declared: entry.uses,
-        };
-        if let Some(watch) = scopes.attach(&scoped) {
+            .and_then(|d| d.entry(pod, peer).and_then(ScopedPod::of));
+        if let Some(watch) = scoped.and_then(|scoped| scopes.attach(&scoped)) {
             self.scoped = Some(Scoped {
                 watch,
                 view: View::default(),

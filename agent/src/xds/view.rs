@@ -108,7 +108,8 @@ impl View {
             resources[ResourceType::Listener.index()] =
                 ResourceMap::unit(listener.name.clone(), listener);
         }
-        resources[ResourceType::Route.index()] = snapshot.parts.route_map(parts.iter().copied());
+        resources[ResourceType::Route.index()] =
+            snapshot.parts.route_map(parts.iter().copied(), None);
         self.services = services;
         self.remember(snapshot, resources)
     }
