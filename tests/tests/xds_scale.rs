@@ -267,10 +267,20 @@ fn mesh_file(ips: &[Vec<String>]) -> String {
 }
 
 fn rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmRSS:")
+}
+
+/// The most the process's resident set has been since it started (`VmHWM`).
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A size field of /proc/<pid>/status, in MiB.
+fn status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .find_map(|l| l.strip_prefix(field))?
         .trim()
         .trim_end_matches("kB")
         .trim()
@@ -647,6 +657,7 @@ async fn run(
     }
     let cpu_after = cpu_seconds(pid);
     let rss_after = rss_mib(pid);
+    let rss_peak = peak_rss_mib(pid);
     let cpu_per_change_ms = match (cpu_before_changes, cpu_after) {
         (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
         _ => None,
@@ -686,7 +697,7 @@ async fn run(
             "delta_mean": mean(&bytes_delta),
             "delta_max": bytes_delta.iter().copied().reduce(f64::max),
         },
-        "agent_rss_mib": {"synced": rss_synced, "after_changes": rss_after},
+        "agent_rss_mib": {"synced": rss_synced, "after_changes": rss_after, "peak": rss_peak},
         "agent_cpu_s": {"to_sync": cpu_synced, "after_changes": cpu_after},
         "agent_cpu_ms_per_change": cpu_per_change_ms,
         "client_nacks": nacks,

@@ -5,10 +5,9 @@
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
-};
+use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 
+use super::response::DeltaResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
 use super::stream::{Ads, Event, NameSet, Push, TypeState, intern, nonce};
 
@@ -33,7 +32,7 @@ pub struct DeltaStream {
 
 impl Ads for DeltaStream {
     type Request = DeltaDiscoveryRequest;
-    type Response = DeltaDiscoveryResponse;
+    type Response = DeltaResponse;
     const MODE: &'static str = "delta";
 
     fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
@@ -44,7 +43,7 @@ impl Ads for DeltaStream {
         &mut self,
         request: &DeltaDiscoveryRequest,
         snapshot: &XdsSnapshot,
-    ) -> (Vec<Push<DeltaDiscoveryResponse>>, Vec<Event>) {
+    ) -> (Vec<Push<DeltaResponse>>, Vec<Event>) {
         let Some(kind) = ResourceType::from_type_url(&request.type_url) else {
             let event = Event::UnknownType {
                 type_url: request.type_url.clone(),
@@ -123,7 +122,7 @@ impl Ads for DeltaStream {
         (self.push(snapshot), events)
     }
 
-    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaResponse>> {
         self.push(snapshot)
     }
 
@@ -135,7 +134,7 @@ impl Ads for DeltaStream {
 }
 
 impl DeltaStream {
-    fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaDiscoveryResponse>> {
+    fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaResponse>> {
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
             let state = &mut self.types[kind.index()];
@@ -179,22 +178,12 @@ impl DeltaStream {
             state.in_flight_version = version.clone();
             out.push(Push {
                 kind,
-                response: DeltaDiscoveryResponse {
+                response: DeltaResponse {
                     system_version_info: version,
-                    resources: found
-                        .changed
-                        .iter()
-                        .map(|r| Resource {
-                            name: r.name.to_string(),
-                            version: r.version_string(),
-                            resource: Some(r.body.clone()),
-                            ..Resource::default()
-                        })
-                        .collect(),
+                    resources: found.changed,
                     type_url: kind.type_url().to_string(),
                     removed_resources: removed,
                     nonce,
-                    ..DeltaDiscoveryResponse::default()
                 },
             });
             self.types[ResourceType::Endpoint.index()]
@@ -231,8 +220,8 @@ mod tests {
         }
     }
 
-    fn names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
-        response.resources.iter().map(|r| r.name.as_str()).collect()
+    fn names(response: &DeltaResponse) -> Vec<&str> {
+        response.resources.iter().map(|r| &*r.name).collect()
     }
 
     #[test]
@@ -242,11 +231,7 @@ mod tests {
         let (mut out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap);
         let mut got = BTreeSet::new();
         while let Some(response) = out.pop() {
-            let bytes: usize = response
-                .resources
-                .iter()
-                .map(|r| r.resource.as_ref().unwrap().value.len())
-                .sum();
+            let bytes: usize = response.resources.iter().map(|r| r.body.value.len()).sum();
             assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
             assert!(!response.resources.is_empty());
             got.extend(names(&response).into_iter().map(str::to_string));
@@ -296,11 +281,11 @@ mod tests {
         let mut got: BTreeMap<String, Vec<u8>> = first
             .resources
             .iter()
-            .map(|r| (r.name.clone(), r.resource.clone().unwrap().value))
+            .map(|r| (r.name.to_string(), r.body.value.clone()))
             .collect();
         while let Some(response) = out.pop() {
             for r in &response.resources {
-                let previous = got.insert(r.name.clone(), r.resource.clone().unwrap().value);
+                let previous = got.insert(r.name.to_string(), r.body.value.clone());
                 assert!(previous.is_none(), "{} sent twice", r.name);
             }
             (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap2);
@@ -468,7 +453,7 @@ mod tests {
         assert_eq!(names(&out[0]), [BUZZ]);
         assert_eq!(
             out[0].resources[0].version,
-            snap3.of(ResourceType::Endpoint)[BUZZ].version_string(),
+            snap3.of(ResourceType::Endpoint)[BUZZ].version,
             "the latest version, not an intermediate one"
         );
         stream.on_request(&delta(EDS, &[], &[], &out[0].nonce), &snap3);

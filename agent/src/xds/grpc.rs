@@ -1,20 +1,31 @@
 //! The ADS gRPC service as tonic serves it. It stands in for the server that envoy-types
-//! generates, for one reason: the generated one decodes state-of-the-world requests into the
-//! generated `DiscoveryRequest`, a `String` per resource name, and this one decodes them into
-//! [`super::wire::SotwRequest`]. Delta requests use the generated types. The routing
-//! (two method paths of `envoy.service.discovery.v3.AggregatedDiscoveryService`, anything else
-//! `UNIMPLEMENTED`) and the codec defaults (no compression, tonic's message size limits) are
-//! the generated server's.
+//! generates, for two reasons:
+//! - Requests: the generated server decodes state-of-the-world requests into the generated
+//!   `DiscoveryRequest`, a `String` per resource name; this one decodes them into
+//!   [`super::wire::SotwRequest`]. Delta requests use the generated types.
+//! - Responses: tonic encodes a stream's messages into one buffer per stream, which keeps the
+//!   capacity of the largest message it ever held for the life of the stream. A SotW cluster
+//!   response at 10k services is about 3 MB, so a hundred streams kept about 140 MiB of buffers
+//!   after the initial sync (the heap profile in docs/benchmarks.md). [`ResponseBody`] encodes
+//!   each message into a buffer of its exact size, which is freed once h2 has sent it.
+//!
+//! The routing (two method paths of `envoy.service.discovery.v3.AggregatedDiscoveryService`,
+//! anything else `UNIMPLEMENTED`) and the codec defaults (no compression, tonic's message size
+//! limits) are the generated server's.
 
 use std::convert::Infallible;
-use std::future::{Ready, ready};
-use std::marker::PhantomData;
-use std::task::{Context, Poll};
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
+use bytes::{BufMut, Bytes, BytesMut};
+use http_body::Frame;
+use prost::Message;
+use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codec::Codec;
 use tonic::codegen::{BoxFuture, Service, StdError, http};
-use tonic::server::{Grpc, NamedService, StreamingService};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::server::NamedService;
+use tonic::{Request, Status, Streaming};
 use tonic_prost::ProstCodec;
 
 use super::delta::DeltaStream;
@@ -43,20 +54,12 @@ impl NamedService for AdsService {
     const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
 }
 
-/// One of the two methods, opened as a stream of the [`Ads`] machine `A`.
-struct Open<A>(XdsServer, PhantomData<fn() -> A>);
+/// gRPC's content type, and the header that names a message encoding.
+const GRPC_CONTENT_TYPE: &str = "application/grpc";
+const GRPC_ENCODING: &str = "grpc-encoding";
 
-impl<A: Ads> StreamingService<A::Request> for Open<A> {
-    type Response = A::Response;
-    type ResponseStream = ReceiverStream<Result<A::Response, Status>>;
-    type Future = Ready<Result<Response<Self::ResponseStream>, Status>>;
-
-    fn call(&mut self, request: Request<Streaming<A::Request>>) -> Self::Future {
-        ready(Ok(Response::new(self.0.open::<A>(request))))
-    }
-}
-
-/// Serves one call of a method as a stream of `A`, with the generated server's codec defaults.
+/// Serves one call of a method as a stream of `A`: requests decoded by tonic with its default
+/// limits, responses by [`ResponseBody`].
 fn serve<A: Ads, B>(
     server: XdsServer,
     request: http::Request<B>,
@@ -65,12 +68,90 @@ where
     B: tonic::codegen::Body + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,
 {
-    Box::pin(async move {
-        let mut grpc = Grpc::new(ProstCodec::<A::Response, A::Request>::default());
-        Ok(grpc
-            .streaming(Open::<A>(server, PhantomData), request)
-            .await)
-    })
+    // No compression is enabled, as in the generated server: a compressed request stream is
+    // refused the way tonic refuses it.
+    if let Some(encoding) = request.headers().get(GRPC_ENCODING)
+        && encoding != "identity"
+    {
+        let status = Status::unimplemented(format!(
+            "Content is compressed with `{}` which isn't supported",
+            encoding.to_str().unwrap_or("?")
+        ));
+        return Box::pin(async move { Ok(status.into_http()) });
+    }
+    let decoder = ProstCodec::<A::Response, A::Request>::default().decoder();
+    let request = request.map(|body| Streaming::new_request(decoder, body, None, None));
+    let responses = server.open::<A>(Request::from_http(request));
+    let mut response = http::Response::new(tonic::body::Body::new(ResponseBody::new(responses)));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(GRPC_CONTENT_TYPE),
+    );
+    Box::pin(async move { Ok(response) })
+}
+
+/// The body of one call's response: each message as a gRPC frame in a buffer of its own, then
+/// the trailers with the stream's status.
+struct ResponseBody<M> {
+    responses: ReceiverStream<Result<M, Status>>,
+    ended: bool,
+}
+
+impl<M> ResponseBody<M> {
+    fn new(responses: ReceiverStream<Result<M, Status>>) -> Self {
+        ResponseBody {
+            responses,
+            ended: false,
+        }
+    }
+
+    fn end(&mut self, status: Status) -> Result<Frame<Bytes>, Status> {
+        self.ended = true;
+        let mut trailers = http::HeaderMap::new();
+        status
+            .add_header(&mut trailers)
+            .map(|()| Frame::trailers(trailers))
+    }
+}
+
+impl<M: Message> http_body::Body for ResponseBody<M> {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        let frame = match ready!(Pin::new(&mut self.responses).poll_next(cx)) {
+            Some(Ok(message)) => match frame(&message) {
+                Ok(bytes) => Ok(Frame::data(bytes)),
+                Err(status) => self.end(status),
+            },
+            Some(Err(status)) => self.end(status),
+            None => self.end(Status::ok("")),
+        };
+        Poll::Ready(Some(frame))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+}
+
+/// One message as a gRPC length-prefixed frame (uncompressed), in a buffer of exactly its size.
+fn frame(message: &impl Message) -> Result<Bytes, Status> {
+    let len = message.encoded_len();
+    let prefix = u32::try_from(len).map_err(|_| {
+        Status::resource_exhausted(format!("a response of {len} bytes exceeds gRPC's 4 GiB"))
+    })?;
+    let mut buf = BytesMut::with_capacity(5 + len);
+    buf.put_u8(0);
+    buf.put_u32(prefix);
+    message.encode_raw(&mut buf);
+    Ok(buf.freeze())
 }
 
 impl<B> Service<http::Request<B>> for AdsService
@@ -93,5 +174,75 @@ where
             DELTA_PATH => serve::<DeltaStream, B>(server, request),
             _ => Box::pin(async { Ok(Status::unimplemented("").into_http()) }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::poll_fn;
+
+    use http_body::Body as _;
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::xds::SotwResponse;
+
+    type Sent = Result<SotwResponse, Status>;
+
+    async fn frames(items: Vec<Sent>) -> Vec<Frame<Bytes>> {
+        let (tx, rx) = mpsc::channel(items.len().max(1));
+        for item in items {
+            tx.send(item).await.unwrap();
+        }
+        drop(tx);
+        let mut body = ResponseBody::new(ReceiverStream::new(rx));
+        let mut frames = Vec::new();
+        while let Some(frame) = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            frames.push(frame.unwrap());
+        }
+        assert!(body.is_end_stream());
+        frames
+    }
+
+    fn response(nonce: &str) -> SotwResponse {
+        SotwResponse {
+            version_info: "v".repeat(300),
+            nonce: nonce.to_string(),
+            ..SotwResponse::default()
+        }
+    }
+
+    fn status_of(frame: &Frame<Bytes>) -> &str {
+        frame.trailers_ref().expect("trailers")["grpc-status"]
+            .to_str()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn each_message_is_one_exact_frame_and_a_closed_stream_ends_with_ok() {
+        let frames = frames(vec![Ok(response("1")), Ok(response("2"))]).await;
+        assert_eq!(frames.len(), 3);
+        for (frame, nonce) in frames[..2].iter().zip(["1", "2"]) {
+            let data = frame.data_ref().expect("a message");
+            let message = response(nonce).encode_to_vec();
+            assert_eq!(data[0], 0, "not compressed");
+            assert_eq!(&data[1..5], (message.len() as u32).to_be_bytes());
+            assert_eq!(&data[5..], message);
+        }
+        assert_eq!(status_of(&frames[2]), "0");
+    }
+
+    #[tokio::test]
+    async fn an_error_ends_the_body_with_its_status() {
+        let frames = frames(vec![
+            Ok(response("1")),
+            Err(Status::permission_denied("not a pod of this node")),
+            Ok(response("never")),
+        ])
+        .await;
+        assert_eq!(frames.len(), 2, "nothing after the status");
+        let trailers = frames[1].trailers_ref().unwrap();
+        assert_eq!(status_of(&frames[1]), "7");
+        assert_eq!(trailers["grpc-message"], "not%20a%20pod%20of%20this%20node");
     }
 }

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
 
+use super::response::SotwResponse;
 use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, parse_version};
 use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, intern, nonce};
 use super::wire::{NameList, SotwRequest};
@@ -32,7 +32,7 @@ pub struct SotwStream {
 
 impl Ads for SotwStream {
     type Request = SotwRequest;
-    type Response = DiscoveryResponse;
+    type Response = SotwResponse;
     const MODE: &'static str = "sotw";
 
     fn node(request: &SotwRequest) -> Option<&Node> {
@@ -43,7 +43,7 @@ impl Ads for SotwStream {
         &mut self,
         request: &SotwRequest,
         snapshot: &XdsSnapshot,
-    ) -> (Vec<Push<DiscoveryResponse>>, Vec<Event>) {
+    ) -> (Vec<Push<SotwResponse>>, Vec<Event>) {
         let Some(kind) = ResourceType::from_type_url(&request.type_url) else {
             let event = Event::UnknownType {
                 type_url: request.type_url.clone(),
@@ -88,7 +88,7 @@ impl Ads for SotwStream {
         (self.push(snapshot), events)
     }
 
-    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DiscoveryResponse>> {
+    fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<SotwResponse>> {
         self.push(snapshot)
     }
 
@@ -100,7 +100,7 @@ impl Ads for SotwStream {
 }
 
 impl SotwStream {
-    fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DiscoveryResponse>> {
+    fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<SotwResponse>> {
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
             let common = &mut self.types[kind.index()].common;
@@ -137,10 +137,10 @@ impl SotwStream {
                 current
                     .values()
                     .filter(|r| common.interest.wants(&r.name))
-                    .map(|r| r.body.clone())
+                    .cloned()
                     .collect()
             } else {
-                found.changed.iter().map(|r| r.body.clone()).collect()
+                found.changed
             };
             let version = common.client.version_info();
             let nonce = nonce(&mut self.nonces);
@@ -151,12 +151,11 @@ impl SotwStream {
             state.sent_version = Some(version.clone());
             out.push(Push {
                 kind,
-                response: DiscoveryResponse {
+                response: SotwResponse {
                     version_info: version,
                     resources,
                     type_url: kind.type_url().to_string(),
                     nonce,
-                    ..DiscoveryResponse::default()
                 },
             });
             self.types[ResourceType::Endpoint.index()]
@@ -288,7 +287,7 @@ mod tests {
         request
     }
 
-    fn ack(response: &DiscoveryResponse, names: &[&str]) -> SotwRequest {
+    fn ack(response: &SotwResponse, names: &[&str]) -> SotwRequest {
         sotw(
             &response.type_url,
             names,
@@ -298,12 +297,12 @@ mod tests {
     }
 
     /// The cluster names of the assignments in a SotW EDS response.
-    fn assignments(response: &DiscoveryResponse) -> Vec<String> {
+    fn assignments(response: &SotwResponse) -> Vec<String> {
         response
             .resources
             .iter()
-            .map(|any| {
-                ClusterLoadAssignment::decode(any.value.as_slice())
+            .map(|r| {
+                ClusterLoadAssignment::decode(r.body.value.as_slice())
                     .unwrap()
                     .cluster_name
             })
@@ -518,7 +517,7 @@ mod tests {
         world.set("/foo/web", Protocol::Http, &["10.0.0.8:8080"]);
         let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
         let mut stream = Tested::<SotwStream>::default();
-        let mut last: HashMap<&str, DiscoveryResponse> = HashMap::new();
+        let mut last: HashMap<&str, SotwResponse> = HashMap::new();
         for (url, names) in [
             (CDS, vec![]),
             (EDS, vec![BUZZ]),
@@ -571,7 +570,7 @@ mod tests {
         let mut responses = 0;
         while let Some(response) = out.pop() {
             responses += 1;
-            let bytes: usize = response.resources.iter().map(|r| r.value.len()).sum();
+            let bytes: usize = response.resources.iter().map(|r| r.body.value.len()).sum();
             assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
             got.extend(assignments(&response));
             (out, _) = stream.on_request(&ack(&response, &names), &snap);

@@ -1,8 +1,6 @@
 //! Fixtures for the stream state machines' tests: a little mesh that can be edited and its real
 //! translations, and a stream wrapped the way the server drives it.
 
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryResponse, DiscoveryResponse};
-
 use super::snapshot::{ResourceType, XdsSnapshot};
 use super::stream::{Ads, Event, RESPONSE_BUDGET};
 use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
@@ -88,13 +86,13 @@ pub(super) trait TypeUrl {
     fn type_url(&self) -> &str;
 }
 
-impl TypeUrl for DiscoveryResponse {
+impl TypeUrl for super::SotwResponse {
     fn type_url(&self) -> &str {
         &self.type_url
     }
 }
 
-impl TypeUrl for DeltaDiscoveryResponse {
+impl TypeUrl for super::DeltaResponse {
     fn type_url(&self) -> &str {
         &self.type_url
     }
