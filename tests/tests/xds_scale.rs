@@ -16,7 +16,8 @@
 //! every synthetic client reconnects with what it holds (Delta: `initial_resource_versions`;
 //! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
 //! answered and holding the whole mesh (`restart.agent_ready_ms`: kill → the new agent's
-//! `/readyz`, its own start), `restart.bytes_per_delta_client` (and
+//! `/readyz`, its own start; `restart.agent_cpu_s`: the new agent's CPU seconds at ready and
+//! at consistent), `restart.bytes_per_delta_client` (and
 //! `_sotw_`) what a client received again although nothing had changed.
 //!
 //! Envoy is watched through its admin API, with queries that stay cheap at 10k clusters: for
@@ -729,14 +730,15 @@ async fn restart(
     let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
     let killed = Instant::now();
     agent.restart();
+    let pid = agent.pid();
     let deadline = killed + SYNC;
     // When the new agent is ready (its first snapshot translated): the part of the figure
-    // that is the agent's own start, before any stream is served.
+    // that is the agent's own start, before any stream is served; and its CPU until then.
     let admin = agent.admin;
     let ready = tokio::task::spawn_blocking(move || {
         loop {
             if matches!(http_get(admin, "/readyz"), Ok((200, _))) || Instant::now() > deadline {
-                return Instant::now();
+                return (Instant::now(), pid.and_then(cpu_seconds));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -764,7 +766,8 @@ async fn restart(
         .filter_map(|c| c.with_view(|v| v.answered.values().max().copied()))
         .max()
         .unwrap_or(killed);
-    let ready = ready.await.expect("the readiness poll");
+    let cpu_consistent = pid.and_then(cpu_seconds);
+    let (ready, cpu_ready) = ready.await.expect("the readiness poll");
     let (mut sotw, mut delta) = (Vec::new(), Vec::new());
     for ((client, before), mode) in fleet.iter().zip(&bytes_before).zip(modes) {
         let sent = (client.with_view(|v| v.bytes) - before) as f64;
@@ -780,6 +783,7 @@ async fn restart(
     json!({
         "consistent_ms": ms(consistent_at.duration_since(killed)),
         "agent_ready_ms": ms(ready.duration_since(killed)),
+        "agent_cpu_s": {"ready": cpu_ready, "consistent": cpu_consistent},
         "bytes_per_delta_client": mean(&delta),
         "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
         "bytes_per_sotw_client": mean(&sotw),

@@ -204,6 +204,7 @@ impl EnvoyTranslator {
             resources: self.resources.clone(),
             parts: self.parts.clone(),
             changed_at: mesh.taken_at,
+            indexes: Default::default(),
         }
     }
 

@@ -9,7 +9,7 @@ use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 
 use super::response::DeltaResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, Event, NameSet, Push, TypeState, intern, nonce};
+use super::stream::{Ads, Event, NameSet, Push, TypeState, nonce};
 
 #[derive(Debug, Default)]
 struct DeltaTypeState {
@@ -50,7 +50,10 @@ impl Ads for DeltaStream {
             };
             return (Vec::new(), vec![event]);
         };
-        let current = snapshot.of(kind);
+        let current = snapshot.names(
+            kind,
+            request.initial_resource_versions.len() + request.resource_names_subscribe.len(),
+        );
         let state = &mut self.types[kind.index()];
         let common = &mut state.common;
         let mut events = Vec::new();
@@ -65,7 +68,7 @@ impl Ads for DeltaStream {
             // (another control plane's) matches nothing, so the resource is sent again.
             for (name, version) in &request.initial_resource_versions {
                 let version = parse_version(version).unwrap_or(u64::MAX);
-                common.client.insert(intern(current, name), version);
+                common.client.insert(current.intern(name), version);
             }
             common.baseline = None;
         }
@@ -74,7 +77,7 @@ impl Ads for DeltaStream {
                 common.interest.wildcard = true;
                 common.baseline = None;
             } else if !common.interest.names.contains(name.as_str()) {
-                let name = intern(current, name);
+                let name = current.intern(name);
                 common.interest.names.insert(name.clone());
                 state.told_absent.remove(&name);
                 common.look_again(name);
@@ -380,6 +383,42 @@ mod tests {
             "only what differs"
         );
         assert_eq!(out[0].removed_resources, ["gone|1"]);
+    }
+
+    /// A reconnect that names more than a few names looks them up through the snapshot's hash
+    /// index, with the same outcome as the ordered lookups above.
+    #[test]
+    fn delta_reconnect_at_scale_goes_through_the_index_alike() {
+        let mut world = World::new();
+        let snap = world.add_many(1500);
+        let clusters = snap.of(ResourceType::Cluster);
+        let mut held: HashMap<String, String> = clusters
+            .values()
+            .map(|r| (r.name.to_string(), r.version_string()))
+            .collect();
+        let stale = "s7.many.system.internal|8080";
+        held.insert(stale.to_string(), "stale".to_string());
+        held.insert("gone|1".to_string(), "v".to_string());
+        let mut request = delta(CDS, &[], &[], "");
+        request.initial_resource_versions = held;
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert!(snap.indexes.built(ResourceType::Cluster));
+        assert_eq!(names(&out[0]), [stale], "only what differs");
+        assert_eq!(out[0].removed_resources, ["gone|1"]);
+
+        // Every assignment held and subscribed, and one name that does not exist.
+        let assignments = snap.of(ResourceType::Endpoint);
+        let mut subscribe: Vec<&str> = assignments.keys().map(|n| &**n).collect();
+        subscribe.push("absent|1");
+        let mut request = delta(EDS, &subscribe, &[], "");
+        request.initial_resource_versions = assignments
+            .values()
+            .map(|r| (r.name.to_string(), r.version_string()))
+            .collect();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert!(out[0].resources.is_empty(), "nothing to send again");
+        assert_eq!(out[0].removed_resources, ["absent|1"]);
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::SotwResponse;
-use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, intern, nonce};
+use super::snapshot::{ResourceType, XdsResource, XdsSnapshot, parse_version};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, nonce};
 use super::wire::{NameList, SotwRequest};
 
 #[derive(Debug, Default)]
@@ -81,9 +81,9 @@ impl Ads for SotwStream {
             state.common.requested = true;
             state.common.must_answer = true;
         }
-        set_sotw_interest(state, kind, &request.resource_names, snapshot.of(kind));
+        set_sotw_interest(state, kind, &request.resource_names, snapshot);
         if first && request.response_nonce.is_empty() {
-            adopt_held(state, kind, &request.version_info, snapshot.of(kind));
+            adopt_held(state, kind, &request.version_info, snapshot);
         }
         (self.push(snapshot), events)
     }
@@ -172,14 +172,20 @@ impl SotwStream {
 /// that: nothing is re-sent. A type sent by change (endpoints, routes) is answered with no
 /// resources, which changes nothing; a whole type is not answered at all (a response would
 /// have to repeat every resource), as control planes do when the client is up to date.
-fn adopt_held(state: &mut SotwTypeState, kind: ResourceType, version: &str, current: &ResourceMap) {
+fn adopt_held(
+    state: &mut SotwTypeState,
+    kind: ResourceType,
+    version: &str,
+    snapshot: &XdsSnapshot,
+) {
     if parse_version(version).is_none() {
         return;
     }
     let common = &mut state.common;
     let mut wanted = ClientView::default();
+    let current = snapshot.names(kind, common.interest.names.len());
     let resources: Box<dyn Iterator<Item = &Arc<XdsResource>>> = if common.interest.wildcard {
-        Box::new(current.values())
+        Box::new(snapshot.of(kind).values())
     } else {
         Box::new(common.interest.names.iter().filter_map(|n| current.get(n)))
     };
@@ -204,7 +210,7 @@ fn set_sotw_interest(
     state: &mut SotwTypeState,
     kind: ResourceType,
     names: &NameList,
-    current: &ResourceMap,
+    snapshot: &XdsSnapshot,
 ) {
     let fingerprint = names.fingerprint();
     if state.names_fingerprint == Some(fingerprint) {
@@ -224,13 +230,14 @@ fn set_sotw_interest(
     {
         return;
     }
+    let current = snapshot.names(kind, names.len());
     let fresh: NameSet = named()
         .map(|n| {
             interest
                 .names
                 .get(n)
                 .cloned()
-                .unwrap_or_else(|| intern(current, n))
+                .unwrap_or_else(|| current.intern(n))
         })
         .collect();
     let added: Vec<Arc<str>> = fresh.difference(&interest.names).cloned().collect();

@@ -91,14 +91,6 @@ pub(super) fn nonce(counter: &mut u64) -> String {
     counter.to_string()
 }
 
-/// A name as the current snapshot spells it (sharing its allocation), or a new one for names
-/// the snapshot does not hold.
-pub(super) fn intern(current: &ResourceMap, name: &str) -> Arc<str> {
-    current
-        .get_key_value(name)
-        .map_or_else(|| Arc::from(name), |(key, _)| key.clone())
-}
-
 /// Hash sets and maps of resource names, per stream: foldhash instead of std's SipHash, which
 /// was 7 % of the agent's CPU in a 10k-service first sync (every name of a type is hashed a few
 /// times per stream). Its per-process random seed still keeps a client from choosing colliding
@@ -309,8 +301,16 @@ impl TypeState {
                 // into it per name, and `changed` comes out sorted), then what the client holds
                 // or named that it lacks.
                 self.backlog.clear();
+                // How many of the client's names, and of the names it subscribed to, the walk
+                // met: when all of them, none is missing from the snapshot, and the two lookups
+                // per name below are skipped (at 10k, 20k ordered lookups per type and stream).
+                let (mut held_met, mut named_met) = (0, 0);
                 for (name, resource) in current {
                     let held = self.client.get(name);
+                    held_met += usize::from(held.is_some());
+                    if !self.interest.wildcard && self.interest.names.contains(name) {
+                        named_met += 1;
+                    }
                     if self.interest.wants(name) {
                         if held != Some(resource.version) {
                             found.changed.push(resource.clone());
@@ -319,14 +319,18 @@ impl TypeState {
                         found.removed.push(name.clone());
                     }
                 }
-                for name in self.client.names() {
-                    if !current.contains_key(name) {
-                        found.removed.push(name.clone());
+                if held_met < self.client.len() {
+                    for name in self.client.names() {
+                        if !current.contains_key(name) {
+                            found.removed.push(name.clone());
+                        }
                     }
                 }
-                for name in &self.interest.names {
-                    if !current.contains_key(name) && self.client.get(name).is_none() {
-                        found.absent.push(name.clone());
+                if named_met < self.interest.names.len() {
+                    for name in &self.interest.names {
+                        if !current.contains_key(name) && self.client.get(name).is_none() {
+                            found.absent.push(name.clone());
+                        }
                     }
                 }
                 found.removed.sort();

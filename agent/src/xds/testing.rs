@@ -45,6 +45,24 @@ impl World {
         self.snapshot()
     }
 
+    /// `count` more HTTP services, `/many/s<i>`, translated once.
+    pub(super) fn add_many(&mut self, count: usize) -> XdsSnapshot {
+        for i in 0..count {
+            let spec = ServiceSpec::new(
+                format!("/many/s{i}").parse().unwrap(),
+                vec![ServicePort {
+                    name: None,
+                    port: 8080,
+                    protocol: Protocol::Http,
+                    endpoints: EndpointSet::parsed(&["10.0.0.1:8080"]),
+                    hosts: Default::default(),
+                }],
+            );
+            self.state.upsert(spec).unwrap();
+        }
+        self.snapshot()
+    }
+
     pub(super) fn remove(&mut self, path: &str) -> XdsSnapshot {
         self.state.remove(&path.parse().unwrap());
         self.snapshot()

@@ -124,6 +124,7 @@ impl View {
             resources,
             parts: Default::default(),
             changed_at: snapshot.changed_at,
+            indexes: Default::default(),
         });
         self.source = Some(snapshot.clone());
         self.made = Some(made.clone());
