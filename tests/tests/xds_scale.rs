@@ -54,7 +54,10 @@
 //! stream connected and ACKing; the answer waits for its proxy) and the same lookup repeated,
 //! `LATTICE_BENCH_DNS_LOOKUPS` (10) names per client. No restart. Envoy has no LDS, so the
 //! agent never sees it hold a view (listeners and routes are part of it): the answers to its
-//! lookups wait out `--scope-wait-ms`, which does not delay what Envoy receives.
+//! lookups wait out `--scope-wait-ms`, which does not delay what Envoy receives. With an
+//! Envoy, an empty one (admin only) is started after the scoped run for its RSS
+//! (`envoy_rss_empty_mib`): Envoy's own footprint, which `scoped_vs_full.envoy_rss_over_empty_*`
+//! takes off both the scoped and the unscoped figure before comparing them.
 //!
 //! Ignored by default; `cargo xtask bench --only xds` runs it with a release agent. Sizes from
 //! `LATTICE_BENCH_SERVICES` (10000), `LATTICE_BENCH_BASELINE_SERVICES` (100),
@@ -1521,13 +1524,41 @@ async fn scoped_run(
     })
 }
 
+/// The RSS of an Envoy that holds nothing (admin only, the benchmark's arguments), once it is
+/// ready: Envoy's own footprint, which no control plane can take off a proxy's RSS.
+fn empty_envoy_rss_mib() -> Option<f64> {
+    let dir = tempfile::tempdir().ok()?;
+    let admin = SocketAddr::from(([127, 0, 0, 1], lattice_e2e::agent::free_port()));
+    let bootstrap = dir.path().join("empty.json");
+    let config = json!({
+        "node": {"id": "empty", "cluster": "lattice"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+    });
+    std::fs::write(&bootstrap, config.to_string()).ok()?;
+    let envoy = Envoy::start_with_bootstrap(&bootstrap, admin, dir);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !matches!(http_get(admin, "/ready"), Ok((200, _))) {
+        if Instant::now() > deadline {
+            eprintln!("the empty Envoy never became ready:\n{}", envoy.log());
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    envoy.pid().and_then(rss_mib)
+}
+
 /// The scoped run against the full one, both at full size: scoped / full.
-fn scoped_vs_full(full: &Value, scoped: &Value) -> Value {
+fn scoped_vs_full(full: &Value, scoped: &Value, empty: Option<f64>) -> Value {
     let ratio = |full_path: &[&str], scoped_path: &[&str]| -> Option<f64> {
         let get = |v: &Value, path: &[&str]| path.iter().fold(v, |v, k| &v[*k]).as_f64();
         Some(get(scoped, scoped_path)? / get(full, full_path)?)
     };
     let same = |path: &[&str]| ratio(path, path);
+    let over_empty = |path: &[&str]| -> Option<f64> {
+        let get = |v: &Value| path.iter().fold(v, |v, k| &v[*k]).as_f64();
+        let empty = empty?;
+        Some((get(scoped)? - empty) / (get(full)? - empty))
+    };
     json!({
         "bytes_at_sync_sotw": ratio(&["bytes_per_client_at_sync", "sotw_mean"], &["bytes_per_client_at_sync", "sotw_mean"]),
         "bytes_at_sync_delta": ratio(&["bytes_per_client_at_sync", "delta_mean"], &["bytes_per_client_at_sync", "delta_mean"]),
@@ -1535,6 +1566,9 @@ fn scoped_vs_full(full: &Value, scoped: &Value) -> Value {
         "bytes_at_sync_delta_without_routes": ratio(&["bytes_per_client_at_sync", "delta_mean"], &["bytes_per_client_at_sync", "delta_mean_without_routes"]),
         "envoy_rss_synced": same(&["envoy", "rss_mib", "synced"]),
         "envoy_rss_after_changes": same(&["envoy", "rss_mib", "after_changes"]),
+        // What the configuration costs Envoy, over an empty Envoy's own footprint.
+        "envoy_rss_over_empty_synced": over_empty(&["envoy", "rss_mib", "synced"]),
+        "envoy_rss_over_empty_after_changes": over_empty(&["envoy", "rss_mib", "after_changes"]),
         "agent_rss_synced": same(&["agent_rss_mib", "synced"]),
         "agent_rss_after_changes": same(&["agent_rss_mib", "after_changes"]),
         "initial_sync": same(&["initial_sync_ms"]),
@@ -1583,8 +1617,9 @@ async fn xds_propagation_and_cost_at_scale() {
             let sizes = (scope, lookups);
             let figures = scoped_run(services, clients, sotw, changes, sizes, envoy).await;
             println!("{source:?} scoped: {figures}");
-            let ratios = scoped_vs_full(&large, &figures);
-            Some((figures, ratios))
+            let empty = envoy.and_then(|_| empty_envoy_rss_mib());
+            let ratios = scoped_vs_full(&large, &figures, empty);
+            Some((figures, ratios, empty))
         } else {
             None
         };
@@ -1596,9 +1631,10 @@ async fn xds_propagation_and_cost_at_scale() {
                 report.insert("mesh_file".into(), section);
             }
         }
-        if let Some((figures, ratios)) = scoped {
+        if let Some((figures, ratios, empty)) = scoped {
             report.insert("scoped".into(), figures);
             report.insert("scoped_vs_full".into(), ratios);
+            report.insert("envoy_rss_empty_mib".into(), empty.into());
         }
     }
     if envoy.is_some() {
