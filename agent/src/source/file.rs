@@ -1,13 +1,14 @@
 //! Mesh-file source: a YAML file describing the whole mesh, followed live.
 //!
-//! The file is parsed and validated as a whole (the services, then their routing rules, which
-//! name other services of the file); a bad edit is logged and the last good mesh keeps
-//! serving. Changes are seen through inotify on the file's directory, so editors that
+//! The file is validated as a whole (the services, then their routing rules, which name other
+//! services of the file), but an edit re-parses only the `services` items whose text changed
+//! ([`items`]); a bad edit is logged and the last good mesh keeps serving. Changes are seen through inotify on the file's directory, so editors that
 //! replace the file and Kubernetes ConfigMap symlink swaps are both caught.
 
+mod items;
 mod routes;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -113,226 +114,265 @@ fn ready_by_default() -> bool {
     true
 }
 
-/// Parses and validates mesh-file text. Errors name the service and the field.
+/// Parses and validates mesh-file text as a whole. Errors name the service and the field.
 pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String> {
     let file: MeshFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
-    let mut seen = HashSet::new();
-    let mut specs = Vec::with_capacity(file.services.len());
-    let mut all_routes = Vec::with_capacity(file.services.len());
-    for (i, service) in file.services.into_iter().enumerate() {
-        let at = format!("services[{i}]");
-        let path: MeshPath = service
-            .path
+    let services = file
+        .services
+        .into_iter()
+        .enumerate()
+        .map(|(i, service)| read_service(i, service, provider))
+        .collect::<Result<Vec<_>, _>>()?;
+    assemble(&services)
+}
+
+/// One `services` item, validated on its own: its spec, and its rules as the file wrote them
+/// (they name other services, so they are checked once every service is read: [`assemble`]).
+struct ReadService {
+    spec: ServiceSpec,
+    routes: Vec<routes::FileRoute>,
+}
+
+/// Validates the `i`th service of the file, alone.
+fn read_service(
+    i: usize,
+    service: FileService,
+    provider: &Provider,
+) -> Result<ReadService, String> {
+    let at = format!("services[{i}]");
+    let path: MeshPath = service
+        .path
+        .parse()
+        .map_err(|e| format!("{at}.path: {e}"))?;
+    let at = format!("{at} ({path})");
+    if service.ports.is_empty() {
+        return Err(format!("{at}.ports: a service needs at least one port"));
+    }
+    let health = super::health::policy(service.health).map_err(|e| format!("{at}.health.{e}"))?;
+    let traffic_distribution = match &service.traffic_distribution {
+        None => TrafficDistribution::Any,
+        Some(value) => value
             .parse()
-            .map_err(|e| format!("{at}.path: {e}"))?;
-        let at = format!("{at} ({path})");
-        if !seen.insert(path.clone()) {
-            return Err(format!(
-                "{at}: duplicate path {path}: each path may appear once"
-            ));
-        }
-        if service.ports.is_empty() {
-            return Err(format!("{at}.ports: a service needs at least one port"));
-        }
-        let health =
-            super::health::policy(service.health).map_err(|e| format!("{at}.health.{e}"))?;
-        let traffic_distribution = match &service.traffic_distribution {
-            None => TrafficDistribution::Any,
-            Some(value) => value
-                .parse()
-                .map_err(|e| format!("{at}.trafficDistribution: {e}"))?,
-        };
-        let mut endpoints = Vec::with_capacity(service.endpoints.len());
-        let mut hosts: Vec<HostName> = Vec::new();
-        let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
-        let named = service
-            .endpoints
-            .iter()
-            .filter(|e| e.name.is_some())
-            .count();
-        if named != 0 && named != service.endpoints.len() {
-            return Err(format!(
-                "{at}.endpoints: {named} of {} endpoints have a name: name all of them (a \
+            .map_err(|e| format!("{at}.trafficDistribution: {e}"))?,
+    };
+    let mut endpoints = Vec::with_capacity(service.endpoints.len());
+    let mut hosts: Vec<HostName> = Vec::new();
+    let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
+    let named = service
+        .endpoints
+        .iter()
+        .filter(|e| e.name.is_some())
+        .count();
+    if named != 0 && named != service.endpoints.len() {
+        return Err(format!(
+            "{at}.endpoints: {named} of {} endpoints have a name: name all of them (a \
                  stateful service's instances) or none",
-                service.endpoints.len()
-            ));
-        }
-        for (j, endpoint) in service.endpoints.iter().enumerate() {
-            let ip: IpAddr = match endpoint.address.parse() {
-                Ok(ip) => ip,
-                Err(_) => {
-                    let host: HostName = endpoint.address.parse().map_err(|e| {
-                        format!(
-                            "{at}.endpoints[{j}].address: neither an IP address nor a host \
-                             name: {e}"
-                        )
-                    })?;
-                    if endpoint.name.is_some() {
-                        return Err(format!(
-                            "{at}.endpoints[{j}]: a host-name endpoint cannot be a named \
-                             instance (an instance needs an address of its own)"
-                        ));
-                    }
-                    if endpoint.ready {
-                        hosts.push(host);
-                    }
-                    continue;
-                }
-            };
-            if let Some(name) = &endpoint.name {
-                path.child(name).map_err(|_| {
+            service.endpoints.len()
+        ));
+    }
+    for (j, endpoint) in service.endpoints.iter().enumerate() {
+        let ip: IpAddr = match endpoint.address.parse() {
+            Ok(ip) => ip,
+            Err(_) => {
+                let host: HostName = endpoint.address.parse().map_err(|e| {
                     format!(
-                        "{at}.endpoints[{j}].name: {name:?} is not a DNS label (1-63 of a-z, \
-                         0-9 and '-', not starting or ending with '-')"
+                        "{at}.endpoints[{j}].address: neither an IP address nor a host \
+                             name: {e}"
                     )
                 })?;
-                if instances.iter().any(|(n, _, _)| n == name) {
+                if endpoint.name.is_some() {
                     return Err(format!(
-                        "{at}.endpoints[{j}].name: {name:?} is listed twice"
+                        "{at}.endpoints[{j}]: a host-name endpoint cannot be a named \
+                             instance (an instance needs an address of its own)"
                     ));
                 }
-                instances.push((name.clone(), ip, endpoint.ready));
+                if endpoint.ready {
+                    hosts.push(host);
+                }
+                continue;
             }
-            let place = |field: &str, value: &Option<String>| {
-                value
-                    .as_deref()
-                    .map(place_name)
-                    .transpose()
-                    .map_err(|e| format!("{at}.endpoints[{j}].{field}: {e}"))
-            };
-            let zone = place("zone", &endpoint.zone)?;
-            let node = place("node", &endpoint.node)?;
-            if endpoint.ready {
-                endpoints.push((ip, zone, node));
-            }
-        }
-        let ip_count = service.endpoints.len()
-            - service
-                .endpoints
-                .iter()
-                .filter(|e| e.address.parse::<IpAddr>().is_err())
-                .count();
-        let host_count = service.endpoints.len() - ip_count;
-        if ip_count != 0 && host_count != 0 {
-            return Err(format!(
-                "{at}.endpoints: {ip_count} IP address(es) and {host_count} host name(s): a \
-                 service's endpoints are all IP addresses or all host names (an external \
-                 service); make two services"
-            ));
-        }
-        let host_header = match &service.host_header {
-            None => HostHeader::default(),
-            Some(_) if host_count == 0 => {
-                return Err(format!(
-                    "{at}.hostHeader: only a service whose endpoints are host names has one"
-                ));
-            }
-            Some(mode) => mode.parse().map_err(|e| format!("{at}.hostHeader: {e}"))?,
         };
-        let mut clients = Vec::with_capacity(service.clients.len());
-        for (j, client) in service.clients.iter().enumerate() {
-            client
-                .parse::<PodPattern>()
-                .map_err(|e| format!("{at}.clients[{j}]: {e}"))?;
-            clients.push(std::sync::Arc::from(client.as_str()));
-        }
-        let mut ports = Vec::with_capacity(service.ports.len());
-        let mut port_numbers = HashSet::new();
-        for (j, port) in service.ports.iter().enumerate() {
-            let number = port_number(port.port).ok_or_else(|| {
+        if let Some(name) = &endpoint.name {
+            path.child(name).map_err(|_| {
                 format!(
-                    "{at}.ports[{j}].port: {} is out of range 1-65535",
-                    port.port
+                    "{at}.endpoints[{j}].name: {name:?} is not a DNS label (1-63 of a-z, \
+                         0-9 and '-', not starting or ending with '-')"
                 )
             })?;
-            if !port_numbers.insert(number) {
+            if instances.iter().any(|(n, _, _)| n == name) {
                 return Err(format!(
-                    "{at}.ports[{j}].port: port {number} is listed twice"
+                    "{at}.endpoints[{j}].name: {name:?} is listed twice"
                 ));
             }
-            let target = match port.target_port {
-                None => number,
-                Some(target) => port_number(target).ok_or_else(|| {
-                    format!("{at}.ports[{j}].targetPort: {target} is out of range 1-65535")
-                })?,
-            };
-            let protocol: Protocol = port
-                .protocol
-                .parse()
-                .map_err(|e| format!("{at}.ports[{j}].protocol: {e}"))?;
-            if let Some(name) = &port.name
-                && path.child(name).is_err()
-            {
-                return Err(format!(
-                    "{at}.ports[{j}].name: {name:?} is not a DNS label (1-63 of a-z, 0-9 and \
-                     '-', not starting or ending with '-')"
-                ));
-            }
-            ports.push(ServicePort {
-                port: number,
-                name: port.name.as_deref().map(Arc::from),
-                protocol,
-                endpoints: endpoints
-                    .iter()
-                    .map(|(ip, zone, node)| Endpoint {
-                        zone: zone.clone(),
-                        node: node.clone(),
-                        ..Endpoint::new(SocketAddr::new(*ip, target), provider.clone())
-                    })
-                    .collect(),
-                hosts: hosts
-                    .iter()
-                    .map(|host| HostEndpoint {
-                        host: host.clone(),
-                        port: target,
-                        provider: provider.clone(),
-                    })
-                    .collect(),
-            });
+            instances.push((name.clone(), ip, endpoint.ready));
         }
-        let instances = instances
-            .into_iter()
-            .map(|(name, ip, ready)| InstanceSpec {
-                name,
-                ready,
-                endpoints: ports
-                    .iter()
-                    .zip(&service.ports)
-                    .map(|(port, file_port)| {
-                        let target = file_port
-                            .target_port
-                            .and_then(port_number)
-                            .unwrap_or(port.port);
-                        (port.port, SocketAddr::new(ip, target))
-                    })
-                    .collect(),
-            })
-            .collect();
-        specs.push(
-            ServiceSpec::new(path, ports)
-                .with_instances(instances)
-                .with_health(health)
-                .with_traffic_distribution(traffic_distribution)
-                .with_host_header(host_header)
-                .with_clients(clients),
-        );
-        all_routes.push((at, service.routes));
+        let place = |field: &str, value: &Option<String>| {
+            value
+                .as_deref()
+                .map(place_name)
+                .transpose()
+                .map_err(|e| format!("{at}.endpoints[{j}].{field}: {e}"))
+        };
+        let zone = place("zone", &endpoint.zone)?;
+        let node = place("node", &endpoint.node)?;
+        if endpoint.ready {
+            endpoints.push((ip, zone, node));
+        }
     }
-    // Rules name other services and their ports, so they are read once every service is.
-    let ports: routes::PortIndex = specs
-        .iter()
-        .map(|s| {
-            let ports = s.ports.iter().map(|p| (p.port, p.protocol)).collect();
-            (s.path.clone(), ports)
+    let ip_count = service.endpoints.len()
+        - service
+            .endpoints
+            .iter()
+            .filter(|e| e.address.parse::<IpAddr>().is_err())
+            .count();
+    let host_count = service.endpoints.len() - ip_count;
+    if ip_count != 0 && host_count != 0 {
+        return Err(format!(
+            "{at}.endpoints: {ip_count} IP address(es) and {host_count} host name(s): a \
+                 service's endpoints are all IP addresses or all host names (an external \
+                 service); make two services"
+        ));
+    }
+    let host_header = match &service.host_header {
+        None => HostHeader::default(),
+        Some(_) if host_count == 0 => {
+            return Err(format!(
+                "{at}.hostHeader: only a service whose endpoints are host names has one"
+            ));
+        }
+        Some(mode) => mode.parse().map_err(|e| format!("{at}.hostHeader: {e}"))?,
+    };
+    let mut clients = Vec::with_capacity(service.clients.len());
+    for (j, client) in service.clients.iter().enumerate() {
+        client
+            .parse::<PodPattern>()
+            .map_err(|e| format!("{at}.clients[{j}]: {e}"))?;
+        clients.push(std::sync::Arc::from(client.as_str()));
+    }
+    let mut ports = Vec::with_capacity(service.ports.len());
+    let mut port_numbers = HashSet::new();
+    for (j, port) in service.ports.iter().enumerate() {
+        let number = port_number(port.port).ok_or_else(|| {
+            format!(
+                "{at}.ports[{j}].port: {} is out of range 1-65535",
+                port.port
+            )
+        })?;
+        if !port_numbers.insert(number) {
+            return Err(format!(
+                "{at}.ports[{j}].port: port {number} is listed twice"
+            ));
+        }
+        let target = match port.target_port {
+            None => number,
+            Some(target) => port_number(target).ok_or_else(|| {
+                format!("{at}.ports[{j}].targetPort: {target} is out of range 1-65535")
+            })?,
+        };
+        let protocol: Protocol = port
+            .protocol
+            .parse()
+            .map_err(|e| format!("{at}.ports[{j}].protocol: {e}"))?;
+        if let Some(name) = &port.name
+            && path.child(name).is_err()
+        {
+            return Err(format!(
+                "{at}.ports[{j}].name: {name:?} is not a DNS label (1-63 of a-z, 0-9 and \
+                     '-', not starting or ending with '-')"
+            ));
+        }
+        ports.push(ServicePort {
+            port: number,
+            name: port.name.as_deref().map(Arc::from),
+            protocol,
+            endpoints: endpoints
+                .iter()
+                .map(|(ip, zone, node)| Endpoint {
+                    zone: zone.clone(),
+                    node: node.clone(),
+                    ..Endpoint::new(SocketAddr::new(*ip, target), provider.clone())
+                })
+                .collect(),
+            hosts: hosts
+                .iter()
+                .map(|host| HostEndpoint {
+                    host: host.clone(),
+                    port: target,
+                    provider: provider.clone(),
+                })
+                .collect(),
+        });
+    }
+    let instances = instances
+        .into_iter()
+        .map(|(name, ip, ready)| InstanceSpec {
+            name,
+            ready,
+            endpoints: ports
+                .iter()
+                .zip(&service.ports)
+                .map(|(port, file_port)| {
+                    let target = file_port
+                        .target_port
+                        .and_then(port_number)
+                        .unwrap_or(port.port);
+                    (port.port, SocketAddr::new(ip, target))
+                })
+                .collect(),
         })
         .collect();
-    specs
-        .into_iter()
-        .zip(all_routes)
-        .map(|(spec, (at, file_routes))| {
-            let rules =
-                routes::rules(&spec.path, file_routes, &ports).map_err(|e| format!("{at}.{e}"))?;
-            Ok(spec.with_routes(rules))
+    Ok(ReadService {
+        spec: ServiceSpec::new(path, ports)
+            .with_instances(instances)
+            .with_health(health)
+            .with_traffic_distribution(traffic_distribution)
+            .with_host_header(host_header)
+            .with_clients(clients),
+        routes: service.routes,
+    })
+}
+
+/// The file's services in file order: each path at most once, and each service's rules checked
+/// against the ports of every service.
+fn assemble<S: std::borrow::Borrow<ReadService>>(
+    services: &[S],
+) -> Result<Vec<ServiceSpec>, String> {
+    let at = |i: usize, path: &MeshPath| format!("services[{i}] ({path})");
+    let mut seen = HashSet::with_capacity(services.len());
+    for (i, service) in services.iter().enumerate() {
+        let path = &service.borrow().spec.path;
+        if !seen.insert(path) {
+            return Err(format!(
+                "{}: duplicate path {path}: each path may appear once",
+                at(i, path)
+            ));
+        }
+    }
+    // Rules name other services and their ports; most files have few rules, and without any
+    // the index is not built.
+    let ports: routes::PortIndex = if services.iter().any(|s| !s.borrow().routes.is_empty()) {
+        services
+            .iter()
+            .map(|s| {
+                let spec = &s.borrow().spec;
+                let ports = spec.ports.iter().map(|p| (p.port, p.protocol)).collect();
+                (spec.path.clone(), ports)
+            })
+            .collect()
+    } else {
+        routes::PortIndex::new()
+    };
+    services
+        .iter()
+        .enumerate()
+        .map(|(i, service)| {
+            let ReadService { spec, routes } = service.borrow();
+            if routes.is_empty() {
+                return Ok(spec.clone());
+            }
+            let rules = routes::rules(&spec.path, routes.clone(), &ports)
+                .map_err(|e| format!("{}.{e}", at(i, &spec.path)))?;
+            Ok(spec.clone().with_routes(rules))
         })
         .collect()
 }
@@ -356,20 +396,108 @@ fn port_number(value: i64) -> Option<u16> {
 
 /// Reads, parses and validates the file: its text and its services.
 pub fn load(path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
-    let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let specs = parse(&text, &Provider::file(path)).map_err(|message| MeshFileError::Syntax {
-        path: path.to_path_buf(),
-        message,
-    })?;
-    Ok((text, specs))
+    Reader::new(Provider::file(path)).load(path)
+}
+
+/// Reads the file's text into services, keeping each `services` item's reading by its text,
+/// so that an edit re-reads only the items it changed ([`items`]). Where the text does not
+/// split, or an item does not read by itself, or the items do not validate together, the
+/// whole text is read as [`parse`] reads it, and its errors name the place in the whole file.
+struct Reader {
+    provider: Provider,
+    /// The last good read's items, by their text.
+    items: ItemMap,
+}
+
+/// foldhash rather than SipHash: the keys are the whole file's text, 4 MB at 10k services.
+type ItemMap = HashMap<Box<str>, Arc<ReadService>, foldhash::fast::RandomState>;
+
+impl Reader {
+    fn new(provider: Provider) -> Self {
+        Reader {
+            provider,
+            items: ItemMap::default(),
+        }
+    }
+
+    fn load(&mut self, path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let specs = self.read(&text).map_err(|message| MeshFileError::Syntax {
+            path: path.to_path_buf(),
+            message,
+        })?;
+        Ok((text, specs))
+    }
+
+    fn read(&mut self, text: &str) -> Result<Vec<ServiceSpec>, String> {
+        if let Some(items) = items::split(text)
+            && let Some(specs) = self.read_items(&items)
+        {
+            return Ok(specs);
+        }
+        // A bad edit keeps the items of the last good read for the next edit.
+        let specs = parse(text, &self.provider)?;
+        self.items.clear();
+        tracing::debug!(
+            "mesh file read as a whole: its layout is not one whose items are read one by one"
+        );
+        Ok(specs)
+    }
+
+    /// The services of `items`, reading only those whose text is new; `None` where the whole
+    /// text must be read instead.
+    fn read_items(&mut self, items: &[&str]) -> Option<Vec<ServiceSpec>> {
+        let mut kept = ItemMap::with_capacity_and_hasher(items.len(), Default::default());
+        let mut services = Vec::with_capacity(items.len());
+        for (i, &item) in items.iter().enumerate() {
+            let service = if let Some((text, service)) = self.items.remove_entry(item) {
+                kept.insert(text, service.clone());
+                Some(service)
+            } else if let Some(service) = kept.get(item) {
+                // The same text twice: `assemble` refuses the duplicate path.
+                Some(service.clone())
+            } else {
+                read_item(i, item, &self.provider).map(|service| {
+                    let service = Arc::new(service);
+                    kept.insert(Box::from(item), service.clone());
+                    service
+                })
+            };
+            match service {
+                Some(service) => services.push(service),
+                None => {
+                    self.items.extend(kept);
+                    return None;
+                }
+            }
+        }
+        match assemble(&services) {
+            Ok(specs) => {
+                self.items = kept;
+                Some(specs)
+            }
+            Err(_) => {
+                self.items.extend(kept);
+                None
+            }
+        }
+    }
+}
+
+/// One item's text (a YAML block sequence of one entry) as the `i`th service of the file.
+fn read_item(i: usize, item: &str, provider: &Provider) -> Option<ReadService> {
+    let mut list: Vec<FileService> = serde_norway::from_str(item).ok()?;
+    let service = list.pop().filter(|_| list.is_empty())?;
+    read_service(i, service, provider).ok()
 }
 
 /// The mesh-file source, loaded once (so a bad file fails start-up) and then followed.
 pub struct FileSource {
     path: PathBuf,
+    reader: Reader,
     state: MeshState,
     /// The text the state was built from.
     text: String,
@@ -378,7 +506,8 @@ pub struct FileSource {
 impl FileSource {
     /// Loads the file and builds the first mesh. Fails on any error, naming the file.
     pub fn load(path: &Path, trap: TrapCidrs) -> Result<FileSource, MeshFileError> {
-        let (text, specs) = load(path)?;
+        let mut reader = Reader::new(Provider::file(path));
+        let (text, specs) = reader.load(path)?;
         let mut state = MeshState::new(trap);
         state
             .replace_all(specs)
@@ -388,6 +517,7 @@ impl FileSource {
             })?;
         Ok(FileSource {
             path: path.to_path_buf(),
+            reader,
             state,
             text,
         })
@@ -494,8 +624,10 @@ impl FileSource {
     }
 
     fn apply(&mut self, text: &str) -> Result<Arc<MeshSnapshot>, MeshFileError> {
-        let specs =
-            parse(text, &Provider::file(&self.path)).map_err(|message| MeshFileError::Syntax {
+        let specs = self
+            .reader
+            .read(text)
+            .map_err(|message| MeshFileError::Syntax {
                 path: self.path.clone(),
                 message,
             })?;
@@ -889,5 +1021,107 @@ services:
         // An empty or truncated file is far more likely a write in progress than intent.
         assert!(parse("").is_err());
         assert!(parse("{}").unwrap_err().contains("services"));
+    }
+
+    /// A file with every kind of item the reader splits: rules naming other services, a
+    /// stateful service, host names, health, comments between items.
+    fn varied_file() -> String {
+        let mut text = String::from("# generated\nservices:\n");
+        for i in 0..30 {
+            text.push_str(&format!(
+                "  # service {i}\n  - path: /ns{n}/svc{i}\n    ports:\n      - port: 80\n        protocol: http\n        targetPort: {target}\n    endpoints:\n      - address: 10.1.{n}.{i}\n        zone: z{n}\n      - address: 10.2.{n}.{i}\n",
+                n = i % 3,
+                target = 8000 + i
+            ));
+            if i % 10 == 1 {
+                text.push_str(&format!(
+                    "    routes:\n      - matches: [{{path: {{prefix: /v2}}}}]\n        backends:\n          - service: /ns{n}/svc{next}\n            weight: 90\n          - service: /ns{n2}/svc{i}\n            weight: 10\n",
+                    n = (i + 1) % 3,
+                    next = i + 1,
+                    n2 = i % 3,
+                ));
+            }
+        }
+        text.push_str("  - path: /db/pg\n    ports: [{port: 5432}]\n    endpoints:\n      - {address: 10.3.0.1, name: pg-0}\n      - {address: 10.3.0.2, name: pg-1, ready: false}\n");
+        text.push_str("  - path: /ext/api\n    ports:\n      - port: 443\n    endpoints:\n      - address: api.example.com\n    health:\n      check:\n        tcp: {}\n        interval: 5s\n    clients: [\"web/front*\"]\n");
+        text
+    }
+
+    fn reader() -> Reader {
+        Reader::new(Provider::new("file:test"))
+    }
+
+    #[test]
+    fn reading_by_items_gives_what_reading_the_whole_gives() {
+        let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+        let mut texts = vec![GOOD.to_string(), varied_file()];
+        for file in ["mesh.yaml", "blue-green.yaml"] {
+            texts.push(std::fs::read_to_string(format!("{examples}/{file}")).unwrap());
+        }
+        for text in &texts {
+            let items = items::split(text).expect("a plain layout splits");
+            let mut reader = reader();
+            assert_eq!(reader.read(text).unwrap(), parse(text).unwrap());
+            assert_eq!(reader.items.len(), items.len(), "every item is kept");
+        }
+    }
+
+    #[test]
+    fn an_edit_rereads_only_the_items_it_changed() {
+        let mut reader = reader();
+        let text = varied_file();
+        reader.read(&text).unwrap();
+        let before = reader.items.clone();
+        // One endpoint of one service moves; a service is added; one is removed.
+        let edited = text
+            .replace("10.2.1.4\n", "10.2.1.99\n")
+            .replace(
+                "  - path: /db/pg",
+                "  - path: /new/one\n    ports: [{port: 81}]\n  - path: /db/pg",
+            )
+            .replace("  - path: /ns2/svc5\n", "  - path: /ns2/svc5x\n");
+        let specs = reader.read(&edited).unwrap();
+        assert_eq!(specs, parse(&edited).unwrap());
+        let mut reread: Vec<&str> = reader
+            .items
+            .iter()
+            .filter(|(text, service)| {
+                before
+                    .get(&**text)
+                    .is_none_or(|old| !Arc::ptr_eq(old, service))
+            })
+            .map(|(_, service)| service.spec.path.as_str())
+            .collect();
+        reread.sort();
+        assert_eq!(reread, ["/new/one", "/ns1/svc4", "/ns2/svc5x"]);
+        // One added; the renamed one's old text is dropped.
+        assert_eq!(reader.items.len(), before.len() + 1);
+    }
+
+    #[test]
+    fn a_bad_edit_is_refused_with_the_whole_files_message_and_the_items_stay() {
+        let mut reader = reader();
+        let text = varied_file();
+        reader.read(&text).unwrap();
+        let good: Vec<Box<str>> = reader.items.keys().cloned().collect();
+        for bad in [
+            // A service of the same path twice: each item reads alone, the whole does not.
+            text.replace("/ns2/svc5\n", "/ns1/svc4\n"),
+            // Not YAML in one item.
+            text.replace("targetPort: 8004", "targetPort: [8004"),
+            // A rule naming a service that is not there.
+            text.replace("service: /ns2/svc2", "service: /ns2/nothing"),
+            // A bad port in one item.
+            text.replace("port: 5432", "port: 70000"),
+        ] {
+            assert_eq!(reader.read(&bad).unwrap_err(), parse(&bad).unwrap_err());
+            assert!(good.iter().all(|item| reader.items.contains_key(item)));
+        }
+        // A quoted string that spans an item boundary reads as the whole file reads it.
+        let spanning = text.replace(
+            "  - path: /db/pg",
+            "  - path: /q/s\n    ports: [{port: 82, name: \"a\n  - b\"}]\n  - path: /db/pg",
+        );
+        assert_eq!(reader.read(&spanning), parse(&spanning));
     }
 }

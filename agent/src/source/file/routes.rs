@@ -15,7 +15,7 @@ use crate::mesh::route::{
 };
 use crate::mesh::{MeshPath, Protocol};
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct FileRoute {
     name: Option<String>,
@@ -31,7 +31,7 @@ pub(super) struct FileRoute {
     request_headers: FileHeaderEdits,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileMatch {
     path: Option<FilePath>,
@@ -42,7 +42,7 @@ struct FileMatch {
     query: Vec<FileCondition>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FilePath {
     exact: Option<String>,
@@ -50,7 +50,7 @@ struct FilePath {
     regex: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileCondition {
     name: String,
@@ -59,7 +59,7 @@ struct FileCondition {
     present: Option<bool>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileBackend {
     service: String,
@@ -67,7 +67,7 @@ struct FileBackend {
     weight: Option<i64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileRetry {
     attempts: Option<i64>,
@@ -77,7 +77,7 @@ struct FileRetry {
     backoff: Option<String>,
 }
 
-#[derive(Default, Deserialize)]
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileHeaderEdits {
     #[serde(default)]
@@ -88,7 +88,7 @@ struct FileHeaderEdits {
     remove: Vec<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileHeader {
     name: String,
