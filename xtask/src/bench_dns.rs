@@ -6,6 +6,7 @@
 //! The lattice server is `dns/examples/bench_server.rs` (one thread, one UDP socket), built in
 //! release mode (debug for a smoke run). Everything listens on 127.0.0.1 only.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::UdpSocket;
 use std::path::{Path, PathBuf};
@@ -70,7 +71,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     for server in [&lattice, &unbound, &knot] {
         mesh.insert(
             server.name.into(),
-            dnsperf(server, &mesh_queries, seconds, None)?,
+            dnsperf(server, &mesh_queries, seconds, Load::Saturate)?,
         );
     }
     let mut forwarded = serde_json::Map::new();
@@ -79,7 +80,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         dnsperf_once(server.port, &forwarded_queries)?;
         forwarded.insert(
             server.name.into(),
-            dnsperf(server, &forwarded_queries, seconds, None)?,
+            dnsperf(server, &forwarded_queries, seconds, Load::Saturate)?,
         );
     }
     // Latency compared at the same offered load: half of the slowest server's saturation rate,
@@ -89,11 +90,30 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         .filter_map(|s| mesh[*s]["qps"].as_f64())
         .fold(f64::INFINITY, f64::min);
     let rate = ((slowest / 2.0) as u64).max(1000);
-    let mut latency = serde_json::Map::new();
+    // Tail latency moves from run to run on a shared machine: the servers take turns, round
+    // after round, and each figure is the median of its rounds.
+    let rounds = std::env::var("LATTICE_BENCH_DNS_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(if smoke { 1 } else { 3 })
+        .max(1);
+    let mut runs: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+    for _ in 0..rounds {
+        for server in [&lattice, &unbound, &knot] {
+            let run = dnsperf(server, &mesh_queries, seconds.min(5), Load::Rate(rate))?;
+            runs.entry(server.name).or_default().push(run);
+        }
+    }
+    let latency: serde_json::Map<String, Value> = runs
+        .into_iter()
+        .map(|(name, runs)| (name.to_string(), medians(runs)))
+        .collect();
+    // And at saturation, where queueing (in the server or in dnsperf) is part of the figure.
+    let mut saturated_latency = serde_json::Map::new();
     for server in [&lattice, &unbound, &knot] {
-        latency.insert(
+        saturated_latency.insert(
             server.name.into(),
-            dnsperf(server, &mesh_queries, seconds.min(5), Some(rate))?,
+            dnsperf(server, &mesh_queries, seconds.min(5), Load::SaturateTimed)?,
         );
     }
     let ratio = |section: &serde_json::Map<String, Value>, a: &str, b: &str, key: &str| {
@@ -115,6 +135,10 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
             "forwarded_qps_lattice_over_unbound": ratio(&forwarded, "lattice", "unbound", "qps"),
             "p99_latency_lattice_over_unbound": ratio(&latency, "lattice", "unbound", "p99_ms"),
             "p99_latency_lattice_over_knot": ratio(&latency, "lattice", "knot", "p99_ms"),
+            "saturated_p99_latency_lattice_over_unbound":
+                ratio(&saturated_latency, "lattice", "unbound", "p99_ms"),
+            "saturated_p99_latency_lattice_over_knot":
+                ratio(&saturated_latency, "lattice", "knot", "p99_ms"),
         }),
     );
     results.insert("mesh_names_saturated".into(), Value::Object(mesh));
@@ -124,10 +148,15 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         Value::Object(latency),
     );
     results.insert(
+        "mesh_names_latency_saturated".into(),
+        Value::Object(saturated_latency),
+    );
+    results.insert(
         "setup".into(),
         json!({
             "names": NAMES,
             "seconds_per_phase": seconds,
+            "latency_rounds": rounds,
             "server_core": SERVER_CORE,
             "dnsperf_core": CLIENT_CORE,
             "lattice": format!(
@@ -160,6 +189,8 @@ fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
         "mesh p50 ms",
         "mesh p99 ms",
         "mesh p999 ms",
+        "sat. p99 ms",
+        "sat. lost",
     ];
     println!(
         "{:<8} {}",
@@ -177,6 +208,14 @@ fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
             num(&latency["p50_ms"], 3),
             num(&latency["p99_ms"], 3),
             num(&latency["p999_ms"], 3),
+            num(
+                &results["mesh_names_latency_saturated"][server]["p99_ms"],
+                3,
+            ),
+            num(
+                &results["mesh_names_latency_saturated"][server]["queries_lost"],
+                0,
+            ),
         ];
         println!(
             "{server:<8} {}",
@@ -186,7 +225,8 @@ fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
     let ratios = &results["ratios"];
     println!(
         "lattice vs unbound: mesh qps {}× (per server CPU-second {}×), forwarded qps {}×, mesh p99 {}×; \
-         vs knot: mesh qps {}× (per server CPU-second {}×), mesh p99 {}× (latency at {})",
+         vs knot: mesh qps {}× (per server CPU-second {}×), mesh p99 {}× (latency at {}, median of \
+         the rounds); saturated p99 {}× unbound, {}× knot",
         num(&ratios["mesh_qps_lattice_over_unbound"], 2),
         num(
             &ratios["mesh_queries_per_cpu_second_lattice_over_unbound"],
@@ -200,6 +240,8 @@ fn print_table(results: &serde_json::Map<String, Value>, latency_key: &str) {
         latency_key
             .trim_start_matches("mesh_names_latency_at_")
             .replace('_', " "),
+        num(&ratios["saturated_p99_latency_lattice_over_unbound"], 2),
+        num(&ratios["saturated_p99_latency_lattice_over_knot"], 2),
     );
 }
 
@@ -366,21 +408,48 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(nanos as f64 / 1e9)
 }
 
+/// How hard a dnsperf run pushes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// As fast as dnsperf goes: queries per second.
+    Saturate,
+    /// As fast as dnsperf goes, with each query's latency (`-v`, which costs dnsperf some of
+    /// its rate): the tail under saturation.
+    SaturateTimed,
+    /// This many queries per second, with each query's latency.
+    Rate(u64),
+}
+
+/// Per figure, the median of the runs' values; the runs themselves under `rounds`.
+fn medians(runs: Vec<Value>) -> Value {
+    let mut result = serde_json::Map::new();
+    for key in ["p50_ms", "p99_ms", "p999_ms", "qps", "offered_qps"] {
+        let mut values: Vec<f64> = runs.iter().filter_map(|r| r[key].as_f64()).collect();
+        values.sort_by(f64::total_cmp);
+        if !values.is_empty() {
+            result.insert(key.into(), json!(values[values.len() / 2]));
+        }
+    }
+    result.insert("rounds".into(), Value::Array(runs));
+    Value::Object(result)
+}
+
 /// One dnsperf run against `server`: saturating (`rate` None) or at a fixed rate with
 /// per-query latencies (`-v`), from which the percentiles come. Also how busy the server's
 /// core was: if well under 100% while saturating, dnsperf on its one core was the limit, and
 /// the queries answered per CPU-second of the server compare the servers' efficiency.
-fn dnsperf(
-    server: &Server,
-    queries: &Path,
-    seconds: u64,
-    rate: Option<u64>,
-) -> anyhow::Result<Value> {
+fn dnsperf(server: &Server, queries: &Path, seconds: u64, load: Load) -> anyhow::Result<Value> {
     let port = server.port;
     let mut command = dnsperf_command(port, queries);
     command.args(["-l", &seconds.to_string()]);
-    if let Some(rate) = rate {
-        command.args(["-Q", &rate.to_string(), "-v"]);
+    match load {
+        Load::Saturate => {}
+        Load::SaturateTimed => {
+            command.arg("-v");
+        }
+        Load::Rate(rate) => {
+            command.args(["-Q", &rate.to_string(), "-v"]);
+        }
     }
     let cpu_before = cpu_seconds(server.child.id());
     let output = command
@@ -417,7 +486,7 @@ fn dnsperf(
             .filter(|(_, cpu)| *cpu > 0.0)
             .map(|(queries, cpu)| queries / cpu),
     });
-    if rate.is_some() {
+    if load != Load::Saturate {
         let mut latencies: Vec<f64> = text
             .lines()
             .filter(|l| l.starts_with("> "))
@@ -428,7 +497,9 @@ fn dnsperf(
             let last = latencies.len().checked_sub(1)?;
             Some(latencies[((last as f64) * p).round() as usize] * 1000.0)
         };
-        result["offered_qps"] = json!(rate);
+        if let Load::Rate(rate) = load {
+            result["offered_qps"] = json!(rate);
+        }
         result["p50_ms"] = json!(percentile(0.50));
         result["p99_ms"] = json!(percentile(0.99));
         result["p999_ms"] = json!(percentile(0.999));
