@@ -20,6 +20,7 @@ pub mod identity;
 pub mod mesh;
 pub mod metrics;
 pub mod node_local_address;
+pub mod parallel;
 pub mod readiness;
 pub mod scope;
 pub mod source;

@@ -27,6 +27,7 @@ use crate::mesh::{
     MeshSnapshot, MeshState, Protocol, Provider, ProviderTx, ServicePort, ServiceSpec,
     TrafficDistribution,
 };
+use crate::parallel;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MeshFileError {
@@ -450,21 +451,32 @@ impl Reader {
     /// The services of `items`, reading only those whose text is new; `None` where the whole
     /// text must be read instead.
     fn read_items(&mut self, items: &[&str]) -> Option<Vec<ServiceSpec>> {
+        // The new items are read first, on every core when there are many (the first read of
+        // a large file).
+        let new: Vec<(usize, &str)> = items
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, item)| !self.items.contains_key(*item))
+            .collect();
+        let provider = &self.provider;
+        let read = parallel::map_on_every_core(&new, |&(i, item)| read_item(i, item, provider));
+        let mut read = new.iter().map(|(i, _)| *i).zip(read).peekable();
         let mut kept = ItemMap::with_capacity_and_hasher(items.len(), Default::default());
         let mut services = Vec::with_capacity(items.len());
         for (i, &item) in items.iter().enumerate() {
-            let service = if let Some((text, service)) = self.items.remove_entry(item) {
-                kept.insert(text, service.clone());
-                Some(service)
-            } else if let Some(service) = kept.get(item) {
-                // The same text twice: `assemble` refuses the duplicate path.
-                Some(service.clone())
-            } else {
-                read_item(i, item, &self.provider).map(|service| {
+            let service = if let Some((_, service)) = read.next_if(|(j, _)| *j == i) {
+                service.map(|service| {
                     let service = Arc::new(service);
                     kept.insert(Box::from(item), service.clone());
                     service
                 })
+            } else if let Some((text, service)) = self.items.remove_entry(item) {
+                kept.insert(text, service.clone());
+                Some(service)
+            } else {
+                // The same text earlier in this file: `assemble` refuses the duplicate path.
+                kept.get(item).cloned()
             };
             match service {
                 Some(service) => services.push(service),
@@ -1054,7 +1066,16 @@ services:
     #[test]
     fn reading_by_items_gives_what_reading_the_whole_gives() {
         let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
-        let mut texts = vec![GOOD.to_string(), varied_file()];
+        // Enough items for the first read to run on every core.
+        let mut large = String::from("services:\n");
+        for i in 0..crate::parallel::PARALLEL_FROM + 100 {
+            large.push_str(&format!(
+                "- path: /big/s{i}\n  ports: [{{port: 80, protocol: http}}]\n  endpoints: [{{address: 10.9.{}.{}}}]\n",
+                i / 250,
+                i % 250
+            ));
+        }
+        let mut texts = vec![GOOD.to_string(), varied_file(), large];
         for file in ["mesh.yaml", "blue-green.yaml"] {
             texts.push(std::fs::read_to_string(format!("{examples}/{file}")).unwrap());
         }

@@ -58,6 +58,7 @@ use crate::mesh::{
     HostHeader, MeshSnapshot, NodeLocality, Provider, Service, ServiceAddress, ServiceMap,
     ServicePort, TrafficDistribution,
 };
+use crate::parallel;
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 use crate::xds::{ListenerBase, Part, PartsIndex, ServiceParts};
 
@@ -147,10 +148,26 @@ impl EnvoyTranslator {
         // Ports whose route configuration must be rebuilt though the shape did not change: a
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
         let mut rerouted: BTreeSet<Arc<str>> = BTreeSet::new();
-        for change in previous.diff(&mesh.services) {
+        let changes: Vec<_> = previous.diff(&mesh.services).collect();
+        // The clusters and assignments of every added or changed service, built first: on
+        // every core when there are many (the first snapshot builds 10k services' worth).
+        let (dns, node) = (&self.dns, &self.node);
+        let built = parallel::map_on_every_core(&changes, |change| match change {
+            DiffItem::Add(_, service) => Some(Built::of(service, true, dns, node)),
+            DiffItem::Update {
+                old: (_, old),
+                new: (_, new),
+            } => {
+                let same_shape = old.same_shape(new);
+                (!same_shape || !old.same_endpoints(new))
+                    .then(|| Built::of(new, !same_shape, dns, node))
+            }
+            DiffItem::Remove(..) => None,
+        });
+        for (change, built) in changes.into_iter().zip(built) {
             match change {
                 DiffItem::Add(_, service) => {
-                    self.insert(service, true);
+                    self.put_built(built);
                     self.insert_parts(service, mesh);
                 }
                 DiffItem::Update {
@@ -161,9 +178,7 @@ impl EnvoyTranslator {
                     if !same_shape {
                         self.remove(old);
                     }
-                    if !same_shape || !old.same_endpoints(new) {
-                        self.insert(new, !same_shape);
-                    }
+                    self.put_built(built);
                     if old.routes != new.routes {
                         rerouted.extend(new.ports.iter().map(|p| Arc::from(route_name(p.port))));
                     }
@@ -229,11 +244,12 @@ impl EnvoyTranslator {
             .insert(Arc::from(service.dns_name.as_str()), parts);
     }
 
-    fn insert(&mut self, service: &Service, with_clusters: bool) {
-        if with_clusters {
-            self.put(ResourceType::Cluster, clusters_for(service, &self.dns));
+    fn put_built(&mut self, built: Option<Built>) {
+        let Some(built) = built else { return };
+        if let Some(clusters) = built.clusters {
+            self.put(ResourceType::Cluster, clusters);
         }
-        self.put(ResourceType::Endpoint, endpoints_for(service, &self.node));
+        self.put(ResourceType::Endpoint, built.endpoints);
     }
 
     /// Puts `resources` in place, keeping the one already there when its content is the same:
@@ -256,6 +272,21 @@ impl EnvoyTranslator {
         for name in cluster_names(service) {
             self.resources[ResourceType::Cluster.index()].remove(name.as_str());
             self.resources[ResourceType::Endpoint.index()].remove(name.as_str());
+        }
+    }
+}
+
+/// A service's clusters (when its shape is new) and its endpoint assignments.
+struct Built {
+    clusters: Option<Vec<Arc<XdsResource>>>,
+    endpoints: Vec<Arc<XdsResource>>,
+}
+
+impl Built {
+    fn of(service: &Service, with_clusters: bool, dns: &ExternalDns, node: &NodeLocality) -> Self {
+        Built {
+            clusters: with_clusters.then(|| clusters_for(service, dns)),
+            endpoints: endpoints_for(service, node),
         }
     }
 }
@@ -866,6 +897,54 @@ mod tests {
                 ),
             ],
         )
+    }
+
+    #[test]
+    fn many_services_built_on_every_core_are_those_built_one_change_at_a_time() {
+        let services = |n: usize| -> Vec<(String, Vec<ServicePort>)> {
+            (0..n)
+                .map(|i| {
+                    let endpoints = [format!("10.1.{}.{}:8080", i / 250, i % 250)];
+                    let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+                    let protocol = [Protocol::Http, Protocol::Tcp, Protocol::Grpc][i % 3];
+                    (
+                        format!("/ns{}/svc{i}", i % 7),
+                        vec![port(80, protocol, &endpoints)],
+                    )
+                })
+                .collect()
+        };
+        let snapshot = |state: &mut MeshState, n: usize| {
+            let all = services(n);
+            mesh(
+                state,
+                all.iter()
+                    .map(|(p, ports)| (p.as_str(), ports.clone()))
+                    .collect(),
+            )
+        };
+        let total = 3 * parallel::PARALLEL_FROM;
+        let at_once = EnvoyTranslator::default().translate(&snapshot(
+            &mut MeshState::new("240.240.0.0/16".parse().unwrap()),
+            total,
+        ));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let mut stepwise = EnvoyTranslator::default();
+        let mut last = None;
+        for n in (parallel::PARALLEL_FROM / 2..=total).step_by(parallel::PARALLEL_FROM / 2) {
+            last = Some(stepwise.translate(&snapshot(&mut state, n)));
+        }
+        let last = last.unwrap();
+        for kind in [ResourceType::Cluster, ResourceType::Endpoint] {
+            let bodies = |xds: &XdsSnapshot| -> Vec<(Arc<str>, Vec<u8>)> {
+                xds.of(kind)
+                    .iter()
+                    .map(|(name, r)| (name.clone(), r.body.value.clone()))
+                    .collect()
+            };
+            assert_eq!(bodies(&at_once).len(), total);
+            assert!(bodies(&at_once) == bodies(&last), "{kind:?} differ");
+        }
     }
 
     #[test]
