@@ -17,8 +17,8 @@ use envoy_types::pb::google::rpc::Status;
 use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{
-    DecodeContext, WireType, encode_key, encode_varint, encoded_len_varint, key_len, message,
-    skip_field, string,
+    DecodeContext, WireType, decode_varint, encode_key, encode_varint, encoded_len_varint, key_len,
+    message, skip_field, string,
 };
 
 /// An ADS `DiscoveryRequest` (envoy.service.discovery.v3), with its resource names packed.
@@ -152,7 +152,23 @@ impl prost::Message for SotwRequest {
                 ctx,
             ),
             3 => {
-                // prost's own string decoding (bounds, UTF-8) into a reused buffer.
+                // Most names lie whole in the buffer's current chunk: read them in place, so a
+                // name is copied once, into the list.
+                if wire_type == WireType::LengthDelimited {
+                    let chunk = buf.chunk();
+                    let mut rest = chunk;
+                    if let Ok(len) = decode_varint(&mut rest)
+                        && let Some(bytes) = usize::try_from(len).ok().and_then(|n| rest.get(..n))
+                        && let Ok(name) = std::str::from_utf8(bytes)
+                    {
+                        let read = chunk.len() - rest.len() + bytes.len();
+                        self.resource_names.push(name);
+                        buf.advance(read);
+                        return Ok(());
+                    }
+                }
+                // Else (a name across chunks, or a bad one) prost's own string decoding (bounds,
+                // UTF-8, its errors) into a reused buffer.
                 let mut scratch = std::mem::take(&mut self.resource_names.scratch);
                 let merged = string::merge(wire_type, &mut scratch, buf, ctx);
                 if merged.is_ok() {
