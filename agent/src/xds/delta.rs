@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 
 use super::response::DeltaResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
 use super::stream::{Ads, Event, NameSet, Push, TypeState, nonce};
+use super::wire::DeltaRequest;
 
 #[derive(Debug, Default)]
 struct DeltaTypeState {
@@ -31,17 +31,17 @@ pub struct DeltaStream {
 }
 
 impl Ads for DeltaStream {
-    type Request = DeltaDiscoveryRequest;
+    type Request = DeltaRequest;
     type Response = DeltaResponse;
     const MODE: &'static str = "delta";
 
-    fn node(request: &DeltaDiscoveryRequest) -> Option<&Node> {
+    fn node(request: &DeltaRequest) -> Option<&Node> {
         request.node.as_ref()
     }
 
     fn on_request(
         &mut self,
-        request: &DeltaDiscoveryRequest,
+        request: &DeltaRequest,
         snapshot: &XdsSnapshot,
     ) -> (Vec<Push<DeltaResponse>>, Vec<Event>) {
         let Some(kind) = ResourceType::from_type_url(&request.type_url) else {
@@ -66,7 +66,7 @@ impl Ads for DeltaStream {
                 request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
             // A reconnecting client says what it holds. A version this agent did not make
             // (another control plane's) matches nothing, so the resource is sent again.
-            for (name, version) in &request.initial_resource_versions {
+            for (name, version) in request.initial_resource_versions.iter() {
                 let version = parse_version(version).unwrap_or(u64::MAX);
                 common.client.insert(current.intern(name), version);
             }
@@ -213,13 +213,13 @@ mod tests {
         subscribe: &[&str],
         unsubscribe: &[&str],
         nonce: &str,
-    ) -> DeltaDiscoveryRequest {
-        DeltaDiscoveryRequest {
+    ) -> DeltaRequest {
+        DeltaRequest {
             type_url: type_url.to_string(),
             resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
             resource_names_unsubscribe: unsubscribe.iter().map(|s| s.to_string()).collect(),
             response_nonce: nonce.to_string(),
-            ..DeltaDiscoveryRequest::default()
+            ..DeltaRequest::default()
         }
     }
 
@@ -367,14 +367,16 @@ mod tests {
         let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
         let clusters = snap.of(ResourceType::Cluster);
         let mut request = delta(CDS, &[], &[], "");
-        request.initial_resource_versions = HashMap::from([
+        request.initial_resource_versions = [
             (BUZZ.to_string(), clusters[BUZZ].version_string()),
             (
                 "other.foo.system.internal|8080".to_string(),
                 "stale".to_string(),
             ),
             ("gone|1".to_string(), "v".to_string()),
-        ]);
+        ]
+        .into_iter()
+        .collect();
         let mut stream = Tested::<DeltaStream>::default();
         let (out, _) = stream.on_request(&request, &snap);
         assert_eq!(
@@ -400,7 +402,7 @@ mod tests {
         held.insert(stale.to_string(), "stale".to_string());
         held.insert("gone|1".to_string(), "v".to_string());
         let mut request = delta(CDS, &[], &[], "");
-        request.initial_resource_versions = held;
+        request.initial_resource_versions = held.into_iter().collect();
         let mut stream = Tested::<DeltaStream>::default();
         let (out, _) = stream.on_request(&request, &snap);
         assert!(snap.indexes.built(ResourceType::Cluster));

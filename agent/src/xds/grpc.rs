@@ -2,7 +2,8 @@
 //! generates, for two reasons:
 //! - Requests: the generated server decodes state-of-the-world requests into the generated
 //!   `DiscoveryRequest`, a `String` per resource name; this one decodes them into
-//!   [`super::wire::SotwRequest`]. Delta requests use the generated types.
+//!   [`super::wire::SotwRequest`]; Delta requests into [`super::wire::DeltaRequest`], whose
+//!   `initial_resource_versions` are packed rather than a `HashMap` of `String`s.
 //! - Responses: tonic encodes a stream's messages into one buffer per stream, which keeps the
 //!   capacity of the largest message it ever held for the life of the stream. A SotW cluster
 //!   response at 10k services is about 3 MB, so a hundred streams kept about 140 MiB of buffers

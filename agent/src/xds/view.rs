@@ -141,9 +141,9 @@ fn diff_key<'a, V>(change: &DiffItem<'a, 'a, Arc<str>, V>) -> &'a Arc<str> {
 
 #[cfg(test)]
 mod tests {
+    use crate::xds::wire::DeltaRequest;
     use envoy_types::pb::envoy::config::listener::v3::Listener;
     use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
-    use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
     use prost::Message;
 
     use super::*;
@@ -246,12 +246,12 @@ mod tests {
         assert_eq!(keys(shrunk.of(ResourceType::Cluster)), [buzz.as_str()]);
     }
 
-    fn delta(type_url: &str, subscribe: &[&str], nonce: &str) -> DeltaDiscoveryRequest {
-        DeltaDiscoveryRequest {
+    fn delta(type_url: &str, subscribe: &[&str], nonce: &str) -> DeltaRequest {
+        DeltaRequest {
             type_url: type_url.to_string(),
             resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
             response_nonce: nonce.to_string(),
-            ..DeltaDiscoveryRequest::default()
+            ..DeltaRequest::default()
         }
     }
 
@@ -263,7 +263,7 @@ mod tests {
         let mut stream = DeltaStream::default();
         let buzz = format!("{BUZZ}|8080");
         assert!(!stream.holds(&made));
-        let ack = |stream: &mut DeltaStream, request: DeltaDiscoveryRequest| {
+        let ack = |stream: &mut DeltaStream, request: DeltaRequest| {
             let (pushes, _) = stream.on_request(&request, &made);
             pushes
         };
