@@ -66,12 +66,19 @@ impl Ads for DeltaStream {
                 request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
             // A reconnecting client says what it holds. A version this agent did not make
             // (another control plane's) matches nothing, so the resource is sent again.
+            common
+                .client
+                .reserve(request.initial_resource_versions.len());
             for (name, version) in request.initial_resource_versions.iter() {
                 let version = parse_version(version).unwrap_or(u64::MAX);
                 common.client.insert(current.intern(name), version);
             }
             common.baseline = None;
         }
+        common
+            .interest
+            .names
+            .reserve(request.resource_names_subscribe.len());
         for name in &request.resource_names_subscribe {
             if name == "*" {
                 common.interest.wildcard = true;

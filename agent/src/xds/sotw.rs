@@ -231,15 +231,15 @@ fn set_sotw_interest(
         return;
     }
     let current = snapshot.names(kind, names.len());
-    let fresh: NameSet = named()
-        .map(|n| {
-            interest
-                .names
-                .get(n)
-                .cloned()
-                .unwrap_or_else(|| current.intern(n))
-        })
-        .collect();
+    // Sized up front: collected from a filter, the set would grow by rehashing (10k names).
+    let mut fresh = NameSet::with_capacity_and_hasher(names.len(), Default::default());
+    fresh.extend(named().map(|n| {
+        interest
+            .names
+            .get(n)
+            .cloned()
+            .unwrap_or_else(|| current.intern(n))
+    }));
     let added: Vec<Arc<str>> = fresh.difference(&interest.names).cloned().collect();
     let dropped: Vec<Arc<str>> = interest.names.difference(&fresh).cloned().collect();
     if wildcard != interest.wildcard {

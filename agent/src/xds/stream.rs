@@ -136,6 +136,13 @@ impl ClientView {
         }
     }
 
+    /// Room for `additional` more differences from the base: a reconnecting client names
+    /// everything it holds at once (20k at 10k services), which would otherwise grow the map
+    /// by rehashing it several times.
+    pub(super) fn reserve(&mut self, additional: usize) {
+        self.changes.reserve(additional);
+    }
+
     pub(super) fn insert(&mut self, name: Arc<str>, version: u64) {
         let old = self.get(&name);
         if old == Some(version) {
