@@ -395,11 +395,6 @@ fn port_number(value: i64) -> Option<u16> {
     u16::try_from(value).ok().filter(|&p| p != 0)
 }
 
-/// Reads, parses and validates the file: its text and its services.
-pub fn load(path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
-    Reader::new(Provider::file(path)).load(path)
-}
-
 /// Reads the file's text into services, keeping each `services` item's reading by its text,
 /// so that an edit re-reads only the items it changed ([`items`]). Where the text does not
 /// split, or an item does not read by itself, or the items do not validate together, the
@@ -421,6 +416,7 @@ impl Reader {
         }
     }
 
+    /// Reads, parses and validates the file: its text and its services.
     fn load(&mut self, path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
         let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
             path: path.to_path_buf(),
@@ -464,38 +460,34 @@ impl Reader {
         let mut read = new.iter().map(|(i, _)| *i).zip(read).peekable();
         let mut kept = ItemMap::with_capacity_and_hasher(items.len(), Default::default());
         let mut services = Vec::with_capacity(items.len());
-        for (i, &item) in items.iter().enumerate() {
-            let service = if let Some((_, service)) = read.next_if(|(j, _)| *j == i) {
-                service.map(|service| {
-                    let service = Arc::new(service);
-                    kept.insert(Box::from(item), service.clone());
-                    service
-                })
-            } else if let Some((text, service)) = self.items.remove_entry(item) {
-                kept.insert(text, service.clone());
-                Some(service)
-            } else {
-                // The same text earlier in this file: `assemble` refuses the duplicate path.
-                kept.get(item).cloned()
-            };
-            match service {
-                Some(service) => services.push(service),
-                None => {
-                    self.items.extend(kept);
-                    return None;
+        let specs = 'read: {
+            for (i, &item) in items.iter().enumerate() {
+                let service = if let Some((_, service)) = read.next_if(|(j, _)| *j == i) {
+                    service.map(|service| {
+                        let service = Arc::new(service);
+                        kept.insert(Box::from(item), service.clone());
+                        service
+                    })
+                } else if let Some((text, service)) = self.items.remove_entry(item) {
+                    kept.insert(text, service.clone());
+                    Some(service)
+                } else {
+                    // The same text earlier in this file: `assemble` refuses the duplicate path.
+                    kept.get(item).cloned()
+                };
+                match service {
+                    Some(service) => services.push(service),
+                    None => break 'read None,
                 }
             }
+            assemble(&services).ok()
+        };
+        // The last good read's items stay for the next edit until a read succeeds.
+        match specs {
+            Some(_) => self.items = kept,
+            None => self.items.extend(kept),
         }
-        match assemble(&services) {
-            Ok(specs) => {
-                self.items = kept;
-                Some(specs)
-            }
-            Err(_) => {
-                self.items.extend(kept);
-                None
-            }
-        }
+        specs
     }
 }
 

@@ -20,6 +20,7 @@ use prost::encoding::{
 };
 
 use super::snapshot::XdsResource;
+use super::wire::{encode_string, string_len};
 
 /// An ADS `DiscoveryResponse` (envoy.service.discovery.v3) whose resources are shared.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -47,22 +48,6 @@ pub struct DeltaResponse {
     pub nonce: String,
     /// Field 6.
     pub removed_resources: Vec<String>,
-}
-
-fn encode_string(tag: u32, value: &str, buf: &mut impl BufMut) {
-    if !value.is_empty() {
-        encode_key(tag, WireType::LengthDelimited, buf);
-        encode_varint(value.len() as u64, buf);
-        buf.put_slice(value.as_bytes());
-    }
-}
-
-fn string_len(tag: u32, value: &str) -> usize {
-    if value.is_empty() {
-        0
-    } else {
-        key_len(tag) + encoded_len_varint(value.len() as u64) + value.len()
-    }
 }
 
 /// Neither response is ever decoded by the agent: every field is skipped.

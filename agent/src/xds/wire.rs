@@ -114,11 +114,27 @@ fn name_hash(name: &str) -> u64 {
     foldhash::fast::FixedState::default().hash_one(name)
 }
 
+/// A proto3 string field: left out when empty, as prost writes it.
+pub(super) fn encode_string(tag: u32, value: &str, buf: &mut impl BufMut) {
+    if !value.is_empty() {
+        encode_key(tag, WireType::LengthDelimited, buf);
+        encode_varint(value.len() as u64, buf);
+        buf.put_slice(value.as_bytes());
+    }
+}
+
+/// The encoded length of what [`encode_string`] writes.
+pub(super) fn string_len(tag: u32, value: &str) -> usize {
+    if value.is_empty() {
+        0
+    } else {
+        key_len(tag) + encoded_len_varint(value.len() as u64) + value.len()
+    }
+}
+
 impl prost::Message for SotwRequest {
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        if !self.version_info.is_empty() {
-            string::encode(1, &self.version_info, buf);
-        }
+        encode_string(1, &self.version_info, buf);
         if let Some(node) = &self.node {
             message::encode(2, node, buf);
         }
@@ -127,12 +143,8 @@ impl prost::Message for SotwRequest {
             encode_varint(name.len() as u64, buf);
             buf.put_slice(name.as_bytes());
         }
-        if !self.type_url.is_empty() {
-            string::encode(4, &self.type_url, buf);
-        }
-        if !self.response_nonce.is_empty() {
-            string::encode(5, &self.response_nonce, buf);
-        }
+        encode_string(4, &self.type_url, buf);
+        encode_string(5, &self.response_nonce, buf);
         if let Some(status) = &self.error_detail {
             message::encode(6, status, buf);
         }
@@ -192,23 +204,16 @@ impl prost::Message for SotwRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let text = |tag: u32, s: &String| {
-            if s.is_empty() {
-                0
-            } else {
-                string::encoded_len(tag, s)
-            }
-        };
         let names: usize = self
             .resource_names
             .iter()
             .map(|n| key_len(3) + encoded_len_varint(n.len() as u64) + n.len())
             .sum();
-        text(1, &self.version_info)
+        string_len(1, &self.version_info)
             + self.node.as_ref().map_or(0, |n| message::encoded_len(2, n))
             + names
-            + text(4, &self.type_url)
-            + text(5, &self.response_nonce)
+            + string_len(4, &self.type_url)
+            + string_len(5, &self.response_nonce)
             + self
                 .error_detail
                 .as_ref()
@@ -316,26 +321,26 @@ impl<N: AsRef<str>, V: AsRef<str>> FromIterator<(N, V)> for VersionList {
     }
 }
 
+fn version_entry_len(name: &str, version: &str) -> usize {
+    string_len(1, name) + string_len(2, version)
+}
+
 impl prost::Message for DeltaRequest {
     fn encode_raw(&self, buf: &mut impl BufMut) {
         if let Some(node) = &self.node {
             message::encode(1, node, buf);
         }
-        if !self.type_url.is_empty() {
-            string::encode(2, &self.type_url, buf);
-        }
+        encode_string(2, &self.type_url, buf);
         string::encode_repeated(3, &self.resource_names_subscribe, buf);
         string::encode_repeated(4, &self.resource_names_unsubscribe, buf);
         for (name, version) in self.initial_resource_versions.iter() {
-            let entry = VersionEntry {
-                name: name.to_string(),
-                version: version.to_string(),
-            };
-            message::encode(5, &entry, buf);
+            // A map entry is a message of its key (1) and value (2).
+            encode_key(5, WireType::LengthDelimited, buf);
+            encode_varint(version_entry_len(name, version) as u64, buf);
+            encode_string(1, name, buf);
+            encode_string(2, version, buf);
         }
-        if !self.response_nonce.is_empty() {
-            string::encode(6, &self.response_nonce, buf);
-        }
+        encode_string(6, &self.response_nonce, buf);
         if let Some(status) = &self.error_detail {
             message::encode(7, status, buf);
         }
@@ -382,30 +387,20 @@ impl prost::Message for DeltaRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let text = |tag: u32, s: &String| {
-            if s.is_empty() {
-                0
-            } else {
-                string::encoded_len(tag, s)
-            }
-        };
         let versions: usize = self
             .initial_resource_versions
             .iter()
             .map(|(name, version)| {
-                let entry = VersionEntry {
-                    name: name.to_string(),
-                    version: version.to_string(),
-                };
-                message::encoded_len(5, &entry)
+                let len = version_entry_len(name, version);
+                key_len(5) + encoded_len_varint(len as u64) + len
             })
             .sum();
         self.node.as_ref().map_or(0, |n| message::encoded_len(1, n))
-            + text(2, &self.type_url)
+            + string_len(2, &self.type_url)
             + string::encoded_len_repeated(3, &self.resource_names_subscribe)
             + string::encoded_len_repeated(4, &self.resource_names_unsubscribe)
             + versions
-            + text(6, &self.response_nonce)
+            + string_len(6, &self.response_nonce)
             + self
                 .error_detail
                 .as_ref()
