@@ -7,9 +7,9 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::DeltaResponse;
-use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, Event, NameSet, Push, TypeState, nonce};
-use super::wire::DeltaRequest;
+use super::snapshot::{self, Names, ResourceMap, ResourceType, Whole, XdsSnapshot, parse_version};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, nonce};
+use super::wire::{DeltaRequest, VersionList};
 
 #[derive(Debug, Default)]
 struct DeltaTypeState {
@@ -66,13 +66,9 @@ impl Ads for DeltaStream {
                 request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
             // A reconnecting client says what it holds. A version this agent did not make
             // (another control plane's) matches nothing, so the resource is sent again.
-            common
-                .client
-                .reserve(request.initial_resource_versions.len());
-            for (name, version) in request.initial_resource_versions.iter() {
-                let version = parse_version(version).unwrap_or(u64::MAX);
-                common.client.insert(current.intern(name), version);
-            }
+            common.client = held_view(&request.initial_resource_versions, &current, || {
+                (snapshot.of(kind), snapshot.whole(kind))
+            });
             common.baseline = None;
         }
         common
@@ -141,6 +137,46 @@ impl Ads for DeltaStream {
             .into_iter()
             .all(|kind| self.types[kind.index()].common.holds(snapshot.of(kind)))
     }
+}
+
+/// What a reconnecting client says it holds, as a view. Usually it holds exactly the whole
+/// type of the current snapshot (nothing changed while it was away, or it reconnected to
+/// another agent of the same mesh): that is recognised with one lookup per name and no map
+/// built, and the view is then the snapshot's map itself. A profile of a restart at 10k
+/// services had building these views entry by entry as a fifth of the agent's CPU.
+fn held_view<'a>(
+    listed: &VersionList,
+    current: &Names<'a>,
+    whole: impl FnOnce() -> (&'a ResourceMap, Whole),
+) -> ClientView {
+    if !listed.is_empty() {
+        let (map, whole) = whole();
+        if listed.len() == map.len() {
+            let mut identity = 0;
+            let all_current = listed.iter().all(|(name, version)| {
+                match (current.get(name), parse_version(version)) {
+                    (Some(resource), Some(version)) if resource.version == version => {
+                        identity ^= snapshot::identity(resource);
+                        true
+                    }
+                    _ => false,
+                }
+            });
+            if all_current && identity == whole.identity {
+                return ClientView::whole(map, whole);
+            }
+        }
+    }
+    let mut view = ClientView::default();
+    view.reserve(listed.len());
+    for (name, version) in listed.iter() {
+        // A version this agent did not make (another control plane's) matches nothing.
+        view.insert(
+            current.intern(name),
+            parse_version(version).unwrap_or(u64::MAX),
+        );
+    }
+    view
 }
 
 impl DeltaStream {
@@ -428,6 +464,43 @@ mod tests {
         let (out, _) = stream.on_request(&request, &snap);
         assert!(out[0].resources.is_empty(), "nothing to send again");
         assert_eq!(out[0].removed_resources, ["absent|1"]);
+    }
+
+    /// A client that lists exactly the snapshot's clusters holds the snapshot's own map, with
+    /// the digest a view built name by name has; a list as long that repeats one name and
+    /// leaves another out is not taken for it, and the one left out is sent.
+    #[test]
+    fn delta_reconnect_holding_the_whole_type_shares_the_snapshots_map() {
+        let mut world = World::new();
+        let snap = world.add_many(1500);
+        let clusters = snap.of(ResourceType::Cluster);
+        let listed: Vec<(String, String)> = clusters
+            .values()
+            .map(|r| (r.name.to_string(), r.version_string()))
+            .collect();
+        let mut request = delta(CDS, &[], &[], "");
+        request.initial_resource_versions = listed.iter().cloned().collect();
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert!(out[0].resources.is_empty() && out[0].removed_resources.is_empty());
+        let view = &stream.machine.types[ResourceType::Cluster.index()]
+            .common
+            .client;
+        assert!(view.is_exactly(clusters), "the snapshot's map, shared");
+        let mut by_name = ClientView::default();
+        for resource in clusters.values() {
+            by_name.insert(resource.name.clone(), resource.version);
+        }
+        assert_eq!(view.version_info(), by_name.version_info());
+        assert_eq!(view.len(), clusters.len());
+
+        let left_out = listed[7].0.clone();
+        let mut repeated = listed.clone();
+        repeated[7] = listed[8].clone();
+        request.initial_resource_versions = repeated.iter().cloned().collect();
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&request, &snap);
+        assert_eq!(names(&out[0]), [left_out.as_str()], "only the one left out");
     }
 
     #[test]

@@ -155,7 +155,7 @@ impl XdsSnapshot {
     pub fn names(&self, kind: ResourceType, count: usize) -> Names<'_> {
         let map = self.of(kind);
         let index = (count >= BULK_LOOKUP).then(|| {
-            self.indexes.0[kind.index()].get_or_init(|| {
+            self.indexes.names[kind.index()].get_or_init(|| {
                 map.iter()
                     .map(|(name, resource)| (name.clone(), resource.clone()))
                     .collect()
@@ -163,6 +163,56 @@ impl XdsSnapshot {
         });
         Names { map, index }
     }
+
+    /// The digest and the identity of a whole type (see [`Whole`]), computed once per snapshot
+    /// and shared by every stream.
+    pub fn whole(&self, kind: ResourceType) -> Whole {
+        *self.indexes.wholes[kind.index()].get_or_init(|| {
+            let mut whole = Whole::default();
+            for resource in self.of(kind).values() {
+                whole.add(resource);
+            }
+            whole
+        })
+    }
+}
+
+/// A whole type of a snapshot in two words: what a client holding exactly all of it reports
+/// as its version (`digest`, the XOR of [`entry_hash`] over every resource, as a client view
+/// keeps it), and which resources make it up (`identity`, the XOR of a hash of each
+/// resource's address). A reconnecting client that lists what it holds is recognised as
+/// holding the whole type by summing the identities of what it lists: a list that repeats a
+/// name and leaves another out does not add up (but for a 64-bit collision).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Whole {
+    pub digest: u64,
+    pub identity: u64,
+}
+
+impl Whole {
+    pub fn add(&mut self, resource: &Arc<XdsResource>) {
+        self.digest ^= entry_hash(&resource.name, resource.version);
+        self.identity ^= identity(resource);
+    }
+}
+
+/// One resource's share of [`Whole::identity`]: its address, mixed.
+pub fn identity(resource: &Arc<XdsResource>) -> u64 {
+    mix(Arc::as_ptr(resource) as usize as u64)
+}
+
+/// One entry's share of a client's version digest: the name's hash and the version, mixed so
+/// that XOR-ing many of them does not cancel out structure. Stable across builds (FNV-1a), as a
+/// SotW client sends its version back to a restarted agent.
+pub fn entry_hash(name: &str, version: u64) -> u64 {
+    mix(fnv1a(name.as_bytes()) ^ version.rotate_left(32))
+}
+
+/// splitmix64's finaliser.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// From this many names a lookup builds (or uses) the hash index. Below it, ordered lookups
@@ -172,14 +222,18 @@ const BULK_LOOKUP: usize = 1024;
 
 type NameIndex = HashMap<Arc<str>, Arc<XdsResource>, foldhash::fast::RandomState>;
 
-/// One lazily built hash index per resource type.
+/// Per resource type, what is computed from a snapshot only when first asked for: a hash
+/// index by name, and the type's [`Whole`].
 #[derive(Default)]
-pub struct Indexes([OnceLock<NameIndex>; 4]);
+pub struct Indexes {
+    names: [OnceLock<NameIndex>; 4],
+    wholes: [OnceLock<Whole>; 4],
+}
 
 impl Indexes {
     /// Whether the index of a type has been built.
     pub fn built(&self, kind: ResourceType) -> bool {
-        self.0[kind.index()].get().is_some()
+        self.names[kind.index()].get().is_some()
     }
 }
 

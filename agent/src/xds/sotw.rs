@@ -8,7 +8,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::SotwResponse;
-use super::snapshot::{ResourceType, XdsResource, XdsSnapshot, parse_version};
+use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
 use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, nonce};
 use super::wire::{NameList, SotwRequest};
 
@@ -182,16 +182,24 @@ fn adopt_held(
         return;
     }
     let common = &mut state.common;
-    let mut wanted = ClientView::default();
+    let map = snapshot.of(kind);
     let current = snapshot.names(kind, common.interest.names.len());
-    let resources: Box<dyn Iterator<Item = &Arc<XdsResource>>> = if common.interest.wildcard {
-        Box::new(snapshot.of(kind).values())
+    let interest = &common.interest;
+    // Usually the client wants the whole type (Envoy subscribes to the endpoints of every
+    // cluster it has): then what it should hold is the snapshot's map itself, whose digest is
+    // computed once per snapshot, not once per stream.
+    let wants_whole = interest.wildcard
+        || (interest.names.len() == map.len()
+            && interest.names.iter().all(|n| current.get(n).is_some()));
+    let wanted = if wants_whole {
+        ClientView::whole(map, snapshot.whole(kind))
     } else {
-        Box::new(common.interest.names.iter().filter_map(|n| current.get(n)))
+        let mut wanted = ClientView::default();
+        for resource in interest.names.iter().filter_map(|n| current.get(n)) {
+            wanted.insert(resource.name.clone(), resource.version);
+        }
+        wanted
     };
-    for resource in resources {
-        wanted.insert(resource.name.clone(), resource.version);
-    }
     if wanted.version_info() != version {
         return;
     }

@@ -29,7 +29,9 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use imbl::ordmap::DiffItem;
 
-use super::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a, format_version};
+use super::snapshot::{
+    ResourceMap, ResourceType, Whole, XdsResource, XdsSnapshot, entry_hash, format_version,
+};
 
 /// The two ADS flavours, as the server drives them: one value per stream, fed the proxy's
 /// requests and every new snapshot, answering with what to send.
@@ -136,6 +138,22 @@ impl ClientView {
         }
     }
 
+    /// The view of a client that holds exactly `current`, whose [`Whole`] is `whole`: the map
+    /// itself, shared, and nothing of its own.
+    pub(super) fn whole(current: &ResourceMap, whole: Whole) -> ClientView {
+        ClientView {
+            base: current.clone(),
+            changes: NameMap::default(),
+            len: current.len(),
+            digest: whole.digest,
+        }
+    }
+
+    /// Whether the client holds exactly `current`, known without looking at any resource.
+    pub(super) fn is_exactly(&self, current: &ResourceMap) -> bool {
+        self.changes.is_empty() && self.base.ptr_eq(current)
+    }
+
     /// Room for `additional` more differences from the base: a reconnecting client names
     /// everything it holds at once (20k at 10k services), which would otherwise grow the map
     /// by rehashing it several times.
@@ -209,15 +227,6 @@ impl ClientView {
     pub(super) fn version_info(&self) -> String {
         format_version(self.digest)
     }
-}
-
-/// One entry's share of the digest: the name's hash and the version, mixed (splitmix64's
-/// finaliser) so that XOR-ing many of them does not cancel out structure.
-fn entry_hash(name: &str, version: u64) -> u64 {
-    let mut x = fnv1a(name.as_bytes()) ^ version.rotate_left(32);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// The most resource bytes a response carries when the protocol lets us split it (every Delta
@@ -312,8 +321,15 @@ impl TypeState {
                 // met: when all of them, none is missing from the snapshot, and the two lookups
                 // per name below are skipped (at 10k, 20k ordered lookups per type and stream).
                 let (mut held_met, mut named_met) = (0, 0);
+                // A reconnected client found to hold exactly this map (see
+                // `ClientView::whole`): its versions are the map's, no lookup per name.
+                let exact = self.client.is_exactly(current);
                 for (name, resource) in current {
-                    let held = self.client.get(name);
+                    let held = if exact {
+                        Some(resource.version)
+                    } else {
+                        self.client.get(name)
+                    };
                     held_met += usize::from(held.is_some());
                     if !self.interest.wildcard && self.interest.names.contains(name) {
                         named_met += 1;
@@ -415,9 +431,10 @@ impl TypeState {
     pub(super) fn holds(&self, current: &ResourceMap) -> bool {
         self.pending.is_none()
             && self.backlog.is_empty()
-            && current
-                .iter()
-                .all(|(name, resource)| self.client.get(name) == Some(resource.version))
+            && (self.client.is_exactly(current)
+                || current
+                    .iter()
+                    .all(|(name, resource)| self.client.get(name) == Some(resource.version)))
     }
 
     /// A push found nothing to send: when nothing is in flight or waiting and the client holds
