@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::DeltaResponse;
 use super::snapshot::{self, Names, ResourceMap, ResourceType, Whole, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, nonce};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, RESPONSE_BUDGET, TypeState, nonce};
 use super::wire::{DeltaRequest, VersionList};
 
 #[derive(Debug, Default)]
@@ -194,7 +194,7 @@ impl DeltaStream {
             found
                 .absent
                 .retain(|name| !state.told_absent.contains(name));
-            common.limit(&mut found.changed);
+            common.limit(&mut found.changed, RESPONSE_BUDGET);
             if found.is_empty() && !common.must_answer {
                 common.settle(snapshot.of(kind));
                 continue;
@@ -272,7 +272,7 @@ mod tests {
 
     #[test]
     fn delta_splits_a_large_response_and_sends_the_rest_after_the_ack() {
-        let (_world, snap) = big_world();
+        let (_world, snap) = big_world(RESPONSE_BUDGET);
         let mut stream = Tested::<DeltaStream>::default();
         let (mut out, _) = stream.on_request(&delta(EDS, &["*"], &[], ""), &snap);
         let mut got = BTreeSet::new();
@@ -295,7 +295,7 @@ mod tests {
     /// removes or adds resources meanwhile, and an unsubscribe, are honoured for those too.
     #[test]
     fn delta_split_sync_follows_changes_made_before_the_rest_is_sent() {
-        let (mut world, snap) = big_world();
+        let (mut world, snap) = big_world(RESPONSE_BUDGET);
         let new = "new.big.system.internal|8080";
         let mut wanted: Vec<String> = snap
             .of(ResourceType::Endpoint)

@@ -9,7 +9,9 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::SotwResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, TypeState, nonce};
+use super::stream::{
+    Ads, ClientView, Event, NameSet, Push, SOTW_RESPONSE_BUDGET, TypeState, nonce,
+};
 use super::wire::{NameList, SotwRequest};
 
 #[derive(Debug, Default)]
@@ -111,7 +113,7 @@ impl SotwStream {
             let mut found = common.diff(current);
             let whole = kind.is_state_of_the_world();
             if !whole {
-                common.limit(&mut found.changed);
+                common.limit(&mut found.changed, SOTW_RESPONSE_BUDGET);
             }
             // Without removals in the protocol, a type sent by change has nothing to say when
             // its resources only went away (Envoy drops them with their cluster or listener).
@@ -278,7 +280,6 @@ mod tests {
 
     use super::*;
     use crate::mesh::Protocol;
-    use crate::xds::stream::RESPONSE_BUDGET;
     use crate::xds::testing::{BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world};
 
     /// A request as Envoy sends it, read as the server reads it.
@@ -572,7 +573,7 @@ mod tests {
 
     #[test]
     fn sotw_splits_large_endpoint_responses_and_sends_the_rest_after_the_ack() {
-        let (_world, snap) = big_world();
+        let (_world, snap) = big_world(SOTW_RESPONSE_BUDGET);
         let names: Vec<String> = snap
             .of(ResourceType::Endpoint)
             .keys()
@@ -586,7 +587,10 @@ mod tests {
         while let Some(response) = out.pop() {
             responses += 1;
             let bytes: usize = response.resources.iter().map(|r| r.body.value.len()).sum();
-            assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
+            assert!(
+                bytes <= SOTW_RESPONSE_BUDGET,
+                "{bytes} bytes in one response"
+            );
             got.extend(assignments(&response));
             (out, _) = stream.on_request(&ack(&response, &names), &snap);
         }

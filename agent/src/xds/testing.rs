@@ -2,7 +2,7 @@
 //! translations, and a stream wrapped the way the server drives it.
 
 use super::snapshot::{ResourceType, XdsSnapshot};
-use super::stream::{Ads, Event, RESPONSE_BUDGET};
+use super::stream::{Ads, Event};
 use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
 use crate::translate::envoy::EnvoyTranslator;
 
@@ -77,13 +77,21 @@ impl World {
 pub(super) const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
 pub(super) const OTHER: &str = "other.foo.system.internal|8080";
 /// A mesh whose endpoints add up to more than one response's budget.
-pub(super) fn big_world() -> (World, XdsSnapshot) {
+pub(super) fn big_world(budget: usize) -> (World, XdsSnapshot) {
     let mut world = World::new();
     let endpoints: Vec<String> = (0..200)
         .map(|i| format!("10.1.{}.{}:8080", i / 250, i % 250))
         .collect();
     let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
-    for k in 0..150 {
+    // Services of the same size, as many as make the assignments more than twice `budget`,
+    // and at least 150 (s0 … s149: tests rely on s97 … s99 sorting last).
+    let one = World::new()
+        .set("/big/s0", Protocol::Http, &endpoints)
+        .of(ResourceType::Endpoint)
+        .values()
+        .map(|r| r.body.value.len())
+        .sum::<usize>();
+    for k in 0..(2 * budget / one + 1).max(150) {
         world.set(&format!("/big/s{k}"), Protocol::Http, &endpoints);
     }
     let snap = world.snapshot();
@@ -92,10 +100,7 @@ pub(super) fn big_world() -> (World, XdsSnapshot) {
         .values()
         .map(|r| r.body.value.len())
         .sum();
-    assert!(
-        total > 2 * RESPONSE_BUDGET,
-        "the mesh is too small: {total} bytes"
-    );
+    assert!(total > 2 * budget, "the mesh is too small: {total} bytes");
     (world, snap)
 }
 
