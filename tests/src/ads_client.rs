@@ -543,19 +543,21 @@ async fn run_sotw(
             .collect();
         (types, v.clusters.iter().cloned().collect())
     };
-    let request = |state: &SotwType, type_url: &str, names: &[String]| DiscoveryRequest {
+    // Names by value: an endpoint ACK repeats the whole EDS subscription (10k names at 10k
+    // services), cloned once per ACK.
+    let request = |state: &SotwType, type_url: &str, names: Vec<String>| DiscoveryRequest {
         node: Some(node.clone()),
         type_url: type_url.to_string(),
         version_info: state.version.clone(),
         response_nonce: state.nonce.clone(),
-        resource_names: names.to_vec(),
+        resource_names: names,
         ..DiscoveryRequest::default()
     };
     for type_url in [CDS, LDS] {
         tx.send(request(
             types.entry(type_url.to_string()).or_default(),
             type_url,
-            &[],
+            Vec::new(),
         ))?;
     }
     // The current EDS subscription; `None` until the first CDS response.
@@ -564,7 +566,7 @@ async fn run_sotw(
         tx.send(request(
             types.entry(EDS.to_string()).or_default(),
             EDS,
-            &held,
+            held.clone(),
         ))?;
         eds_names = Some(held);
     }
@@ -573,7 +575,7 @@ async fn run_sotw(
         tx.send(request(
             types.entry(RDS.to_string()).or_default(),
             RDS,
-            &held_routes,
+            held_routes.clone(),
         ))?;
         rds_names = Some(held_routes);
     }
@@ -606,7 +608,7 @@ async fn run_sotw(
         if outcome.is_ok() {
             state.version = response.version_info.clone();
         }
-        let mut ack = request(state, &response.type_url, &names);
+        let mut ack = request(state, &response.type_url, names);
         let subscribe = match outcome {
             Ok(subscribe) => subscribe,
             Err(message) => {
@@ -617,12 +619,12 @@ async fn run_sotw(
         tx.send(ack)?;
         if let Some(names) = subscribe.eds {
             let state = types.entry(EDS.to_string()).or_default();
-            tx.send(request(state, EDS, &names))?;
+            tx.send(request(state, EDS, names.clone()))?;
             eds_names = Some(names);
         }
         if let Some(names) = subscribe.rds {
             let state = types.entry(RDS.to_string()).or_default();
-            tx.send(request(state, RDS, &names))?;
+            tx.send(request(state, RDS, names.clone()))?;
             rds_names = Some(names);
         }
         bump.send_modify(|n| *n += 1);
