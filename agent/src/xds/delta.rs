@@ -8,7 +8,9 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::DeltaResponse;
 use super::snapshot::{self, Names, ResourceMap, ResourceType, Whole, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, RESPONSE_BUDGET, TypeState, nonce};
+use super::stream::{
+    Ads, ClientView, Event, NameSet, Push, RESPONSE_BUDGET, Subscription, TypeState, nonce,
+};
 use super::wire::{DeltaRequest, VersionList};
 
 #[derive(Debug, Default)]
@@ -71,11 +73,19 @@ impl Ads for DeltaStream {
             });
             common.baseline = None;
         }
-        common
-            .interest
-            .names
-            .reserve(request.resource_names_subscribe.len());
-        for name in &request.resource_names_subscribe {
+        let subscribe = &request.resource_names_subscribe;
+        if common.interest.names.is_empty()
+            && let Some(index) =
+                snapshot.every_name(kind, subscribe.len(), subscribe.iter().map(String::as_str))
+        {
+            // A first subscription to every name of the type (Envoy's to the endpoints of all
+            // its clusters): the snapshot's index, shared. Nothing was subscribed before, so
+            // nothing was told absent, and without a baseline nothing is queued.
+            common.interest.names = Subscription::whole(index);
+            state.told_absent.clear();
+            common.baseline = None;
+        }
+        for name in subscribe {
             if name == "*" {
                 common.interest.wildcard = true;
                 common.baseline = None;
@@ -501,6 +511,60 @@ mod tests {
         let mut stream = Tested::<DeltaStream>::default();
         let (out, _) = stream.on_request(&request, &snap);
         assert_eq!(names(&out[0]), [left_out.as_str()], "only the one left out");
+    }
+
+    /// A first subscription to every assignment is the snapshot's index, shared; one that
+    /// repeats a name and leaves another out is not; unsubscribing from one name of a shared
+    /// subscription stops its changes, as with a set of its own.
+    #[test]
+    fn delta_subscription_to_every_name_shares_the_index() {
+        let mut world = World::new();
+        let snap = world.add_many(1500);
+        let all: Vec<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let mut repeated = all.clone();
+        repeated[3] = all[4];
+        let mut other = Tested::<DeltaStream>::default();
+        other.on_request(&delta(EDS, &repeated, &[], ""), &snap);
+        let subscription = &other.machine.types[ResourceType::Endpoint.index()]
+            .common
+            .interest
+            .names;
+        assert!(!subscription.is_index(snap.name_index(ResourceType::Endpoint)));
+        assert!(!subscription.contains(all[3]) && subscription.len() == all.len() - 1);
+
+        let mut stream = Tested::<DeltaStream>::default();
+        let (mut out, _) = stream.on_request(&delta(EDS, &all, &[], ""), &snap);
+        let subscription = &stream.machine.types[ResourceType::Endpoint.index()]
+            .common
+            .interest
+            .names;
+        assert!(subscription.is_index(snap.name_index(ResourceType::Endpoint)));
+        let mut got = 0;
+        while let Some(response) = out.pop() {
+            got += response.resources.len();
+            (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap);
+        }
+        assert_eq!(got, all.len(), "every assignment once");
+
+        let (dropped, kept) = (
+            "s7.many.system.internal|8080",
+            "s8.many.system.internal|8080",
+        );
+        stream.on_request(&delta(EDS, &[], &[dropped], ""), &snap);
+        world.set("/many/s7", Protocol::Http, &["10.9.9.7:8080"]);
+        let snap2 = world.set("/many/s8", Protocol::Http, &["10.9.9.8:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let eds: Vec<&str> = out
+            .iter()
+            .filter(|r| r.type_url == EDS)
+            .flat_map(names)
+            .collect();
+        assert_eq!(eds, [kept], "the unsubscribed name is not pushed");
     }
 
     #[test]

@@ -154,14 +154,42 @@ impl XdsSnapshot {
     /// name) as most of the agent's CPU. A few names use the ordered map itself.
     pub fn names(&self, kind: ResourceType, count: usize) -> Names<'_> {
         let map = self.of(kind);
-        let index = (count >= BULK_LOOKUP).then(|| {
-            self.indexes.names[kind.index()].get_or_init(|| {
-                map.iter()
-                    .map(|(name, resource)| (name.clone(), resource.clone()))
-                    .collect()
-            })
-        });
+        let index = (count >= BULK_LOOKUP).then(|| &**self.name_index(kind));
         Names { map, index }
+    }
+
+    /// The hash index of a type by name, built once per snapshot; shared, so a subscription
+    /// to every name of the type can be the index itself (see `stream::Subscription`).
+    pub fn name_index(&self, kind: ResourceType) -> &Arc<NameIndex> {
+        self.indexes.names[kind.index()].get_or_init(|| {
+            Arc::new(
+                self.of(kind)
+                    .iter()
+                    .map(|(name, resource)| (name.clone(), resource.clone()))
+                    .collect(),
+            )
+        })
+    }
+
+    /// When `names` (`count` of them) are every name of a type, each once: the type's shared
+    /// index, to hold as that subscription (see `stream::Subscription`). Told by summing the
+    /// identities of what they name: a list that repeats one name and leaves another out does
+    /// not add up. Only from [`BULK_LOOKUP`] names: below that a set of its own costs little.
+    pub fn every_name<'a>(
+        &self,
+        kind: ResourceType,
+        count: usize,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Option<Arc<NameIndex>> {
+        if count < BULK_LOOKUP || count != self.of(kind).len() {
+            return None;
+        }
+        let index = self.name_index(kind);
+        let mut sum = 0;
+        for name in names {
+            sum ^= identity(index.get(name)?);
+        }
+        (sum == self.whole(kind).identity).then(|| index.clone())
     }
 
     /// The digest and the identity of a whole type (see [`Whole`]), computed once per snapshot
@@ -220,13 +248,13 @@ fn mix(mut x: u64) -> u64 {
 /// tuned (a stream's first request at 10k services names 10k).
 const BULK_LOOKUP: usize = 1024;
 
-type NameIndex = HashMap<Arc<str>, Arc<XdsResource>, foldhash::fast::RandomState>;
+pub type NameIndex = HashMap<Arc<str>, Arc<XdsResource>, foldhash::fast::RandomState>;
 
 /// Per resource type, what is computed from a snapshot only when first asked for: a hash
 /// index by name, and the type's [`Whole`].
 #[derive(Default)]
 pub struct Indexes {
-    names: [OnceLock<NameIndex>; 4],
+    names: [OnceLock<Arc<NameIndex>>; 4],
     wholes: [OnceLock<Whole>; 4],
 }
 

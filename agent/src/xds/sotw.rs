@@ -10,7 +10,7 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 use super::response::SotwResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
 use super::stream::{
-    Ads, ClientView, Event, NameSet, Push, SOTW_RESPONSE_BUDGET, TypeState, nonce,
+    Ads, ClientView, Event, NameSet, Push, SOTW_RESPONSE_BUDGET, Subscription, TypeState, nonce,
 };
 use super::wire::{NameList, SotwRequest};
 
@@ -240,18 +240,35 @@ fn set_sotw_interest(
     {
         return;
     }
-    let current = snapshot.names(kind, names.len());
-    // Sized up front: collected from a filter, the set would grow by rehashing (10k names).
-    let mut fresh = NameSet::with_capacity_and_hasher(names.len(), Default::default());
-    fresh.extend(named().map(|n| {
-        interest
-            .names
-            .get(n)
-            .cloned()
-            .unwrap_or_else(|| current.intern(n))
-    }));
-    let added: Vec<Arc<str>> = fresh.difference(&interest.names).cloned().collect();
-    let dropped: Vec<Arc<str>> = interest.names.difference(&fresh).cloned().collect();
+    let fresh = match snapshot.every_name(kind, named().count(), named()) {
+        // Every name of the type (Envoy's subscription to the endpoints of all its clusters):
+        // the snapshot's index, shared.
+        Some(index) => Subscription::whole(index),
+        None => {
+            let current = snapshot.names(kind, names.len());
+            // Sized up front: collected from a filter, the set would grow by rehashing.
+            let mut fresh = NameSet::with_capacity_and_hasher(names.len(), Default::default());
+            fresh.extend(named().map(|n| {
+                interest
+                    .names
+                    .get(n)
+                    .cloned()
+                    .unwrap_or_else(|| current.intern(n))
+            }));
+            fresh.into_iter().collect()
+        }
+    };
+    let added: Vec<Arc<str>> = fresh
+        .iter()
+        .filter(|n| !interest.names.contains(n))
+        .cloned()
+        .collect();
+    let dropped: Vec<Arc<str>> = interest
+        .names
+        .iter()
+        .filter(|n| !fresh.contains(n))
+        .cloned()
+        .collect();
     if wildcard != interest.wildcard {
         common.baseline = None;
     }
@@ -406,6 +423,49 @@ mod tests {
         let mut foreign = Tested::<SotwStream>::default();
         let (out, _) = foreign.on_request(&sotw(CDS, &[], "v1", ""), &snap);
         assert_eq!(out[0].resources.len(), 2);
+    }
+
+    /// A list of every assignment is held as the snapshot's index, shared; a later list
+    /// without one name drops that name, as with a set of its own.
+    #[test]
+    fn sotw_subscription_to_every_name_shares_the_index() {
+        let mut world = World::new();
+        let snap = world.add_many(1500);
+        let all: Vec<String> = snap
+            .of(ResourceType::Endpoint)
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let mut stream = Tested::<SotwStream>::default();
+        let (mut out, _) = stream.on_request(&sotw(EDS, &all, "", ""), &snap);
+        let eds = ResourceType::Endpoint.index();
+        let subscription = &stream.machine.types[eds].common.interest.names;
+        assert!(subscription.is_index(snap.name_index(ResourceType::Endpoint)));
+        let mut got = BTreeSet::new();
+        while let Some(response) = out.pop() {
+            got.extend(assignments(&response));
+            (out, _) = stream.on_request(&ack(&response, &all), &snap);
+        }
+        assert_eq!(got.len(), all.len(), "every assignment");
+
+        let (dropped, kept) = (
+            "s7.many.system.internal|8080",
+            "s8.many.system.internal|8080",
+        );
+        let fewer: Vec<&str> = all.iter().copied().filter(|n| *n != dropped).collect();
+        stream.on_request(&sotw(EDS, &fewer, "", ""), &snap);
+        let subscription = &stream.machine.types[eds].common.interest.names;
+        assert!(!subscription.contains(dropped) && subscription.len() == fewer.len());
+        world.set("/many/s7", Protocol::Http, &["10.9.9.7:8080"]);
+        let snap2 = world.set("/many/s8", Protocol::Http, &["10.9.9.8:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        let pushed: Vec<String> = out
+            .iter()
+            .filter(|r| r.type_url == EDS)
+            .flat_map(assignments)
+            .collect();
+        assert_eq!(pushed, [kept], "the dropped name is not pushed");
     }
 
     #[test]
