@@ -50,6 +50,8 @@ pub struct NameList {
     sum: u64,
     /// Reused for each name while decoding, so a name costs no allocation of its own.
     scratch: String,
+    /// Reused for each run of names read in place (see [`Self::read_run`]).
+    spans: Vec<(usize, usize)>,
 }
 
 impl NameList {
@@ -88,6 +90,54 @@ impl NameList {
         self.text.clear();
         self.ends.clear();
         self.sum = 0;
+    }
+
+    /// Reads, from the start of `chunk`, the length and bytes of a `resource_names` entry
+    /// whose key was just read, and the whole entries (key, length, bytes) that follow it, as
+    /// long as each lies in `chunk` and is shorter than 128 bytes (a one-byte length); returns
+    /// how many bytes it read, 0 when it read nothing (then the caller reads the entry its
+    /// own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at once:
+    /// keys and one-byte lengths are ASCII, so every name in a valid run is valid.
+    fn read_run(&mut self, chunk: &[u8]) -> usize {
+        /// Field 3, length-delimited.
+        const KEY: u8 = (3 << 3) | 2;
+        let entry = |at: usize| {
+            let len = *chunk.get(at)?;
+            let end = at + 1 + usize::from(len);
+            (len < 0x80 && end <= chunk.len()).then_some(end)
+        };
+        let mut spans = std::mem::take(&mut self.spans);
+        spans.clear();
+        let mut at = 0;
+        while let Some(end) = entry(at) {
+            spans.push((at + 1, end));
+            at = end;
+            if chunk.get(at) != Some(&KEY) || entry(at + 1).is_none() {
+                break;
+            }
+            at += 1;
+        }
+        let last = spans.last().map_or(0, |&(_, end)| end);
+        // Up to the first invalid byte, if any: the names before it are read here, and the
+        // bad one is left to the caller, which rejects it (so a bad name late in a long run
+        // costs one pass, not one per name before it).
+        let run = match std::str::from_utf8(&chunk[..last]) {
+            Ok(run) => run,
+            Err(e) => std::str::from_utf8(&chunk[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        spans.retain(|&(_, end)| end <= run.len());
+        let mut read = 0;
+        if spans
+            .iter()
+            .all(|&(start, end)| run.is_char_boundary(start) && run.is_char_boundary(end))
+        {
+            for &(start, end) in &spans {
+                self.push(&run[start..end]);
+            }
+            read = spans.last().map_or(0, |&(_, end)| end);
+        }
+        self.spans = spans;
+        read
     }
 }
 
@@ -166,9 +216,16 @@ impl prost::Message for SotwRequest {
                 ctx,
             ),
             3 => {
-                // Most names lie whole in the buffer's current chunk: read them in place, so a
-                // name is copied once, into the list.
+                // Envoy writes its names one after another, and most lie whole in the buffer's
+                // current chunk: read the run of them in place, validated as UTF-8 at once and
+                // copied once, into the list (a profile of the change phase at 10k services had
+                // the per-name key, length and UTF-8 reads at a third of the agent's CPU).
                 if wire_type == WireType::LengthDelimited {
+                    let read = self.resource_names.read_run(buf.chunk());
+                    if read > 0 {
+                        buf.advance(read);
+                        return Ok(());
+                    }
                     let chunk = buf.chunk();
                     let mut rest = chunk;
                     if let Ok(len) = decode_varint(&mut rest)
@@ -534,6 +591,32 @@ mod tests {
             let ours = SotwRequest::decode(chained).unwrap();
             assert_eq!(ours.resource_names.iter().collect::<Vec<_>>(), refs);
         }
+    }
+
+    /// Runs of names read at once end where a name is 128 bytes or longer, or where the chunk
+    /// ends; whatever the split, the names are the generated type's, and a bad name in the
+    /// middle of a run is rejected as it is alone.
+    #[test]
+    fn runs_of_names_read_alike_whatever_their_length_and_split() {
+        let long = |n: usize| "x".repeat(n);
+        let (l127, l128, l300) = (long(127), long(128), long(300));
+        let names = ["a|1", "", &l127, "b|ü2", &l128, "c|3", &l300, "d|4", "e|5"];
+        let bytes = full_request(&names).encode_to_vec();
+        for split in 0..bytes.len() {
+            let (a, b) = bytes.split_at(split);
+            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+            let ours = SotwRequest::decode(chained).unwrap();
+            assert_eq!(ours.resource_names.iter().collect::<Vec<_>>(), names);
+        }
+        let mut bad = DiscoveryRequest {
+            resource_names: vec!["abc".into(), "def".into(), "ghi".into()],
+            ..DiscoveryRequest::default()
+        }
+        .encode_to_vec();
+        let middle = bad.iter().position(|b| *b == b'e').unwrap();
+        bad[middle] = 0xff;
+        assert!(DiscoveryRequest::decode(bad.as_slice()).is_err());
+        assert!(SotwRequest::decode(bad.as_slice()).is_err());
     }
 
     #[test]
