@@ -171,25 +171,32 @@ impl XdsSnapshot {
         })
     }
 
-    /// When `names` (`count` of them) are every name of a type, each once: the type's shared
-    /// index, to hold as that subscription (see `stream::Subscription`). Told by summing the
-    /// identities of what they name: a list that repeats one name and leaves another out does
-    /// not add up. Only from [`BULK_LOOKUP`] names: below that a set of its own costs little.
-    pub fn every_name<'a>(
+    /// When `listed` (`count` names, each with the version it must be at, if one matters)
+    /// is every resource of a type, each once: the type's shared index. A Delta client that
+    /// reconnects holding the whole type, or a proxy that subscribes to every assignment, is
+    /// then held as the snapshot's own map or index instead of a set of its own. Told by summing
+    /// the identities of what the names look up: a list that repeats one name and leaves another
+    /// out does not add up. Only from [`BULK_LOOKUP`] names: below that a set of its own costs
+    /// little.
+    pub fn every_resource<'a>(
         &self,
         kind: ResourceType,
         count: usize,
-        names: impl IntoIterator<Item = &'a str>,
-    ) -> Option<Arc<NameIndex>> {
+        listed: impl IntoIterator<Item = (&'a str, Option<u64>)>,
+    ) -> Option<&Arc<NameIndex>> {
         if count < BULK_LOOKUP || count != self.of(kind).len() {
             return None;
         }
         let index = self.name_index(kind);
         let mut sum = 0;
-        for name in names {
-            sum ^= identity(index.get(name)?);
+        for (name, version) in listed {
+            let resource = index.get(name)?;
+            if version.is_some_and(|version| version != resource.version) {
+                return None;
+            }
+            sum ^= identity(resource);
         }
-        (sum == self.whole(kind).identity).then(|| index.clone())
+        (sum == self.whole(kind).identity).then_some(index)
     }
 
     /// The digest and the identity of a whole type (see [`Whole`]), computed once per snapshot
@@ -225,7 +232,7 @@ impl Whole {
 }
 
 /// One resource's share of [`Whole::identity`]: its address, mixed.
-pub fn identity(resource: &Arc<XdsResource>) -> u64 {
+fn identity(resource: &Arc<XdsResource>) -> u64 {
     mix(Arc::as_ptr(resource) as usize as u64)
 }
 

@@ -184,18 +184,15 @@ fn adopt_held(
         return;
     }
     let common = &mut state.common;
-    let map = snapshot.of(kind);
-    let current = snapshot.names(kind, common.interest.names.len());
     let interest = &common.interest;
     // Usually the client wants the whole type (Envoy subscribes to the endpoints of every
-    // cluster it has): then what it should hold is the snapshot's map itself, whose digest is
-    // computed once per snapshot, not once per stream.
-    let wants_whole = interest.wildcard
-        || (interest.names.len() == map.len()
-            && interest.names.iter().all(|n| current.get(n).is_some()));
-    let wanted = if wants_whole {
-        ClientView::whole(map, snapshot.whole(kind))
+    // cluster it has, which `set_sotw_interest` has just held as the snapshot's index): then
+    // what it should hold is the snapshot's map itself, whose digest is computed once per
+    // snapshot, not once per stream.
+    let wanted = if interest.wildcard || interest.names.is_all_of(snapshot.name_index(kind)) {
+        ClientView::whole(snapshot.of(kind), snapshot.whole(kind))
     } else {
+        let current = snapshot.names(kind, interest.names.len());
         let mut wanted = ClientView::default();
         for resource in interest.names.iter().filter_map(|n| current.get(n)) {
             wanted.insert(resource.name.clone(), resource.version);
@@ -240,10 +237,11 @@ fn set_sotw_interest(
     {
         return;
     }
-    let fresh = match snapshot.every_name(kind, named().count(), named()) {
+    let listed = named().map(|name| (name, None));
+    let fresh = match snapshot.every_resource(kind, named().count(), listed) {
         // Every name of the type (Envoy's subscription to the endpoints of all its clusters):
         // the snapshot's index, shared.
-        Some(index) => Subscription::whole(index),
+        Some(index) => Subscription::whole(index.clone()),
         None => {
             let current = snapshot.names(kind, names.len());
             // Sized up front: collected from a filter, the set would grow by rehashing.
@@ -297,7 +295,9 @@ mod tests {
 
     use super::*;
     use crate::mesh::Protocol;
-    use crate::xds::testing::{BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world};
+    use crate::xds::testing::{
+        BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world, names_of,
+    };
 
     /// A request as Envoy sends it, read as the server reads it.
     fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> SotwRequest {
@@ -431,17 +431,13 @@ mod tests {
     fn sotw_subscription_to_every_name_shares_the_index() {
         let mut world = World::new();
         let snap = world.add_many(1500);
-        let all: Vec<String> = snap
-            .of(ResourceType::Endpoint)
-            .keys()
-            .map(|k| k.to_string())
-            .collect();
+        let all = names_of(&snap, ResourceType::Endpoint);
         let all: Vec<&str> = all.iter().map(String::as_str).collect();
         let mut stream = Tested::<SotwStream>::default();
         let (mut out, _) = stream.on_request(&sotw(EDS, &all, "", ""), &snap);
         let eds = ResourceType::Endpoint.index();
         let subscription = &stream.machine.types[eds].common.interest.names;
-        assert!(subscription.is_index(snap.name_index(ResourceType::Endpoint)));
+        assert!(subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
         let mut got = BTreeSet::new();
         while let Some(response) = out.pop() {
             got.extend(assignments(&response));
@@ -634,11 +630,7 @@ mod tests {
     #[test]
     fn sotw_splits_large_endpoint_responses_and_sends_the_rest_after_the_ack() {
         let (_world, snap) = big_world(SOTW_RESPONSE_BUDGET);
-        let names: Vec<String> = snap
-            .of(ResourceType::Endpoint)
-            .keys()
-            .map(|k| k.to_string())
-            .collect();
+        let names = names_of(&snap, ResourceType::Endpoint);
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut stream = Tested::<SotwStream>::default();
         let (mut out, _) = stream.on_request(&sotw(EDS, &names, "", ""), &snap);

@@ -140,6 +140,16 @@ impl Subscription {
         }
     }
 
+    /// Whether this is every name of `index` and nothing else, known without a lookup.
+    pub(super) fn is_all_of(&self, index: &Arc<NameIndex>) -> bool {
+        self.added.is_empty()
+            && self.removed.is_empty()
+            && self
+                .base
+                .as_ref()
+                .is_some_and(|base| Arc::ptr_eq(base, index))
+    }
+
     pub(super) fn contains(&self, name: &str) -> bool {
         self.get(name).is_some()
     }
@@ -180,15 +190,6 @@ impl Subscription {
             .flat_map(|base| base.keys())
             .filter(|name| self.removed.is_empty() || !self.removed.contains(*name));
         based.chain(&self.added)
-    }
-}
-
-#[cfg(test)]
-impl Subscription {
-    pub(super) fn is_index(&self, index: &Arc<NameIndex>) -> bool {
-        self.base
-            .as_ref()
-            .is_some_and(|base| Arc::ptr_eq(base, index))
     }
 }
 
@@ -323,13 +324,12 @@ impl ClientView {
     }
 }
 
-/// The most resource bytes a response carries when the protocol lets us split it (every Delta
-/// response, SotW endpoints and routes): the rest follows after the ACK. Besides pacing a large
-/// first sync, this bounds the memory a stream keeps, because the gRPC encoder holds on to a
-/// buffer the size of the largest message its stream ever sent.
+/// The most resource bytes a Delta response carries (the protocol lets every one be split):
+/// the rest follows after the ACK. This paces a large first sync and bounds the memory in
+/// flight, a response's buffer being its exact size.
 pub(super) const RESPONSE_BUDGET: usize = 256 << 10;
 
-/// The same for SotW, four times larger. Envoy's SotW ACK of endpoints repeats its whole
+/// The same for the SotW types sent by change (endpoints and routes), four times larger. Envoy's SotW ACK of endpoints repeats its whole
 /// subscription (10k names at 10k services), which the client builds and the agent reads for
 /// every response: a first sync of 6 MB of assignments in 24 responses of 256 KiB made each
 /// SotW client send, and the agent read, 240k names. In 1 MiB responses, at 10k services with

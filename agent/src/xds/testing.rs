@@ -77,6 +77,11 @@ impl World {
 pub(super) const BUZZ: &str = "buzz.bar.foo.system.internal|8080";
 pub(super) const OTHER: &str = "other.foo.system.internal|8080";
 /// A mesh whose endpoints add up to more than one response's budget.
+/// The names of one type of `snap`, owned: tests hand them to requests as `&str`s.
+pub(super) fn names_of(snap: &XdsSnapshot, kind: ResourceType) -> Vec<String> {
+    snap.of(kind).keys().map(|name| name.to_string()).collect()
+}
+
 pub(super) fn big_world(budget: usize) -> (World, XdsSnapshot) {
     let mut world = World::new();
     let endpoints: Vec<String> = (0..200)

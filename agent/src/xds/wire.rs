@@ -19,8 +19,8 @@ use envoy_types::pb::google::rpc::Status;
 use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{
-    DecodeContext, WireType, decode_varint, encode_key, encode_varint, encoded_len_varint, key_len,
-    message, skip_field, string,
+    DecodeContext, WireType, encode_key, encode_varint, encoded_len_varint, key_len, message,
+    skip_field, string,
 };
 
 /// An ADS `DiscoveryRequest` (envoy.service.discovery.v3), with its resource names packed.
@@ -226,20 +226,9 @@ impl prost::Message for SotwRequest {
                         buf.advance(read);
                         return Ok(());
                     }
-                    let chunk = buf.chunk();
-                    let mut rest = chunk;
-                    if let Ok(len) = decode_varint(&mut rest)
-                        && let Some(bytes) = usize::try_from(len).ok().and_then(|n| rest.get(..n))
-                        && let Ok(name) = std::str::from_utf8(bytes)
-                    {
-                        let read = chunk.len() - rest.len() + bytes.len();
-                        self.resource_names.push(name);
-                        buf.advance(read);
-                        return Ok(());
-                    }
                 }
-                // Else (a name across chunks, or a bad one) prost's own string decoding (bounds,
-                // UTF-8, its errors) into a reused buffer.
+                // Else (a name across chunks, one of 128 bytes or more, or a bad one) prost's
+                // own string decoding (bounds, UTF-8, its errors) into a reused buffer.
                 let mut scratch = std::mem::take(&mut self.resource_names.scratch);
                 let merged = string::merge(wire_type, &mut scratch, buf, ctx);
                 if merged.is_ok() {
