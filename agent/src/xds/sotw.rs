@@ -211,8 +211,9 @@ fn adopt_held(
 
 /// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on
 /// every request (ten thousand names on each endpoint ACK at that scale), so the usual case,
-/// the same list as last time, is recognised by its fingerprint (taken while the request was
-/// decoded, see [`super::wire`]) without a lookup per name.
+/// the same list as last time, is recognised by its fingerprint (a hash of the names' bytes as
+/// they came, see [`super::wire`]) without a lookup per name; the same names in another order
+/// are compared name by name below.
 fn set_sotw_interest(
     state: &mut SotwTypeState,
     kind: ResourceType,

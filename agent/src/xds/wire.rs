@@ -3,8 +3,9 @@
 //! through the generated `DiscoveryRequest`, that is 10k `String`s allocated and freed per ACK,
 //! per stream, which a profile at that scale showed as the largest share of the agent's CPU per
 //! change (`malloc`/`free` about 40 % of its samples, docs/benchmarks.md). [`SotwRequest`]
-//! decodes the same message with the names packed into one buffer and fingerprinted as they are
-//! read, so a stream recognises an unchanged subscription without a string per name.
+//! decodes the same message with the names kept as their bytes on the wire, copied a run at a
+//! time into one buffer, so a stream recognises an unchanged subscription by a hash of that
+//! buffer, without a string or a step per name.
 //! [`DeltaRequest`] does the same for what a reconnecting Delta client holds
 //! (`initial_resource_versions`, 20k names and versions at that scale).
 //!
@@ -40,111 +41,115 @@ pub struct SotwRequest {
     pub error_detail: Option<Status>,
 }
 
-/// A request's resource names in one buffer, with an order-independent fingerprint of them.
+/// A request's resource names as they came on the wire: each `resource_names` entry (key,
+/// length, bytes) one after another in one buffer, every name checked as UTF-8 when read.
+/// Envoy sends the same subscription in the same order on every ACK, so a stream recognises
+/// it by a hash of these bytes, taken at once over the buffer, without a step per name.
 #[derive(Clone, Debug, Default)]
 pub struct NameList {
-    text: String,
-    /// End offset of each name in `text`.
-    ends: Vec<u32>,
-    /// The sum of a per-name hash: the same set of names in any order has the same sum.
-    sum: u64,
-    /// Reused for each name while decoding, so a name costs no allocation of its own.
+    /// Field 3's entries as prost writes them (a one-byte key, the length as a minimal varint,
+    /// the name), so the same names in the same order are the same bytes however the message
+    /// was split into chunks.
+    wire: Vec<u8>,
+    len: usize,
+    /// Reused for a name read through prost's path, so it costs no allocation of its own.
     scratch: String,
-    /// Reused for each run of names read in place (see [`Self::read_run`]).
-    spans: Vec<(usize, usize)>,
 }
+
+/// Field 3 (`resource_names`), length-delimited: the key of each entry.
+const NAME_KEY: u8 = (3 << 3) | 2;
 
 impl NameList {
     pub fn len(&self) -> usize {
-        self.ends.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
+        self.len == 0
     }
 
     /// The names in the order they came.
     pub fn iter(&self) -> impl Iterator<Item = &str> + Clone + '_ {
-        let starts = std::iter::once(0).chain(self.ends.iter().copied());
-        starts
-            .zip(self.ends.iter().copied())
-            .map(|(start, end)| &self.text[start as usize..end as usize])
+        let mut rest: &[u8] = &self.wire;
+        std::iter::from_fn(move || {
+            let (_key, tail) = rest.split_first()?;
+            rest = tail;
+            let len = usize::try_from(prost::encoding::decode_varint(&mut rest).ok()?).ok()?;
+            let (name, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            // Checked when read; never fails.
+            std::str::from_utf8(name).ok()
+        })
     }
 
-    /// Recognises the same names again, in any order: the per-name hash sum and the count.
-    /// Equal fingerprints of different lists are possible but improbable (64-bit sum); the
-    /// stream that relies on it only skips re-reading an unchanged subscription.
+    /// Recognises the same names in the same order again: a hash of the entries and their
+    /// count. Equal fingerprints of different lists are possible but improbable (64-bit hash);
+    /// the stream that relies on it only skips re-reading an unchanged subscription, and a
+    /// reordered list is only read again. A fixed seed is enough: the fingerprint is only
+    /// compared with the same stream's previous request, so a client choosing colliding names
+    /// could only confuse itself.
     pub fn fingerprint(&self) -> (u64, usize) {
-        (self.sum, self.ends.len())
+        let hash = foldhash::fast::FixedState::default().hash_one(self.wire.as_slice());
+        (hash, self.len)
     }
 
     pub fn push(&mut self, name: &str) {
-        self.sum = self.sum.wrapping_add(name_hash(name));
-        self.text.push_str(name);
-        // Names in one gRPC message are bounded far below 4 GiB by its size limit.
-        self.ends
-            .push(u32::try_from(self.text.len()).unwrap_or(u32::MAX));
+        self.wire.push(NAME_KEY);
+        encode_varint(name.len() as u64, &mut self.wire);
+        self.wire.extend_from_slice(name.as_bytes());
+        self.len += 1;
     }
 
     fn clear(&mut self) {
-        self.text.clear();
-        self.ends.clear();
-        self.sum = 0;
+        self.wire.clear();
+        self.len = 0;
     }
 
     /// Reads, from the start of `chunk`, the length and bytes of a `resource_names` entry
     /// whose key was just read, and the whole entries (key, length, bytes) that follow it, as
     /// long as each lies in `chunk` and is shorter than 128 bytes (a one-byte length); returns
     /// how many bytes it read, 0 when it read nothing (then the caller reads the entry its
-    /// own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at once:
-    /// keys and one-byte lengths are ASCII, so every name in a valid run is valid.
+    /// own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at once
+    /// and copied at once: keys and one-byte lengths are ASCII, a whole character each, so
+    /// every name in a valid run starts and ends on a character boundary and is valid itself.
     fn read_run(&mut self, chunk: &[u8]) -> usize {
-        /// Field 3, length-delimited.
-        const KEY: u8 = (3 << 3) | 2;
+        // The end of the entry whose length byte is at `at`, if it lies in the chunk.
         let entry = |at: usize| {
             let len = *chunk.get(at)?;
             let end = at + 1 + usize::from(len);
             (len < 0x80 && end <= chunk.len()).then_some(end)
         };
-        let mut spans = std::mem::take(&mut self.spans);
-        spans.clear();
-        let mut at = 0;
-        while let Some(end) = entry(at) {
-            spans.push((at + 1, end));
-            at = end;
-            if chunk.get(at) != Some(&KEY) || entry(at + 1).is_none() {
-                break;
+        let entries = |limit: usize| {
+            let (mut at, mut count, mut last) = (0, 0, 0);
+            while let Some(end) = entry(at).filter(|&end| end <= limit) {
+                (count, last) = (count + 1, end);
+                if chunk.get(end) != Some(&NAME_KEY) {
+                    break;
+                }
+                at = end + 1;
             }
-            at += 1;
-        }
-        let last = spans.last().map_or(0, |&(_, end)| end);
-        // Up to the first invalid byte, if any: the names before it are read here, and the
-        // bad one is left to the caller, which rejects it (so a bad name late in a long run
-        // costs one pass, not one per name before it).
-        let run = match std::str::from_utf8(&chunk[..last]) {
-            Ok(run) => run,
-            Err(e) => std::str::from_utf8(&chunk[..e.valid_up_to()]).unwrap_or_default(),
+            (count, last)
         };
-        spans.retain(|&(_, end)| end <= run.len());
-        let mut read = 0;
-        if spans
-            .iter()
-            .all(|&(start, end)| run.is_char_boundary(start) && run.is_char_boundary(end))
-        {
-            for &(start, end) in &spans {
-                self.push(&run[start..end]);
-            }
-            read = spans.last().map_or(0, |&(_, end)| end);
+        let (mut count, mut last) = entries(chunk.len());
+        if let Err(e) = std::str::from_utf8(&chunk[..last]) {
+            // Up to the entry before the first invalid byte: the names before it are read
+            // here, and the bad one is left to the caller, which rejects it (so a bad name
+            // late in a long run costs one more pass, not one per name before it).
+            (count, last) = entries(e.valid_up_to());
         }
-        self.spans = spans;
-        read
+        if count > 0 {
+            self.wire.push(NAME_KEY);
+            self.wire.extend_from_slice(&chunk[..last]);
+            self.len += count;
+        }
+        last
     }
 }
 
 /// The same names in the same order.
 impl PartialEq for NameList {
     fn eq(&self, other: &Self) -> bool {
-        self.text == other.text && self.ends == other.ends
+        self.wire == other.wire
     }
 }
 
@@ -156,12 +161,6 @@ impl<'a> FromIterator<&'a str> for NameList {
         }
         list
     }
-}
-
-/// A fast hash of one name. A fixed seed is enough: the sum is only compared with the same
-/// stream's previous request, so a client choosing colliding names could only confuse itself.
-fn name_hash(name: &str) -> u64 {
-    foldhash::fast::FixedState::default().hash_one(name)
 }
 
 /// A proto3 string field: left out when empty, as prost writes it.
@@ -188,11 +187,8 @@ impl prost::Message for SotwRequest {
         if let Some(node) = &self.node {
             message::encode(2, node, buf);
         }
-        for name in self.resource_names.iter() {
-            encode_key(3, WireType::LengthDelimited, buf);
-            encode_varint(name.len() as u64, buf);
-            buf.put_slice(name.as_bytes());
-        }
+        // The names are kept as their entries on the wire.
+        buf.put_slice(&self.resource_names.wire);
         encode_string(4, &self.type_url, buf);
         encode_string(5, &self.response_nonce, buf);
         if let Some(status) = &self.error_detail {
@@ -217,9 +213,10 @@ impl prost::Message for SotwRequest {
             ),
             3 => {
                 // Envoy writes its names one after another, and most lie whole in the buffer's
-                // current chunk: read the run of them in place, validated as UTF-8 at once and
-                // copied once, into the list (a profile of the change phase at 10k services had
-                // the per-name key, length and UTF-8 reads at a third of the agent's CPU).
+                // current chunk: read the run of them in place, validated as UTF-8 and copied
+                // into the list at once (a profile of the change phase at 10k services had the
+                // per-name key, length and UTF-8 reads at a third of the agent's CPU, and then
+                // the per-name hash and copy at a quarter).
                 if wire_type == WireType::LengthDelimited {
                     let read = self.resource_names.read_run(buf.chunk());
                     if read > 0 {
@@ -250,11 +247,7 @@ impl prost::Message for SotwRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let names: usize = self
-            .resource_names
-            .iter()
-            .map(|n| key_len(3) + encoded_len_varint(n.len() as u64) + n.len())
-            .sum();
+        let names = self.resource_names.wire.len();
         string_len(1, &self.version_info)
             + self.node.as_ref().map_or(0, |n| message::encoded_len(2, n))
             + names
@@ -626,20 +619,27 @@ mod tests {
     }
 
     #[test]
-    fn fingerprint_ignores_order_and_sees_a_change() {
+    fn fingerprint_sees_a_change_whatever_the_split() {
         let a: NameList = ["x", "y", "zzzzzzzzzzz"].into_iter().collect();
-        let b: NameList = ["zzzzzzzzzzz", "x", "y"].into_iter().collect();
-        let c: NameList = ["x", "y", "zzzzzzzzzzy"].into_iter().collect();
-        let d: NameList = ["x", "y"].into_iter().collect();
-        assert_eq!(a.fingerprint(), b.fingerprint());
-        assert_ne!(a.fingerprint(), c.fingerprint());
-        assert_ne!(a.fingerprint(), d.fingerprint());
-        let decoded = SotwRequest::decode(
-            full_request(&["zzzzzzzzzzz", "y", "x"])
-                .encode_to_vec()
-                .as_slice(),
-        )
-        .unwrap();
-        assert_eq!(decoded.resource_names.fingerprint(), a.fingerprint());
+        let reordered: NameList = ["zzzzzzzzzzz", "x", "y"].into_iter().collect();
+        let changed: NameList = ["x", "y", "zzzzzzzzzzy"].into_iter().collect();
+        let fewer: NameList = ["x", "y"].into_iter().collect();
+        let moved: NameList = ["xy", "", "zzzzzzzzzzz"].into_iter().collect();
+        for other in [&reordered, &changed, &fewer, &moved] {
+            assert_ne!(a.fingerprint(), other.fingerprint());
+        }
+        // The same names read in runs, one by one, or across chunks: the same fingerprint.
+        let long = "l".repeat(200);
+        let names = ["x", &long, "y", "zzzzzzzzzzz"];
+        let pushed: NameList = names.into_iter().collect();
+        let bytes = full_request(&names).encode_to_vec();
+        for split in 0..bytes.len() {
+            let (a, b) = bytes.split_at(split);
+            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+            let decoded = SotwRequest::decode(chained).unwrap();
+            assert_eq!(decoded.resource_names.fingerprint(), pushed.fingerprint());
+            assert_eq!(decoded.resource_names, pushed);
+            assert_eq!(decoded.resource_names.len(), names.len());
+        }
     }
 }
