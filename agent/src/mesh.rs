@@ -609,7 +609,8 @@ pub struct MeshState {
     services: ServiceMap,
     /// Instance path (`/data/db/db-1`) → its service, so no service can take an instance's
     /// name and no instance a service's.
-    instance_of: std::collections::HashMap<MeshPath, MeshPath>,
+    /// Persistent, as the address book is, so that copying the state is cheap.
+    instance_of: imbl::HashMap<MeshPath, MeshPath>,
     rejected_routes: Arc<[RejectedRoute]>,
     version: u64,
     shape_version: u64,
@@ -624,7 +625,7 @@ impl MeshState {
         MeshState {
             addresses: AddressBook::new(trap),
             services: ServiceMap::new(),
-            instance_of: std::collections::HashMap::new(),
+            instance_of: imbl::HashMap::new(),
             rejected_routes: Arc::from([]),
             version: 0,
             shape_version: 0,
@@ -775,19 +776,31 @@ impl MeshState {
     /// Makes the mesh exactly `specs` (the file source's whole-world view), touching only the
     /// services that differ. All-or-nothing: if any address cannot be assigned, nothing changes.
     pub fn replace_all(&mut self, specs: Vec<ServiceSpec>) -> Result<(), AddressError> {
-        let mut next = self.clone();
-        let keep: std::collections::BTreeSet<&MeshPath> = specs.iter().map(|s| &s.path).collect();
-        let gone: Vec<MeshPath> = next
+        let keep: std::collections::HashSet<&MeshPath> = specs.iter().map(|s| &s.path).collect();
+        let gone: Vec<MeshPath> = self
             .services
             .keys()
             .filter(|path| !keep.contains(path))
             .cloned()
             .collect();
+        drop(keep);
+        self.apply(&gone, specs)
+    }
+
+    /// Removes the services at `removed`, then upserts `upserted` (a mesh-file edit, read by
+    /// what changed). All-or-nothing, as [`Self::replace_all`]; the copy this takes is cheap
+    /// (persistent maps), so the cost is that of the services named.
+    pub fn apply(
+        &mut self,
+        removed: &[MeshPath],
+        upserted: Vec<ServiceSpec>,
+    ) -> Result<(), AddressError> {
+        let mut next = self.clone();
         // Release first, so a service that left frees its address for one that arrives.
-        for path in &gone {
+        for path in removed {
             next.remove(path);
         }
-        for spec in specs {
+        for spec in upserted {
             next.upsert(spec)?;
         }
         *self = next;

@@ -1,8 +1,9 @@
 //! Who holds which address in the trapped block. The block itself, and its rules, are part of
 //! the contract every part shares ([`TrapCidrs`]).
 
-use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
+
+use imbl::{HashMap, OrdSet};
 
 use ipnet::Ipv4Net;
 use lattice_contract::TrapCidrs;
@@ -43,11 +44,15 @@ fn own_offsets(trap: &TrapCidrs) -> std::ops::Range<u32> {
 /// service. And a holder that comes back gets its last address again if nobody took it in
 /// between: a StatefulSet pod that is deleted and recreated under the same name keeps its
 /// instance address, which is what its peers remember.
+///
+/// Persistent maps, so that a copy is cheap: the mesh state copies the book to apply a change
+/// all-or-nothing, and a mesh-file edit that touches one service must not cost a copy of
+/// every holder.
 #[derive(Clone, Debug)]
 pub struct AddressBook {
     trap: TrapCidrs,
     held: HashMap<MeshPath, u32>,
-    used: BTreeSet<u32>,
+    used: OrdSet<u32>,
     cursor: u32,
     /// Free addresses and who held each last; bounded by the block's size.
     last_holder: HashMap<u32, MeshPath>,
@@ -60,7 +65,7 @@ impl AddressBook {
             cursor: own_offsets(&trap).start,
             trap,
             held: HashMap::new(),
-            used: BTreeSet::new(),
+            used: OrdSet::new(),
             last_holder: HashMap::new(),
             last_address: HashMap::new(),
         }

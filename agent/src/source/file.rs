@@ -1,14 +1,16 @@
 //! Mesh-file source: a YAML file describing the whole mesh, followed live.
 //!
 //! The file is validated as a whole (the services, then their routing rules, which name other
-//! services of the file), but an edit re-parses only the `services` items whose text changed
-//! ([`items`]); a bad edit is logged and the last good mesh keeps serving. Changes are seen through inotify on the file's directory, so editors that
-//! replace the file and Kubernetes ConfigMap symlink swaps are both caught.
+//! services of the file), but an edit is read by the `services` items it changed and applied
+//! as the services it removed and upserted ([`reader`]); a bad edit is logged and the last good
+//! mesh keeps serving. Changes are seen through inotify on the file's directory, so editors
+//! that replace the file and Kubernetes ConfigMap symlink swaps are both caught.
 
 mod items;
+mod reader;
 mod routes;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,12 +24,13 @@ use tokio_util::sync::CancellationToken;
 use crate::identity::PodPattern;
 use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
+use reader::{Read, Reader};
+
 use crate::mesh::{
     AddressError, Endpoint, HostEndpoint, HostHeader, HostName, InstanceSpec, MeshPath,
     MeshSnapshot, MeshState, Protocol, Provider, ProviderTx, ServicePort, ServiceSpec,
     TrafficDistribution,
 };
-use crate::parallel;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MeshFileError {
@@ -395,109 +398,6 @@ fn port_number(value: i64) -> Option<u16> {
     u16::try_from(value).ok().filter(|&p| p != 0)
 }
 
-/// Reads the file's text into services, keeping each `services` item's reading by its text,
-/// so that an edit re-reads only the items it changed ([`items`]). Where the text does not
-/// split, or an item does not read by itself, or the items do not validate together, the
-/// whole text is read as [`parse`] reads it, and its errors name the place in the whole file.
-struct Reader {
-    provider: Provider,
-    /// The last good read's items, by their text.
-    items: ItemMap,
-}
-
-/// foldhash rather than SipHash: the keys are the whole file's text, 4 MB at 10k services.
-type ItemMap = HashMap<Box<str>, Arc<ReadService>, foldhash::fast::RandomState>;
-
-impl Reader {
-    fn new(provider: Provider) -> Self {
-        Reader {
-            provider,
-            items: ItemMap::default(),
-        }
-    }
-
-    /// Reads, parses and validates the file: its text and its services.
-    fn load(&mut self, path: &Path) -> Result<(String, Vec<ServiceSpec>), MeshFileError> {
-        let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let specs = self.read(&text).map_err(|message| MeshFileError::Syntax {
-            path: path.to_path_buf(),
-            message,
-        })?;
-        Ok((text, specs))
-    }
-
-    fn read(&mut self, text: &str) -> Result<Vec<ServiceSpec>, String> {
-        if let Some(items) = items::split(text)
-            && let Some(specs) = self.read_items(&items)
-        {
-            return Ok(specs);
-        }
-        // A bad edit keeps the items of the last good read for the next edit.
-        let specs = parse(text, &self.provider)?;
-        self.items.clear();
-        tracing::debug!(
-            "mesh file read as a whole: its layout is not one whose items are read one by one"
-        );
-        Ok(specs)
-    }
-
-    /// The services of `items`, reading only those whose text is new; `None` where the whole
-    /// text must be read instead.
-    fn read_items(&mut self, items: &[&str]) -> Option<Vec<ServiceSpec>> {
-        // The new items are read first, on every core when there are many (the first read of
-        // a large file).
-        let new: Vec<(usize, &str)> = items
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|(_, item)| !self.items.contains_key(*item))
-            .collect();
-        let provider = &self.provider;
-        let read = parallel::map_on_every_core(&new, |&(i, item)| read_item(i, item, provider));
-        let mut read = new.iter().map(|(i, _)| *i).zip(read).peekable();
-        let mut kept = ItemMap::with_capacity_and_hasher(items.len(), Default::default());
-        let mut services = Vec::with_capacity(items.len());
-        let specs = 'read: {
-            for (i, &item) in items.iter().enumerate() {
-                let service = if let Some((_, service)) = read.next_if(|(j, _)| *j == i) {
-                    service.map(|service| {
-                        let service = Arc::new(service);
-                        kept.insert(Box::from(item), service.clone());
-                        service
-                    })
-                } else if let Some((text, service)) = self.items.remove_entry(item) {
-                    kept.insert(text, service.clone());
-                    Some(service)
-                } else {
-                    // The same text earlier in this file: `assemble` refuses the duplicate path.
-                    kept.get(item).cloned()
-                };
-                match service {
-                    Some(service) => services.push(service),
-                    None => break 'read None,
-                }
-            }
-            assemble(&services).ok()
-        };
-        // The last good read's items stay for the next edit until a read succeeds.
-        match specs {
-            Some(_) => self.items = kept,
-            None => self.items.extend(kept),
-        }
-        specs
-    }
-}
-
-/// One item's text (a YAML block sequence of one entry) as the `i`th service of the file.
-fn read_item(i: usize, item: &str, provider: &Provider) -> Option<ReadService> {
-    let mut list: Vec<FileService> = serde_norway::from_str(item).ok()?;
-    let service = list.pop().filter(|_| list.is_empty())?;
-    read_service(i, service, provider).ok()
-}
-
 /// The mesh-file source, loaded once (so a bad file fails start-up) and then followed.
 pub struct FileSource {
     path: PathBuf,
@@ -510,21 +410,19 @@ pub struct FileSource {
 impl FileSource {
     /// Loads the file and builds the first mesh. Fails on any error, naming the file.
     pub fn load(path: &Path, trap: TrapCidrs) -> Result<FileSource, MeshFileError> {
-        let mut reader = Reader::new(Provider::file(path));
-        let (text, specs) = reader.load(path)?;
-        let mut state = MeshState::new(trap);
-        state
-            .replace_all(specs)
-            .map_err(|source| MeshFileError::Addresses {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        Ok(FileSource {
+        let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
             path: path.to_path_buf(),
-            reader,
-            state,
-            text,
-        })
+            source,
+        })?;
+        let mut source = FileSource {
+            path: path.to_path_buf(),
+            reader: Reader::new(Provider::file(path)),
+            state: MeshState::new(trap),
+            text: String::new(),
+        };
+        source.apply(&text)?;
+        source.text = text;
+        Ok(source)
     }
 
     /// The provider this file is: `file:<path>`.
@@ -627,20 +525,24 @@ impl FileSource {
         }
     }
 
+    /// Reads `text` and applies it to the mesh state, all or nothing.
     fn apply(&mut self, text: &str) -> Result<Arc<MeshSnapshot>, MeshFileError> {
-        let specs = self
+        let read = self
             .reader
             .read(text)
             .map_err(|message| MeshFileError::Syntax {
                 path: self.path.clone(),
                 message,
             })?;
-        self.state
-            .replace_all(specs)
-            .map_err(|source| MeshFileError::Addresses {
-                path: self.path.clone(),
-                source,
-            })?;
+        match read {
+            Read::Whole(specs) => self.state.replace_all(specs),
+            Read::Edit { removed, upserted } => self.state.apply(&removed, upserted),
+        }
+        .map_err(|source| MeshFileError::Addresses {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.reader.commit();
         Ok(self.state.snapshot())
     }
 
@@ -660,7 +562,7 @@ mod tests {
         super::parse(text, &Provider::new("file:test"))
     }
 
-    const GOOD: &str = r#"
+    pub(super) const GOOD: &str = r#"
 services:
   - path: /foo/bar/buzz
     ports:
@@ -1025,116 +927,5 @@ services:
         // An empty or truncated file is far more likely a write in progress than intent.
         assert!(parse("").is_err());
         assert!(parse("{}").unwrap_err().contains("services"));
-    }
-
-    /// A file with every kind of item the reader splits: rules naming other services, a
-    /// stateful service, host names, health, comments between items.
-    fn varied_file() -> String {
-        let mut text = String::from("# generated\nservices:\n");
-        for i in 0..30 {
-            text.push_str(&format!(
-                "  # service {i}\n  - path: /ns{n}/svc{i}\n    ports:\n      - port: 80\n        protocol: http\n        targetPort: {target}\n    endpoints:\n      - address: 10.1.{n}.{i}\n        zone: z{n}\n      - address: 10.2.{n}.{i}\n",
-                n = i % 3,
-                target = 8000 + i
-            ));
-            if i % 10 == 1 {
-                text.push_str(&format!(
-                    "    routes:\n      - matches: [{{path: {{prefix: /v2}}}}]\n        backends:\n          - service: /ns{n}/svc{next}\n            weight: 90\n          - service: /ns{n2}/svc{i}\n            weight: 10\n",
-                    n = (i + 1) % 3,
-                    next = i + 1,
-                    n2 = i % 3,
-                ));
-            }
-        }
-        text.push_str("  - path: /db/pg\n    ports: [{port: 5432}]\n    endpoints:\n      - {address: 10.3.0.1, name: pg-0}\n      - {address: 10.3.0.2, name: pg-1, ready: false}\n");
-        text.push_str("  - path: /ext/api\n    ports:\n      - port: 443\n    endpoints:\n      - address: api.example.com\n    health:\n      check:\n        tcp: {}\n        interval: 5s\n    clients: [\"web/front*\"]\n");
-        text
-    }
-
-    fn reader() -> Reader {
-        Reader::new(Provider::new("file:test"))
-    }
-
-    #[test]
-    fn reading_by_items_gives_what_reading_the_whole_gives() {
-        let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
-        // Enough items for the first read to run on every core.
-        let mut large = String::from("services:\n");
-        for i in 0..crate::parallel::PARALLEL_FROM + 100 {
-            large.push_str(&format!(
-                "- path: /big/s{i}\n  ports: [{{port: 80, protocol: http}}]\n  endpoints: [{{address: 10.9.{}.{}}}]\n",
-                i / 250,
-                i % 250
-            ));
-        }
-        let mut texts = vec![GOOD.to_string(), varied_file(), large];
-        for file in ["mesh.yaml", "blue-green.yaml"] {
-            texts.push(std::fs::read_to_string(format!("{examples}/{file}")).unwrap());
-        }
-        for text in &texts {
-            let items = items::split(text).expect("a plain layout splits");
-            let mut reader = reader();
-            assert_eq!(reader.read(text).unwrap(), parse(text).unwrap());
-            assert_eq!(reader.items.len(), items.len(), "every item is kept");
-        }
-    }
-
-    #[test]
-    fn an_edit_rereads_only_the_items_it_changed() {
-        let mut reader = reader();
-        let text = varied_file();
-        reader.read(&text).unwrap();
-        let before = reader.items.clone();
-        // One endpoint of one service moves; a service is added; one is removed.
-        let edited = text
-            .replace("10.2.1.4\n", "10.2.1.99\n")
-            .replace(
-                "  - path: /db/pg",
-                "  - path: /new/one\n    ports: [{port: 81}]\n  - path: /db/pg",
-            )
-            .replace("  - path: /ns2/svc5\n", "  - path: /ns2/svc5x\n");
-        let specs = reader.read(&edited).unwrap();
-        assert_eq!(specs, parse(&edited).unwrap());
-        let mut reread: Vec<&str> = reader
-            .items
-            .iter()
-            .filter(|(text, service)| {
-                before
-                    .get(&**text)
-                    .is_none_or(|old| !Arc::ptr_eq(old, service))
-            })
-            .map(|(_, service)| service.spec.path.as_str())
-            .collect();
-        reread.sort();
-        assert_eq!(reread, ["/new/one", "/ns1/svc4", "/ns2/svc5x"]);
-        // One added; the renamed one's old text is dropped.
-        assert_eq!(reader.items.len(), before.len() + 1);
-    }
-
-    #[test]
-    fn a_bad_edit_is_refused_with_the_whole_files_message_and_the_items_stay() {
-        let mut reader = reader();
-        let text = varied_file();
-        reader.read(&text).unwrap();
-        let good: Vec<Box<str>> = reader.items.keys().cloned().collect();
-        for bad in [
-            // A service of the same path twice: each item reads alone, the whole does not.
-            text.replace("/ns2/svc5\n", "/ns1/svc4\n"),
-            // Not YAML in one item.
-            text.replace("targetPort: 8004", "targetPort: [8004"),
-            // A rule naming a service that is not there.
-            text.replace("service: /ns2/svc2", "service: /ns2/nothing"),
-            // A bad port in one item.
-            text.replace("port: 5432", "port: 70000"),
-        ] {
-            assert_eq!(reader.read(&bad).unwrap_err(), parse(&bad).unwrap_err());
-            assert!(good.iter().all(|item| reader.items.contains_key(item)));
-        }
-        // A quoted string that spans an item boundary reads as the whole file reads it.
-        let spanning = text.replace(
-            "  - path: /db/pg",
-            "  - path: /q/s\n    ports: [{port: 82, name: \"a\n  - b\"}]\n  - path: /db/pg",
-        );
-        assert_eq!(reader.read(&spanning), parse(&spanning));
     }
 }
