@@ -587,15 +587,54 @@ pub struct MeshSnapshot {
     /// When the source took this snapshot: where the push latency of what it changed starts.
     #[serde(skip)]
     pub taken_at: Instant,
+    /// What the state counted as it changed ([`Totals`]).
+    #[serde(skip)]
+    totals: Totals,
 }
 
 impl MeshSnapshot {
+    /// The endpoints and host names of every service's ports.
     pub fn endpoint_count(&self) -> usize {
-        self.services
-            .values()
-            .flat_map(|s| &s.ports)
-            .map(|p| p.endpoints.len() + p.hosts.len())
-            .sum()
+        self.totals.endpoints
+    }
+
+    /// The routing rules of every service.
+    pub fn route_rule_count(&self) -> usize {
+        self.totals.route_rules
+    }
+}
+
+/// Counts over every service, kept as services change: every snapshot is logged and measured
+/// with them, and counting 10k services per change was a visible part of a mesh-file edit's
+/// CPU (a profile at 10k services had `endpoint_count` alone at 5.8 %).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Totals {
+    endpoints: usize,
+    route_rules: usize,
+}
+
+impl Totals {
+    fn of(service: &Service) -> Totals {
+        Totals {
+            endpoints: service
+                .ports
+                .iter()
+                .map(|p| p.endpoints.len() + p.hosts.len())
+                .sum(),
+            route_rules: service.routes.len(),
+        }
+    }
+
+    fn add(&mut self, service: &Service) {
+        let other = Totals::of(service);
+        self.endpoints += other.endpoints;
+        self.route_rules += other.route_rules;
+    }
+
+    fn subtract(&mut self, service: &Service) {
+        let other = Totals::of(service);
+        self.endpoints -= other.endpoints;
+        self.route_rules -= other.route_rules;
     }
 }
 
@@ -612,6 +651,7 @@ pub struct MeshState {
     /// Persistent, as the address book is, so that copying the state is cheap.
     instance_of: imbl::HashMap<MeshPath, MeshPath>,
     rejected_routes: Arc<[RejectedRoute]>,
+    totals: Totals,
     version: u64,
     shape_version: u64,
     /// Something changed since the last snapshot.
@@ -627,6 +667,7 @@ impl MeshState {
             services: ServiceMap::new(),
             instance_of: imbl::HashMap::new(),
             rejected_routes: Arc::from([]),
+            totals: Totals::default(),
             version: 0,
             shape_version: 0,
             changed: true,
@@ -711,7 +752,11 @@ impl MeshState {
             host_header: spec.host_header,
             clients: spec.clients,
         };
+        if let Some(existing) = &existing {
+            self.totals.subtract(existing);
+        }
         self.reshaped |= existing.is_none_or(|existing| !existing.same_shape(&service));
+        self.totals.add(&service);
         self.services.insert(spec.path, Arc::new(service));
         self.changed = true;
         Ok(true)
@@ -764,6 +809,7 @@ impl MeshState {
         let Some(service) = self.services.remove(path) else {
             return false;
         };
+        self.totals.subtract(&service);
         for instance in &service.instances {
             self.addresses.release(&instance.path);
             self.instance_of.remove(&instance.path);
@@ -833,6 +879,7 @@ impl MeshState {
             services: self.services.clone(),
             rejected_routes: self.rejected_routes.clone(),
             taken_at: Instant::now(),
+            totals: self.totals,
         })
     }
 }
@@ -989,6 +1036,52 @@ mod tests {
                 .services
                 .contains_key(&"/a/http".parse::<MeshPath>().unwrap())
         );
+    }
+
+    /// The counts a snapshot carries are those of its services, however they changed.
+    #[test]
+    fn totals_follow_upserts_and_removals() {
+        let recount = |mesh: &MeshSnapshot| {
+            let endpoints = mesh
+                .services
+                .values()
+                .flat_map(|s| &s.ports)
+                .map(|p| p.endpoints.len() + p.hosts.len())
+                .sum::<usize>();
+            let rules = mesh
+                .services
+                .values()
+                .map(|s| s.routes.len())
+                .sum::<usize>();
+            (endpoints, rules)
+        };
+        let counts = |mesh: &MeshSnapshot| (mesh.endpoint_count(), mesh.route_rule_count());
+        let mut state = MeshState::new(trap());
+        state.upsert(spec("/a/web", Protocol::Http)).unwrap();
+        let mut two = spec("/a/two", Protocol::Http);
+        two.ports[0].endpoints = EndpointSet::parsed(&["10.0.0.2:8080", "10.0.0.3:8080"]);
+        state.upsert(two.clone()).unwrap();
+        let both = state.snapshot();
+        assert_eq!(counts(&both), recount(&both));
+        assert_eq!(both.endpoint_count(), 3);
+        two.ports[0].endpoints = EndpointSet::parsed(&["10.0.0.4:8080"]);
+        state.upsert(two).unwrap();
+        state.remove(&"/a/web".parse().unwrap());
+        let after = state.snapshot();
+        assert_eq!(counts(&after), recount(&after));
+        assert_eq!(after.endpoint_count(), 1);
+        // A failed change leaves the counts as they were.
+        let mut full = MeshState::new("240.240.0.0/30".parse().unwrap());
+        full.upsert(spec("/a/tcp", Protocol::Tcp)).unwrap();
+        assert!(
+            full.replace_all(vec![
+                spec("/a/tcp2", Protocol::Tcp),
+                spec("/a/tcp3", Protocol::Tcp)
+            ])
+            .is_err()
+        );
+        let kept = full.snapshot();
+        assert_eq!(counts(&kept), recount(&kept));
     }
 
     #[test]

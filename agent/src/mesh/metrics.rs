@@ -60,13 +60,12 @@ impl MeshMetrics {
         self.stale_providers.set(count(stale_providers));
     }
 
-    /// Records `mesh`, whose endpoints the caller has counted already.
-    pub fn observe(&self, mesh: &MeshSnapshot, endpoints: usize) {
+    /// Records `mesh`.
+    pub fn observe(&self, mesh: &MeshSnapshot) {
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.services.set(count(mesh.services.len()));
-        self.endpoints.set(count(endpoints));
-        self.route_rules
-            .set(count(mesh.services.values().map(|s| s.routes.len()).sum()));
+        self.endpoints.set(count(mesh.endpoint_count()));
+        self.route_rules.set(count(mesh.route_rule_count()));
         self.rejected_routes.set(count(mesh.rejected_routes.len()));
     }
 }

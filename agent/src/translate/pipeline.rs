@@ -131,12 +131,11 @@ impl Pipeline {
             self.xds_ready.take();
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
-            let endpoints = mesh.endpoint_count();
-            self.mesh_metrics.observe(&mesh, endpoints);
+            self.mesh_metrics.observe(&mesh);
             tracing::info!(
                 version = mesh.version,
                 services = mesh.services.len(),
-                endpoints,
+                endpoints = mesh.endpoint_count(),
                 translate_ms = translating.elapsed().as_secs_f64() * 1e3,
                 "serving mesh snapshot"
             );
