@@ -149,8 +149,15 @@ fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
+/// The checkout `cargo xtask` was run in. `cargo run` puts the manifest directory in the
+/// environment, which is read first: the one compiled in is that of whichever checkout built
+/// the binary, and checkouts sharing a target directory (`CARGO_TARGET_DIR`) share the binary,
+/// so it would build, test and write results in another checkout.
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))
