@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use lattice_init::config::{BootstrapConfig, XdsAddress, XdsHost, XdsMode};
+use lattice_init::config::{BootstrapConfig, EnvoyStats, XdsAddress, XdsHost, XdsMode};
 
 use crate::agent::{free_port, http_get};
 use crate::wait;
@@ -58,6 +58,7 @@ pub fn bootstrap(
             AdsMode::Sotw => XdsMode::Sotw,
             AdsMode::Delta => XdsMode::Delta,
         },
+        stats: EnvoyStats::Mesh,
     });
     value["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();
     value

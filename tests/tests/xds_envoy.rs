@@ -455,6 +455,66 @@ async fn a_nacking_delta_client_is_not_sent_the_same_resources_in_a_loop() {
     );
 }
 
+/// The bootstrap's statistics list, in a real Envoy: per mesh cluster only the two membership
+/// gauges, against Envoy's ~150 with `--envoy-stats all` (the bootstrap without the list).
+#[test]
+fn envoy_keeps_only_the_mesh_statistics_unless_asked_for_all() {
+    let _one_envoy = ENVOY.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    write_mesh(&mesh, &[("/foo/bar/buzz", &["10.200.0.3", "10.200.0.4"])]);
+    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    agent.wait_ready().unwrap();
+    let want = expected(&[(BUZZ, &["10.200.0.3:8080", "10.200.0.4:8080"])]);
+    // Stat names of the mesh cluster, and whether the xDS cluster and the server have theirs.
+    let stats = |envoy: &Envoy| {
+        let body = envoy.admin_get("/stats").unwrap();
+        let prefix = format!("cluster.{BUZZ}.");
+        let cluster: Vec<String> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix(&prefix))
+            .filter_map(|l| l.split(':').next())
+            .map(String::from)
+            .collect();
+        let xds = body
+            .lines()
+            .any(|l| l.starts_with("cluster.lattice-xds.upstream_rq_total"));
+        let server = body.lines().any(|l| l.starts_with("server.live"));
+        (cluster, xds && server)
+    };
+
+    let envoy = Envoy::start("stats-mesh", agent.xds, AdsMode::Delta);
+    envoy.wait_live().unwrap();
+    wait_clusters(&envoy, &want, Duration::from_secs(5));
+    let (cluster, own) = stats(&envoy);
+    assert_eq!(
+        cluster,
+        ["membership_healthy", "membership_total"],
+        "{cluster:?}"
+    );
+    assert!(own, "Envoy's own and the xDS cluster's statistics are kept");
+    let body = envoy.admin_get("/stats").unwrap();
+    for gauge in ["membership_total: 2", "membership_healthy: 2"] {
+        let line = format!("cluster.{BUZZ}.{gauge}");
+        assert!(body.lines().any(|l| l == line), "no {line}");
+    }
+    drop(envoy);
+
+    let envoy = Envoy::start_edited("stats-all", agent.xds, AdsMode::Delta, |bootstrap| {
+        bootstrap.as_object_mut().unwrap().remove("stats_config");
+    });
+    envoy.wait_live().unwrap();
+    wait_clusters(&envoy, &want, Duration::from_secs(5));
+    let (cluster, own) = stats(&envoy);
+    assert!(
+        cluster.len() > 50,
+        "Envoy's default: {} per cluster",
+        cluster.len()
+    );
+    assert!(cluster.iter().any(|s| s == "upstream_rq_total"));
+    assert!(own);
+}
+
 #[test]
 fn a_malformed_mesh_file_fails_start_up_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
