@@ -195,7 +195,18 @@ impl EnvoyTranslator {
         // The listener depends on names, addresses and ports only; the routes on those and on
         // the services' routing rules.
         let all = || self.parts.services.values().map(|p| &**p);
-        if self.shape_version == Some(mesh.shape_version) {
+        if self.shape_version != Some(mesh.shape_version) {
+            // The listener base is set above, so there is always a listener.
+            if let Some(listener) = self.parts.listener(all()) {
+                self.resources[ResourceType::Listener.index()] =
+                    ResourceMap::unit(listener.name.clone(), listener);
+            }
+            self.resources[ResourceType::Route.index()] = self.parts.route_map(all(), None);
+            self.shape_version = Some(mesh.shape_version);
+        } else if !rerouted.is_empty() {
+            // Only when some rules changed: most changes are endpoints only, and the walk
+            // over every service's virtual hosts was 2 % of the agent's CPU per change at 10k
+            // services in a profile.
             let rebuilt = self.parts.route_map(all(), Some(&rerouted));
             let routes = &mut self.resources[ResourceType::Route.index()];
             for name in &rerouted {
@@ -204,14 +215,6 @@ impl EnvoyTranslator {
                     None => routes.remove(name),
                 };
             }
-        } else {
-            // The listener base is set above, so there is always a listener.
-            if let Some(listener) = self.parts.listener(all()) {
-                self.resources[ResourceType::Listener.index()] =
-                    ResourceMap::unit(listener.name.clone(), listener);
-            }
-            self.resources[ResourceType::Route.index()] = self.parts.route_map(all(), None);
-            self.shape_version = Some(mesh.shape_version);
         }
         self.mesh = Some(mesh.services.clone());
         XdsSnapshot {
