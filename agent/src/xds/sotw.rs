@@ -226,20 +226,21 @@ fn set_sotw_interest(
     }
     state.names_fingerprint = Some(fingerprint);
     let common = &mut state.common;
-    let wildcard =
-        names.iter().any(|n| n == "*") || (names.is_empty() && kind.is_wildcard_by_default());
+    let stars = names.iter().filter(|n| *n == "*").count();
+    let wildcard = stars > 0 || (names.is_empty() && kind.is_wildcard_by_default());
     let named = || names.iter().filter(|n| *n != "*");
+    let named_count = names.len() - stars;
     let interest = &mut common.interest;
     // A list with duplicates could pass this check while dropping a name; Envoy sends sets,
     // and the cost of a miss is only that a dropped name keeps being sent.
     if wildcard == interest.wildcard
-        && named().count() == interest.names.len()
+        && named_count == interest.names.len()
         && named().all(|n| interest.names.contains(n))
     {
         return;
     }
     let listed = named().map(|name| (name, None));
-    let fresh = match snapshot.every_resource(kind, named().count(), listed) {
+    let fresh = match snapshot.every_resource(kind, named_count, listed) {
         // Every name of the type (Envoy's subscription to the endpoints of all its clusters):
         // the snapshot's index, shared.
         Some(index) => Subscription::whole(index.clone()),

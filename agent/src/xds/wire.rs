@@ -52,6 +52,8 @@ pub struct NameList {
     /// was split into chunks.
     wire: Vec<u8>,
     len: usize,
+    /// How many names are 128 bytes or longer (a length of two bytes or more).
+    long: usize,
     /// Reused for a name read through prost's path, so it costs no allocation of its own.
     scratch: String,
 }
@@ -70,15 +72,36 @@ impl NameList {
 
     /// The names in the order they came.
     pub fn iter(&self) -> impl Iterator<Item = &str> + Clone + '_ {
-        let mut rest: &[u8] = &self.wire;
+        // Without a name of 128 bytes or more, every key and length is one ASCII byte, so the
+        // whole buffer is text: one UTF-8 check here (it was checked as read; this cannot
+        // fail), then names are sliced from it at character boundaries (next to those ASCII
+        // bytes), not checked one by one.
+        let text = if self.long == 0 {
+            std::str::from_utf8(&self.wire).ok()
+        } else {
+            None
+        };
+        let mut at = 0;
         std::iter::from_fn(move || {
-            let (_key, tail) = rest.split_first()?;
-            rest = tail;
-            let len = usize::try_from(prost::encoding::decode_varint(&mut rest).ok()?).ok()?;
-            let (name, tail) = rest.split_at_checked(len)?;
-            rest = tail;
-            // Checked when read; never fails.
-            std::str::from_utf8(name).ok()
+            let wire = &self.wire;
+            let (start, end) = match text {
+                Some(_) => {
+                    let len = usize::from(*wire.get(at + 1)?);
+                    (at + 2, at + 2 + len)
+                }
+                None => {
+                    let mut rest = wire.get(at + 1..)?;
+                    let before = rest.len();
+                    let len = prost::encoding::decode_varint(&mut rest).ok()?;
+                    let start = at + 1 + before - rest.len();
+                    (start, start + usize::try_from(len).ok()?)
+                }
+            };
+            at = end;
+            match text {
+                Some(text) => text.get(start..end),
+                None => std::str::from_utf8(wire.get(start..end)?).ok(),
+            }
         })
     }
 
@@ -94,6 +117,9 @@ impl NameList {
     }
 
     pub fn push(&mut self, name: &str) {
+        if name.len() >= 0x80 {
+            self.long += 1;
+        }
         self.wire.push(NAME_KEY);
         encode_varint(name.len() as u64, &mut self.wire);
         self.wire.extend_from_slice(name.as_bytes());
@@ -103,6 +129,7 @@ impl NameList {
     fn clear(&mut self) {
         self.wire.clear();
         self.len = 0;
+        self.long = 0;
     }
 
     /// Reads, from the start of `chunk`, the length and bytes of a `resource_names` entry
