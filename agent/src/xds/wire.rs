@@ -488,6 +488,14 @@ mod tests {
 
     use super::*;
 
+    /// `bytes` as tonic may hand them to a decoder: in two chunks, split at every place.
+    fn every_split(bytes: &[u8]) -> impl Iterator<Item = impl Buf> + '_ {
+        (0..bytes.len()).map(|split| {
+            let (a, b) = bytes.split_at(split);
+            Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b))
+        })
+    }
+
     fn full_request(names: &[&str]) -> DiscoveryRequest {
         DiscoveryRequest {
             version_info: "v7".into(),
@@ -575,9 +583,7 @@ mod tests {
         let mut expected = generated;
         expected.resource_locators_subscribe.clear();
         assert_eq!(again, expected);
-        for split in 0..bytes.len() {
-            let (a, b) = bytes.split_at(split);
-            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+        for chained in every_split(&bytes) {
             assert_eq!(DeltaRequest::decode(chained).unwrap(), ours);
         }
         // A name given twice: read in order, the last version wins, as in the map.
@@ -594,9 +600,7 @@ mod tests {
         let names: Vec<String> = (0..50).map(|i| format!("cluster-{i}")).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let bytes = full_request(&refs).encode_to_vec();
-        for split in 0..bytes.len() {
-            let (a, b) = bytes.split_at(split);
-            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+        for chained in every_split(&bytes) {
             let ours = SotwRequest::decode(chained).unwrap();
             assert_eq!(ours.resource_names.iter().collect::<Vec<_>>(), refs);
         }
@@ -611,9 +615,7 @@ mod tests {
         let (l127, l128, l300) = (long(127), long(128), long(300));
         let names = ["a|1", "", &l127, "b|ü2", &l128, "c|3", &l300, "d|4", "e|5"];
         let bytes = full_request(&names).encode_to_vec();
-        for split in 0..bytes.len() {
-            let (a, b) = bytes.split_at(split);
-            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+        for chained in every_split(&bytes) {
             let ours = SotwRequest::decode(chained).unwrap();
             assert_eq!(ours.resource_names.iter().collect::<Vec<_>>(), names);
         }
@@ -660,9 +662,7 @@ mod tests {
         let names = ["x", &long, "y", "zzzzzzzzzzz"];
         let pushed: NameList = names.into_iter().collect();
         let bytes = full_request(&names).encode_to_vec();
-        for split in 0..bytes.len() {
-            let (a, b) = bytes.split_at(split);
-            let chained = Bytes::copy_from_slice(a).chain(Bytes::copy_from_slice(b));
+        for chained in every_split(&bytes) {
             let decoded = SotwRequest::decode(chained).unwrap();
             assert_eq!(decoded.resource_names.fingerprint(), pushed.fingerprint());
             assert_eq!(decoded.resource_names, pushed);

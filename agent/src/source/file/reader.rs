@@ -60,8 +60,8 @@ struct LastRead {
 
 enum Pending {
     Whole(Option<LastRead>),
-    /// The items `first..end` of the last read gave way to `services`, starting at `starts`;
-    /// the items after them moved by `shift` bytes.
+    /// The items `edit.first..edit.end` of the last read gave way to `services`, starting at
+    /// `edit.starts`; the items after them moved by `edit.shift` bytes.
     Edit {
         text: String,
         edit: items::Edit,
@@ -135,8 +135,8 @@ impl Reader {
         let last = self.last.as_ref().filter(|last| !last.routes)?;
         let edit = items::edit(&last.text, &last.starts, text)?;
         let old = &last.services[edit.first..edit.end];
-        // Items of the changed stretch whose text did not change (at least the one before the
-        // first difference, which is cut again) keep their reading.
+        // Items of the changed stretch whose text did not change (often the one the first
+        // difference falls in is cut again whole, its text the same) keep their reading.
         let old_texts: HashMap<&str, &Arc<ReadService>> = (edit.first..edit.end)
             .map(|k| items::item(&last.text, &last.starts, k))
             .zip(old)
