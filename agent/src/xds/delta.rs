@@ -35,6 +35,7 @@ pub struct DeltaStream {
 impl Ads for DeltaStream {
     type Request = DeltaRequest;
     type Response = DeltaResponse;
+    type Decoder = tonic_prost::ProstDecoder<DeltaRequest>;
     const MODE: &'static str = "delta";
 
     fn node(request: &DeltaRequest) -> Option<&Node> {

@@ -2,8 +2,10 @@
 //! generates, for two reasons:
 //! - Requests: the generated server decodes state-of-the-world requests into the generated
 //!   `DiscoveryRequest`, a `String` per resource name; this one decodes them into
-//!   [`super::wire::SotwRequest`]; Delta requests into [`super::wire::DeltaRequest`], whose
-//!   `initial_resource_versions` are packed rather than a `HashMap` of `String`s.
+//!   [`super::wire::SotwRequest`], through a decoder per stream that recognises a list of names
+//!   the stream sent before ([`super::wire::SotwDecoder`]); Delta requests into
+//!   [`super::wire::DeltaRequest`], whose `initial_resource_versions` are packed rather than a
+//!   `HashMap` of `String`s.
 //! - Responses: tonic encodes a stream's messages into one buffer per stream, which keeps the
 //!   capacity of the largest message it ever held for the life of the stream. A SotW cluster
 //!   response at 10k services is about 3 MB, so a hundred streams kept about 140 MiB of buffers
@@ -23,11 +25,9 @@ use http_body::Frame;
 use prost::Message;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::codec::Codec;
 use tonic::codegen::{BoxFuture, Service, StdError, http};
 use tonic::server::NamedService;
 use tonic::{Request, Status, Streaming};
-use tonic_prost::ProstCodec;
 
 use super::delta::DeltaStream;
 use super::server::XdsServer;
@@ -80,7 +80,7 @@ where
         ));
         return Box::pin(async move { Ok(status.into_http()) });
     }
-    let decoder = ProstCodec::<A::Response, A::Request>::default().decoder();
+    let decoder = A::Decoder::default();
     let request = request.map(|body| Streaming::new_request(decoder, body, None, None));
     let responses = server.open::<A>(Request::from_http(request));
     let mut response = http::Response::new(tonic::body::Body::new(ResponseBody::new(responses)));

@@ -12,7 +12,7 @@ use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
 use super::stream::{
     Ads, ClientView, Event, NameSet, Push, SOTW_RESPONSE_BUDGET, Subscription, TypeState, nonce,
 };
-use super::wire::{NameList, SotwRequest};
+use super::wire::{NameList, SotwDecoder, SotwRequest};
 
 #[derive(Debug, Default)]
 struct SotwTypeState {
@@ -35,6 +35,7 @@ pub struct SotwStream {
 impl Ads for SotwStream {
     type Request = SotwRequest;
     type Response = SotwResponse;
+    type Decoder = SotwDecoder;
     const MODE: &'static str = "sotw";
 
     fn node(request: &SotwRequest) -> Option<&Node> {

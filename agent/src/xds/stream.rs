@@ -39,6 +39,11 @@ use super::snapshot::{
 pub trait Ads: Default + Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
     type Response: prost::Message + Send + 'static;
+    /// How the stream's requests are read off the wire (one per stream, so it may remember).
+    type Decoder: tonic::codec::Decoder<Item = Self::Request, Error = tonic::Status>
+        + Default
+        + Send
+        + 'static;
     /// `sotw` or `delta`, for logs and `/debug/xds`.
     const MODE: &'static str;
 

@@ -3,9 +3,9 @@
 //! through the generated `DiscoveryRequest`, that is 10k `String`s allocated and freed per ACK,
 //! per stream, which a profile at that scale showed as the largest share of the agent's CPU per
 //! change (`malloc`/`free` about 40 % of its samples, docs/benchmarks.md). [`SotwRequest`]
-//! decodes the same message with the names kept as their bytes on the wire, copied a run at a
-//! time into one buffer, so a stream recognises an unchanged subscription by a hash of that
-//! buffer, without a string or a step per name.
+//! decodes the same message with the names kept as their bytes on the wire (a slice of the
+//! request's buffer when they came in one run, as they do from tonic), so a stream recognises
+//! an unchanged subscription by a hash of those bytes, without a string or a step per name.
 //! [`DeltaRequest`] does the same for what a reconnecting Delta client holds
 //! (`initial_resource_versions`, 20k names and versions at that scale).
 //!
@@ -13,12 +13,14 @@
 //! and the message is small and stable (xDS v3). Fields the agent does not use
 //! (`resource_locators`, unknown fields) are skipped, as prost skips unknown fields.
 
+use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::google::rpc::Status;
 use prost::DecodeError;
-use prost::bytes::{Buf, BufMut};
+use prost::bytes::{Buf, BufMut, Bytes};
 use prost::encoding::{
     DecodeContext, WireType, encode_key, encode_varint, encoded_len_varint, key_len, message,
     skip_field, string,
@@ -42,20 +44,73 @@ pub struct SotwRequest {
 }
 
 /// A request's resource names as they came on the wire: each `resource_names` entry (key,
-/// length, bytes) one after another in one buffer, every name checked as UTF-8 when read.
-/// Envoy sends the same subscription in the same order on every ACK, so a stream recognises
-/// it by a hash of these bytes, taken at once over the buffer, without a step per name.
+/// length, bytes) one after another, every name checked as UTF-8 when read. Envoy sends the
+/// same subscription in the same order on every ACK, so a stream recognises it by a hash of
+/// these bytes, taken at once over them, without a step per name.
 #[derive(Clone, Debug, Default)]
 pub struct NameList {
     /// Field 3's entries as prost writes them (a one-byte key, the length as a minimal varint,
-    /// the name), so the same names in the same order are the same bytes however the message
-    /// was split into chunks.
-    wire: Vec<u8>,
+    /// the name), without the first entry's key (it is always [`NAME_KEY`], and it was read
+    /// before the run that starts with the first length), so the same names in the same
+    /// order are the same bytes however the message was split into chunks.
+    entries: Entries,
     len: usize,
     /// How many names are 128 bytes or longer (a length of two bytes or more).
     long: usize,
     /// Reused for a name read through prost's path, so it costs no allocation of its own.
     scratch: String,
+    /// The fingerprint, when it is known without hashing (see [`SotwDecoder`]).
+    hash: Option<u64>,
+    /// While a request is decoded: the lists its stream sent last, lent by the stream's
+    /// [`SotwDecoder`].
+    known: Vec<KnownList>,
+}
+
+/// A list of names a stream sent before, as [`SotwDecoder`] keeps it.
+#[derive(Clone, Debug)]
+struct KnownList {
+    entries: Arc<[u8]>,
+    len: usize,
+    long: usize,
+    hash: u64,
+}
+
+/// The entries' bytes: where they lay in the request's buffer when they came as one run (the
+/// usual case: tonic holds a whole message in one buffer, so 10k names of an ACK are a slice
+/// of it, not a copy), or a buffer of their own.
+#[derive(Clone, Debug)]
+enum Entries {
+    Shared(Bytes),
+    /// A list the stream sent before ([`SotwDecoder`]).
+    Known(Arc<[u8]>),
+    Owned(Vec<u8>),
+}
+
+impl Default for Entries {
+    fn default() -> Self {
+        Entries::Owned(Vec::new())
+    }
+}
+
+impl Entries {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Entries::Shared(bytes) => bytes,
+            Entries::Known(known) => known,
+            Entries::Owned(vec) => vec,
+        }
+    }
+
+    /// The entries as a buffer of their own, to append to.
+    fn owned(&mut self) -> &mut Vec<u8> {
+        if !matches!(self, Entries::Owned(_)) {
+            *self = Entries::Owned(self.as_slice().to_vec());
+        }
+        match self {
+            Entries::Owned(vec) => vec,
+            Entries::Shared(_) | Entries::Known(_) => unreachable!("made owned above"),
+        }
+    }
 }
 
 /// Field 3 (`resource_names`), length-delimited: the key of each entry.
@@ -72,35 +127,37 @@ impl NameList {
 
     /// The names in the order they came.
     pub fn iter(&self) -> impl Iterator<Item = &str> + Clone + '_ {
+        let entries = self.entries.as_slice();
         // Without a name of 128 bytes or more, every key and length is one ASCII byte, so the
         // whole buffer is text: one UTF-8 check here (it was checked as read; this cannot
         // fail), then names are sliced from it at character boundaries (next to those ASCII
         // bytes), not checked one by one.
         let text = if self.long == 0 {
-            std::str::from_utf8(&self.wire).ok()
+            std::str::from_utf8(entries).ok()
         } else {
             None
         };
+        // `at`: where the next entry's length is (the first entry's key is not kept).
         let mut at = 0;
         std::iter::from_fn(move || {
-            let wire = &self.wire;
             let (start, end) = match text {
                 Some(_) => {
-                    let len = usize::from(*wire.get(at + 1)?);
-                    (at + 2, at + 2 + len)
+                    let len = usize::from(*entries.get(at)?);
+                    (at + 1, at + 1 + len)
                 }
                 None => {
-                    let mut rest = wire.get(at + 1..)?;
+                    let mut rest = entries.get(at..)?;
                     let before = rest.len();
                     let len = prost::encoding::decode_varint(&mut rest).ok()?;
-                    let start = at + 1 + before - rest.len();
+                    let start = at + before - rest.len();
                     (start, start + usize::try_from(len).ok()?)
                 }
             };
-            at = end;
+            // Past this entry's name and the next one's key.
+            at = end + 1;
             match text {
                 Some(text) => text.get(start..end),
-                None => std::str::from_utf8(wire.get(start..end)?).ok(),
+                None => std::str::from_utf8(entries.get(start..end)?).ok(),
             }
         })
     }
@@ -112,34 +169,71 @@ impl NameList {
     /// compared with the same stream's previous request, so a client choosing colliding names
     /// could only confuse itself.
     pub fn fingerprint(&self) -> (u64, usize) {
-        let hash = foldhash::fast::FixedState::default().hash_one(self.wire.as_slice());
+        let hash = self
+            .hash
+            .unwrap_or_else(|| hash_entries(self.entries.as_slice()));
         (hash, self.len)
     }
 
     pub fn push(&mut self, name: &str) {
+        self.hash = None;
         if name.len() >= 0x80 {
             self.long += 1;
         }
-        self.wire.push(NAME_KEY);
-        encode_varint(name.len() as u64, &mut self.wire);
-        self.wire.extend_from_slice(name.as_bytes());
+        let first = self.len == 0;
+        let entries = self.entries.owned();
+        if !first {
+            entries.push(NAME_KEY);
+        }
+        encode_varint(name.len() as u64, entries);
+        entries.extend_from_slice(name.as_bytes());
         self.len += 1;
     }
 
     fn clear(&mut self) {
-        self.wire.clear();
+        match &mut self.entries {
+            Entries::Owned(vec) => vec.clear(),
+            shared => *shared = Entries::default(),
+        }
         self.len = 0;
         self.long = 0;
+        self.hash = None;
     }
 
-    /// Reads, from the start of `chunk`, the length and bytes of a `resource_names` entry
-    /// whose key was just read, and the whole entries (key, length, bytes) that follow it, as
-    /// long as each lies in `chunk` and is shorter than 128 bytes (a one-byte length); returns
-    /// how many bytes it read, 0 when it read nothing (then the caller reads the entry its
-    /// own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at once
-    /// and copied at once: keys and one-byte lengths are ASCII, a whole character each, so
-    /// every name in a valid run starts and ends on a character boundary and is valid itself.
-    fn read_run(&mut self, chunk: &[u8]) -> usize {
+    /// If `buf` starts with a whole list this stream sent before (its entries, then the end
+    /// of the message or another field), takes that list as this one: one comparison of the
+    /// bytes, no walk over the entries, no UTF-8 check (those bytes were checked when first
+    /// read), no hash.
+    fn read_known(&mut self, buf: &mut impl Buf) -> bool {
+        let chunk = buf.chunk();
+        let Some(known) = self.known.iter().find(|k| {
+            let n = k.entries.len();
+            chunk.starts_with(&k.entries)
+                && match chunk.get(n) {
+                    Some(next) => *next != NAME_KEY,
+                    None => buf.remaining() == n,
+                }
+        }) else {
+            return false;
+        };
+        let n = known.entries.len();
+        (self.len, self.long, self.hash) = (known.len, known.long, Some(known.hash));
+        self.entries = Entries::Known(known.entries.clone());
+        buf.advance(n);
+        true
+    }
+
+    /// Reads, from the start of `buf`'s current chunk, the length and bytes of a
+    /// `resource_names` entry whose key was just read, and the whole entries (key, length,
+    /// bytes) that follow it, as long as each lies in the chunk and is shorter than 128 bytes
+    /// (a one-byte length); returns whether it read anything (if not, the caller reads the
+    /// entry its own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at
+    /// once: keys and one-byte lengths are ASCII, a whole character each, so every name in a
+    /// valid run starts and ends on a character boundary and is valid itself. A first run is
+    /// taken as it lies in `buf` (`copy_to_bytes`, which tonic's buffer answers with a slice of
+    /// itself); a later one is copied after what was read before.
+    fn read_run(&mut self, buf: &mut impl Buf) -> bool {
+        let chunk = buf.chunk();
         // The end of the entry whose length byte is at `at`, if it lies in the chunk.
         let entry = |at: usize| {
             let len = *chunk.get(at)?;
@@ -164,19 +258,42 @@ impl NameList {
             // late in a long run costs one more pass, not one per name before it).
             (count, last) = entries(e.valid_up_to());
         }
-        if count > 0 {
-            self.wire.push(NAME_KEY);
-            self.wire.extend_from_slice(&chunk[..last]);
-            self.len += count;
+        if count == 0 {
+            return false;
         }
-        last
+        self.hash = None;
+        if self.len == 0 {
+            self.entries = Entries::Shared(buf.copy_to_bytes(last));
+        } else {
+            let owned = self.entries.owned();
+            owned.push(NAME_KEY);
+            owned.extend_from_slice(&chunk[..last]);
+            buf.advance(last);
+        }
+        self.len += count;
+        true
+    }
+
+    /// What [`prost::Message::encode_raw`] writes of these names: every entry, keys included.
+    fn encode(&self, buf: &mut impl BufMut) {
+        if self.len > 0 {
+            buf.put_u8(NAME_KEY);
+            buf.put_slice(self.entries.as_slice());
+        }
+    }
+
+    fn encoded_len(&self) -> usize {
+        match self.len {
+            0 => 0,
+            _ => 1 + self.entries.as_slice().len(),
+        }
     }
 }
 
 /// The same names in the same order.
 impl PartialEq for NameList {
     fn eq(&self, other: &Self) -> bool {
-        self.wire == other.wire
+        self.entries.as_slice() == other.entries.as_slice()
     }
 }
 
@@ -187,6 +304,104 @@ impl<'a> FromIterator<&'a str> for NameList {
             list.push(name);
         }
         list
+    }
+}
+
+/// The hash of a list's entries (see [`NameList::fingerprint`]).
+fn hash_entries(entries: &[u8]) -> u64 {
+    foldhash::fast::FixedState::default().hash_one(entries)
+}
+
+/// Decodes a SotW stream's requests, remembering the last few lists of names it sent. Envoy
+/// repeats its whole subscription in every request of a type (10k names in each endpoint ACK
+/// at 10k services), and a profile of the change phase at that scale had reading those names
+/// (the walk over every entry, the UTF-8 check, the fingerprint's hash) at a sixth of the
+/// agent's CPU. A list the stream sent before is now recognised by comparing its bytes with
+/// the remembered ones, and carries that list's fingerprint; a new one is read as before and
+/// remembered (copied once, so the request's buffer is not kept).
+#[derive(Debug, Default)]
+pub struct SotwDecoder {
+    recent: Vec<KnownList>,
+}
+
+impl SotwDecoder {
+    /// Lists remembered: one per type that names its resources (endpoints and routes) is what
+    /// a proxy sends, with room to spare.
+    const KEPT: usize = 4;
+
+    fn decode_from(&mut self, buf: &mut impl Buf) -> Result<SotwRequest, DecodeError> {
+        let mut request = SotwRequest::default();
+        request.resource_names.known = std::mem::take(&mut self.recent);
+        let merged = prost::Message::merge(&mut request, &mut *buf);
+        let names = &mut request.resource_names;
+        self.recent = std::mem::take(&mut names.known);
+        merged?;
+        if names.len > 0 && names.hash.is_none() {
+            // Read again although known (it came split across chunks, or sent the same names
+            // another way): the known one moves to the front.
+            let entries = names.entries.as_slice();
+            if let Some(at) = self.recent.iter().position(|k| *k.entries == *entries) {
+                let known = self.recent.remove(at);
+                names.hash = Some(known.hash);
+                self.recent.insert(0, known);
+                return Ok(request);
+            }
+            let hash = hash_entries(entries);
+            let entries = share(entries, hash);
+            names.hash = Some(hash);
+            if self.recent.len() == Self::KEPT {
+                self.recent.pop();
+            }
+            let (len, long) = (names.len, names.long);
+            let known = KnownList {
+                entries,
+                len,
+                long,
+                hash,
+            };
+            self.recent.insert(0, known);
+        }
+        Ok(request)
+    }
+}
+
+/// The lists of names the streams' decoders keep, shared between them: the proxies that want
+/// every cluster send the same list (400 KB at 10k services), and fifty SotW streams keeping
+/// a copy each had the agent's RSS 15 MiB higher.
+static KNOWN_LISTS: LazyLock<Mutex<ListIndex>> = LazyLock::new(Mutex::default);
+
+/// A list's hash and length → the list, while some decoder keeps it.
+type ListIndex = HashMap<(u64, usize), Weak<[u8]>>;
+
+/// `entries` (whose hash is `hash`) as a list some decoder keeps: the same allocation as
+/// another's when some stream sent the same names.
+fn share(entries: &[u8], hash: u64) -> Arc<[u8]> {
+    let mut lists = KNOWN_LISTS.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = (hash, entries.len());
+    if let Some(list) = lists.get(&key).and_then(Weak::upgrade)
+        && *list == *entries
+    {
+        return list;
+    }
+    let list: Arc<[u8]> = Arc::from(entries);
+    // Lists no decoder keeps any more go; a few per stream at most are alive.
+    lists.retain(|_, list| list.strong_count() > 0);
+    lists.insert(key, Arc::downgrade(&list));
+    list
+}
+
+impl tonic::codec::Decoder for SotwDecoder {
+    type Item = SotwRequest;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        buf: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<SotwRequest>, tonic::Status> {
+        // As tonic-prost reports a message it cannot decode.
+        self.decode_from(buf)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
     }
 }
 
@@ -215,7 +430,7 @@ impl prost::Message for SotwRequest {
             message::encode(2, node, buf);
         }
         // The names are kept as their entries on the wire.
-        buf.put_slice(&self.resource_names.wire);
+        self.resource_names.encode(buf);
         encode_string(4, &self.type_url, buf);
         encode_string(5, &self.response_nonce, buf);
         if let Some(status) = &self.error_detail {
@@ -245,9 +460,8 @@ impl prost::Message for SotwRequest {
                 // per-name key, length and UTF-8 reads at a third of the agent's CPU, and then
                 // the per-name hash and copy at a quarter).
                 if wire_type == WireType::LengthDelimited {
-                    let read = self.resource_names.read_run(buf.chunk());
-                    if read > 0 {
-                        buf.advance(read);
+                    let names = &mut self.resource_names;
+                    if (names.len == 0 && names.read_known(buf)) || names.read_run(buf) {
                         return Ok(());
                     }
                 }
@@ -274,7 +488,7 @@ impl prost::Message for SotwRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let names = self.resource_names.wire.len();
+        let names = self.resource_names.encoded_len();
         string_len(1, &self.version_info)
             + self.node.as_ref().map_or(0, |n| message::encoded_len(2, n))
             + names
@@ -645,6 +859,101 @@ mod tests {
         // Truncated.
         let good = full_request(&["a"]).encode_to_vec();
         assert!(SotwRequest::decode(&good[..good.len() - 3]).is_err());
+    }
+
+    #[test]
+    fn a_run_of_names_is_kept_where_it_lies_in_the_buffer() {
+        let names: Vec<String> = (0..100).map(|i| format!("cluster-{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let bytes = Bytes::from(full_request(&refs).encode_to_vec());
+        let ours = SotwRequest::decode(bytes.clone()).unwrap();
+        let Entries::Shared(run) = &ours.resource_names.entries else {
+            panic!("the names were copied out of the buffer");
+        };
+        assert!(bytes.as_ptr_range().contains(&run.as_ptr()));
+        assert_eq!(ours.resource_names.iter().collect::<Vec<_>>(), refs);
+        // Encoded again, it is the same request.
+        assert_eq!(
+            DiscoveryRequest::decode(ours.encode_to_vec().as_slice()).unwrap(),
+            DiscoveryRequest {
+                resource_locators: Vec::new(),
+                ..full_request(&refs)
+            }
+        );
+    }
+
+    /// What a fresh decoder (no list known) reads of `bytes`.
+    fn read_alone(bytes: &[u8]) -> SotwRequest {
+        SotwDecoder::default().decode_from(&mut &bytes[..]).unwrap()
+    }
+
+    #[test]
+    fn a_stream_decoder_knows_a_list_sent_again_and_reads_any_other() {
+        let names: Vec<String> = (0..300).map(|i| format!("outbound|80||s{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let first = full_request(&refs).encode_to_vec();
+        let mut decoder = SotwDecoder::default();
+        let read = decoder.decode_from(&mut first.as_slice()).unwrap();
+        assert_eq!(read.resource_names.iter().collect::<Vec<_>>(), refs);
+        assert_eq!(decoder.recent.len(), 1);
+
+        // Sent again: taken from what the decoder kept, with the same fingerprint, and the
+        // request's other fields read as ever.
+        let mut again = full_request(&refs);
+        again.response_nonce = "13".into();
+        let bytes = again.encode_to_vec();
+        let known = decoder.decode_from(&mut bytes.as_slice()).unwrap();
+        let Entries::Known(entries) = &known.resource_names.entries else {
+            panic!("a known list was copied");
+        };
+        assert!(Arc::ptr_eq(entries, &decoder.recent[0].entries));
+        // Another stream's decoder that reads the same list keeps the same copy of it.
+        let mut other = SotwDecoder::default();
+        other.decode_from(&mut first.as_slice()).unwrap();
+        assert!(Arc::ptr_eq(&other.recent[0].entries, entries));
+        assert_eq!(known.resource_names, read.resource_names);
+        assert_eq!(
+            known.resource_names.fingerprint(),
+            read_alone(&bytes).resource_names.fingerprint()
+        );
+        assert_eq!(known.response_nonce, "13");
+        assert_eq!(known, read_alone(&bytes));
+
+        // Lists that start like the known one, or that it starts like, or that differ in one
+        // byte: read as they are, whatever the split.
+        let mut more = refs.clone();
+        more.push("outbound|80||extra");
+        let fewer = &refs[..299];
+        let mut changed = refs.clone();
+        changed[150] = "outbound|80||s15X";
+        for other in [&more[..], fewer, &changed[..], &refs[..1], &[]] {
+            let bytes = full_request(other).encode_to_vec();
+            let decoded = decoder.decode_from(&mut bytes.as_slice()).unwrap();
+            assert_eq!(decoded.resource_names.iter().collect::<Vec<_>>(), other);
+            assert_eq!(
+                decoded.resource_names.fingerprint(),
+                read_alone(&bytes).resource_names.fingerprint()
+            );
+            for chained in every_split(&bytes) {
+                let mut chained = chained;
+                let decoded = decoder.decode_from(&mut chained).unwrap();
+                assert_eq!(decoded.resource_names.iter().collect::<Vec<_>>(), other);
+            }
+        }
+        // It keeps a few lists, the latest first.
+        assert_eq!(decoder.recent.len(), SotwDecoder::KEPT);
+        assert_eq!(decoder.recent[0].len, 1);
+
+        // A list with a bad name is refused, known lists or not.
+        let mut bad = first.clone();
+        let at = bad.windows(4).position(|w| w == b"s150").unwrap();
+        bad[at] = 0xff;
+        assert!(decoder.decode_from(&mut bad.as_slice()).is_err());
+        assert!(
+            SotwDecoder::default()
+                .decode_from(&mut bad.as_slice())
+                .is_err()
+        );
     }
 
     #[test]
