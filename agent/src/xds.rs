@@ -6,6 +6,7 @@
 
 mod delta;
 mod grpc;
+mod inbound;
 pub mod metrics;
 pub mod parts;
 mod response;

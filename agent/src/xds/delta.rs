@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
+use super::inbound::Plain;
 use super::response::DeltaResponse;
 use super::snapshot::{Names, ResourceType, XdsSnapshot, parse_version};
 use super::stream::{
@@ -35,7 +36,7 @@ pub struct DeltaStream {
 impl Ads for DeltaStream {
     type Request = DeltaRequest;
     type Response = DeltaResponse;
-    type Decoder = tonic_prost::ProstDecoder<DeltaRequest>;
+    type Decoder = Plain<DeltaRequest>;
     const MODE: &'static str = "delta";
 
     fn node(request: &DeltaRequest) -> Option<&Node> {

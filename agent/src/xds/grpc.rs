@@ -5,7 +5,8 @@
 //!   [`super::wire::SotwRequest`], through a decoder per stream that recognises a list of names
 //!   the stream sent before ([`super::wire::SotwDecoder`]); Delta requests into
 //!   [`super::wire::DeltaRequest`], whose `initial_resource_versions` are packed rather than a
-//!   `HashMap` of `String`s.
+//!   `HashMap` of `String`s. Both straight from the HTTP/2 frames, without tonic's copy of them
+//!   into one buffer ([`super::inbound`]).
 //! - Responses: tonic encodes a stream's messages into one buffer per stream, which keeps the
 //!   capacity of the largest message it ever held for the life of the stream. A SotW cluster
 //!   response at 10k services is about 3 MB, so a hundred streams kept about 140 MiB of buffers
@@ -27,9 +28,10 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{BoxFuture, Service, StdError, http};
 use tonic::server::NamedService;
-use tonic::{Request, Status, Streaming};
+use tonic::{Request, Status};
 
 use super::delta::DeltaStream;
+use super::inbound::Inbound;
 use super::server::XdsServer;
 use super::sotw::SotwStream;
 use super::stream::Ads;
@@ -80,8 +82,7 @@ where
         ));
         return Box::pin(async move { Ok(status.into_http()) });
     }
-    let decoder = A::Decoder::default();
-    let request = request.map(|body| Streaming::new_request(decoder, body, None, None));
+    let request = request.map(Inbound::<A::Decoder>::new);
     let responses = server.open::<A>(Request::from_http(request));
     let mut response = http::Response::new(tonic::body::Body::new(ResponseBody::new(responses)));
     response.headers_mut().insert(

@@ -11,8 +11,9 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Status, Streaming};
+use tonic::{Request, Status};
 
+use super::inbound::Inbound;
 use super::metrics::XdsMetrics;
 use super::snapshot::{XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
@@ -124,7 +125,7 @@ impl XdsServer {
     /// Starts the task of one ADS stream; what it sends comes out of the returned stream.
     pub(super) fn open<A: Ads>(
         &self,
-        request: Request<Streaming<A::Request>>,
+        request: Request<Inbound<A::Decoder>>,
     ) -> ReceiverStream<Result<A::Response, Status>> {
         let peer = request.remote_addr().map(|addr| addr.ip().to_canonical());
         let inbound = request.into_inner();
@@ -156,7 +157,7 @@ impl XdsServer {
 struct StreamTask<A: Ads> {
     id: u64,
     state: A,
-    inbound: Streaming<A::Request>,
+    inbound: Inbound<A::Decoder>,
     tx: mpsc::Sender<Result<A::Response, Status>>,
     snapshots: XdsRx,
     metrics: XdsMetrics,

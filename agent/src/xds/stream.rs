@@ -29,6 +29,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use imbl::ordmap::DiffItem;
 
+use super::inbound::RequestDecoder;
 use super::snapshot::{
     NameIndex, ResourceMap, ResourceType, Whole, XdsResource, XdsSnapshot, entry_hash,
     format_version,
@@ -40,10 +41,7 @@ pub trait Ads: Default + Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
     type Response: prost::Message + Send + 'static;
     /// How the stream's requests are read off the wire (one per stream, so it may remember).
-    type Decoder: tonic::codec::Decoder<Item = Self::Request, Error = tonic::Status>
-        + Default
-        + Send
-        + 'static;
+    type Decoder: RequestDecoder<Request = Self::Request>;
     /// `sotw` or `delta`, for logs and `/debug/xds`.
     const MODE: &'static str;
 

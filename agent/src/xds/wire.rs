@@ -15,11 +15,14 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::io::IoSlice;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::google::rpc::Status;
 use prost::DecodeError;
+
+use super::inbound::RequestDecoder;
 use prost::bytes::{Buf, BufMut, Bytes};
 use prost::encoding::{
     DecodeContext, WireType, encode_key, encode_varint, encoded_len_varint, key_len, message,
@@ -175,6 +178,11 @@ impl NameList {
         (hash, self.len)
     }
 
+    /// Whether the list was recognised as one its stream sent before (see [`SotwDecoder`]).
+    pub fn is_known(&self) -> bool {
+        matches!(self.entries, Entries::Known(_))
+    }
+
     pub fn push(&mut self, name: &str) {
         self.hash = None;
         if name.len() >= 0x80 {
@@ -205,15 +213,16 @@ impl NameList {
     /// bytes, no walk over the entries, no UTF-8 check (those bytes were checked when first
     /// read), no hash.
     fn read_known(&mut self, buf: &mut impl Buf) -> bool {
-        let chunk = buf.chunk();
-        let Some(known) = self.known.iter().find(|k| {
-            let n = k.entries.len();
-            chunk.starts_with(&k.entries)
-                && match chunk.get(n) {
-                    Some(next) => *next != NAME_KEY,
-                    None => buf.remaining() == n,
-                }
-        }) else {
+        // The request's bytes as they lie, in HTTP/2 frames of 16 KiB (see
+        // [`super::inbound`]): 256 of them cover tonic's 4 MiB limit on a message.
+        let mut parts = [IoSlice::new(&[]); 256];
+        let filled = buf.chunks_vectored(&mut parts);
+        let (parts, remaining) = (&parts[..filled], buf.remaining());
+        let Some(known) = self
+            .known
+            .iter()
+            .find(|k| starts_with_list(parts, &k.entries, remaining))
+        else {
             return false;
         };
         let n = known.entries.len();
@@ -307,6 +316,25 @@ impl<'a> FromIterator<&'a str> for NameList {
     }
 }
 
+/// Whether a buffer whose first bytes are `parts` (`remaining` in all) starts with the list
+/// `entries` and not a longer one: after them, the end of the message or another field.
+fn starts_with_list(parts: &[IoSlice<'_>], entries: &[u8], remaining: usize) -> bool {
+    let mut matched = 0;
+    for part in parts {
+        let part: &[u8] = part;
+        let take = part.len().min(entries.len() - matched);
+        if part[..take] != entries[matched..matched + take] {
+            return false;
+        }
+        matched += take;
+        if matched == entries.len() && take < part.len() {
+            return part[take] != NAME_KEY;
+        }
+    }
+    // Matched up to the end of what was seen: a match if that is the end of the message.
+    matched == entries.len() && remaining == entries.len()
+}
+
 /// The hash of a list's entries (see [`NameList::fingerprint`]).
 fn hash_entries(entries: &[u8]) -> u64 {
     foldhash::fast::FixedState::default().hash_one(entries)
@@ -390,18 +418,11 @@ fn share(entries: &[u8], hash: u64) -> Arc<[u8]> {
     list
 }
 
-impl tonic::codec::Decoder for SotwDecoder {
-    type Item = SotwRequest;
-    type Error = tonic::Status;
+impl RequestDecoder for SotwDecoder {
+    type Request = SotwRequest;
 
-    fn decode(
-        &mut self,
-        buf: &mut tonic::codec::DecodeBuf<'_>,
-    ) -> Result<Option<SotwRequest>, tonic::Status> {
-        // As tonic-prost reports a message it cannot decode.
+    fn decode(&mut self, buf: &mut impl Buf) -> Result<SotwRequest, DecodeError> {
         self.decode_from(buf)
-            .map(Some)
-            .map_err(|e| tonic::Status::internal(e.to_string()))
     }
 }
 
