@@ -304,7 +304,8 @@ fn apply_routes(v: &mut ClientView, routes: Vec<(String, usize)>, now: Instant) 
     }
 }
 
-fn endpoints_of(assignment: &ClusterLoadAssignment) -> Vec<SocketAddr> {
+/// An assignment's endpoint addresses, sorted.
+pub(crate) fn endpoints_of(assignment: &ClusterLoadAssignment) -> Vec<SocketAddr> {
     let mut out: Vec<SocketAddr> = assignment
         .endpoints
         .iter()

@@ -1,0 +1,309 @@
+//! A relay between a real Envoy and the agent's xDS port that watches the ADS conversation
+//! going through it, so a benchmark can tell when Envoy *acknowledged* an endpoint change
+//! without asking Envoy's admin. An xDS client ACKs a response once it has applied it (Envoy
+//! updates a cluster's hosts on its main thread, then ACKs), so the ACK of the response that
+//! carried an assignment is when Envoy holds it. At 10k clusters, Envoy's admin answers a
+//! `/clusters` query filtered to one cluster in about 15 ms (it goes through every cluster),
+//! on the same main thread that applies xDS: polled back to back, the probe kept that thread
+//! busy and delayed the very updates it timed.
+//!
+//! The bytes are relayed unchanged, as they come; a copy of each direction is read as HTTP/2
+//! frames (DATA frames only: headers and settings are not needed) carrying gRPC messages:
+//! responses from the agent (which assignments each nonce carried) and requests from Envoy
+//! (which nonces it ACKed, with no `error_detail`).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use crate::ads_client::{EDS, endpoints_of};
+use crate::envoy::AdsMode;
+
+/// The client connection preface of HTTP/2, before its first frame.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const DATA: u8 = 0x0;
+const PADDED: u8 = 0x8;
+
+/// The relay, listening on `addr`.
+pub struct AdsTap {
+    pub addr: SocketAddr,
+    state: Arc<Mutex<TapState>>,
+    changed: watch::Receiver<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct TapState {
+    /// Nonce → the assignments (cluster, endpoints) its response carried, until ACKed.
+    sent: HashMap<String, Vec<(String, Vec<SocketAddr>)>>,
+    /// Cluster → the endpoints of the last assignment ACKed, and when.
+    held: HashMap<String, (Vec<SocketAddr>, Instant)>,
+    /// Something the relay could not read: reported by the next wait.
+    error: Option<String>,
+}
+
+impl AdsTap {
+    /// Relays every connection made to it to `upstream`; `mode` is the ADS flavour Envoy
+    /// speaks.
+    pub async fn start(upstream: SocketAddr, mode: AdsMode) -> anyhow::Result<AdsTap> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(TapState::default()));
+        let (bump, changed) = watch::channel(0u64);
+        let bump = Arc::new(bump);
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let (state, bump) = (shared.clone(), bump.clone());
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(upstream).await {
+                        relay(client, server, mode, state, bump).await;
+                    }
+                });
+            }
+        });
+        Ok(AdsTap {
+            addr,
+            state,
+            changed,
+            task,
+        })
+    }
+
+    /// When Envoy ACKed a response that gave `cluster` an assignment listing `endpoint`
+    /// (waits up to `timeout` for it).
+    pub async fn acked(
+        &mut self,
+        cluster: &str,
+        endpoint: SocketAddr,
+        timeout: Duration,
+    ) -> anyhow::Result<Instant> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            self.changed.borrow_and_update();
+            {
+                let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(error) = &state.error {
+                    anyhow::bail!("the ADS relay: {error}");
+                }
+                if let Some((endpoints, at)) = state.held.get(cluster)
+                    && endpoints.contains(&endpoint)
+                {
+                    return Ok(*at);
+                }
+            }
+            if tokio::time::timeout_at(deadline, self.changed.changed())
+                .await
+                .is_err()
+            {
+                anyhow::bail!("Envoy did not ACK {endpoint} in {cluster} within {timeout:?}");
+            }
+        }
+    }
+}
+
+impl Drop for AdsTap {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Relays one connection both ways until either side closes it, reading each direction.
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    mode: AdsMode,
+    state: Arc<Mutex<TapState>>,
+    bump: Arc<watch::Sender<u64>>,
+) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    let requests = pipe(client_read, server_write, Reader::new(true), {
+        let (state, bump) = (state.clone(), bump.clone());
+        move |message| {
+            let read = on_request(mode, &message, &state, &bump);
+            failed(read, &state, &bump);
+        }
+    });
+    let responses = pipe(server_read, client_write, Reader::new(false), {
+        let (state, bump) = (state.clone(), bump.clone());
+        move |message| {
+            let read = on_response(mode, &message, &state);
+            failed(read, &state, &bump);
+        }
+    });
+    tokio::select! {
+        () = requests => {}
+        () = responses => {}
+    }
+}
+
+/// Keeps what the relay could not read, for the next wait to report.
+fn failed(read: Result<(), String>, state: &Mutex<TapState>, bump: &watch::Sender<u64>) {
+    if let Err(error) = read {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        state.error.get_or_insert(error);
+        drop(state);
+        bump.send_modify(|n| *n += 1);
+    }
+}
+
+/// Copies `from` to `to`, handing every gRPC message seen on the way to `on_message`.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut reader: Reader,
+    mut on_message: impl FnMut(BytesMut),
+) {
+    let mut buf = vec![0u8; 256 << 10];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+        for message in reader.feed(&buf[..n]) {
+            on_message(message);
+        }
+    }
+}
+
+/// Reads HTTP/2 frames off one direction of a connection and gRPC messages out of their DATA.
+struct Reader {
+    /// Bytes of the client preface still to skip.
+    preface: usize,
+    buf: BytesMut,
+    /// Per HTTP/2 stream, the gRPC bytes not yet a whole message.
+    streams: HashMap<u32, BytesMut>,
+}
+
+impl Reader {
+    fn new(client: bool) -> Self {
+        Reader {
+            preface: if client { PREFACE.len() } else { 0 },
+            buf: BytesMut::new(),
+            streams: HashMap::new(),
+        }
+    }
+
+    fn feed(&mut self, bytes: &[u8]) -> Vec<BytesMut> {
+        self.buf.extend_from_slice(bytes);
+        let skip = self.preface.min(self.buf.len());
+        self.buf.advance(skip);
+        self.preface -= skip;
+        let mut out = Vec::new();
+        while self.buf.len() >= 9 {
+            let len = (usize::from(self.buf[0]) << 16)
+                | (usize::from(self.buf[1]) << 8)
+                | usize::from(self.buf[2]);
+            if self.buf.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (self.buf[3], self.buf[4]);
+            let stream = u32::from_be_bytes([self.buf[5], self.buf[6], self.buf[7], self.buf[8]])
+                & !(1 << 31);
+            let mut frame = self.buf.split_to(9 + len);
+            frame.advance(9);
+            if kind != DATA {
+                continue;
+            }
+            let mut payload = &frame[..];
+            if flags & PADDED != 0 && !payload.is_empty() {
+                let pad = usize::from(payload[0]);
+                payload = &payload[1..payload.len().saturating_sub(pad).max(1)];
+            }
+            let grpc = self.streams.entry(stream).or_default();
+            grpc.extend_from_slice(payload);
+            while grpc.len() >= 5 {
+                let len = u32::from_be_bytes([grpc[1], grpc[2], grpc[3], grpc[4]]) as usize;
+                if grpc.len() < 5 + len {
+                    break;
+                }
+                let mut message = grpc.split_to(5 + len);
+                message.advance(5);
+                out.push(message);
+            }
+        }
+        out
+    }
+}
+
+/// A response from the agent: note the assignments it carries under its nonce.
+fn on_response(mode: AdsMode, message: &[u8], state: &Mutex<TapState>) -> Result<(), String> {
+    let (type_url, nonce, resources): (String, String, Vec<Any>) = match mode {
+        AdsMode::Delta => {
+            let r = DeltaDiscoveryResponse::decode(message).map_err(|e| e.to_string())?;
+            let any = r.resources.into_iter().filter_map(|r| r.resource).collect();
+            (r.type_url, r.nonce, any)
+        }
+        AdsMode::Sotw => {
+            let r = DiscoveryResponse::decode(message).map_err(|e| e.to_string())?;
+            (r.type_url, r.nonce, r.resources)
+        }
+    };
+    if type_url != EDS {
+        return Ok(());
+    }
+    let assignments = resources
+        .iter()
+        .map(|any| {
+            let cla =
+                ClusterLoadAssignment::decode(any.value.as_slice()).map_err(|e| e.to_string())?;
+            let endpoints = endpoints_of(&cla);
+            Ok((cla.cluster_name, endpoints))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+    state.sent.insert(nonce, assignments);
+    Ok(())
+}
+
+/// A request from Envoy: an ACK makes what its nonce carried held.
+fn on_request(
+    mode: AdsMode,
+    message: &[u8],
+    state: &Mutex<TapState>,
+    bump: &watch::Sender<u64>,
+) -> Result<(), String> {
+    let now = Instant::now();
+    let (nonce, nack) = match mode {
+        AdsMode::Delta => {
+            let r = DeltaDiscoveryRequest::decode(message).map_err(|e| e.to_string())?;
+            (r.response_nonce, r.error_detail.is_some())
+        }
+        AdsMode::Sotw => {
+            let r = DiscoveryRequest::decode(message).map_err(|e| e.to_string())?;
+            (r.response_nonce, r.error_detail.is_some())
+        }
+    };
+    let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(assignments) = state.sent.remove(&nonce) else {
+        return Ok(());
+    };
+    if nack {
+        state.error = Some(format!("Envoy NACKed the endpoints of nonce {nonce}"));
+    } else {
+        for (cluster, endpoints) in assignments {
+            state.held.insert(cluster, (endpoints, now));
+        }
+    }
+    drop(state);
+    bump.send_modify(|n| *n += 1);
+    Ok(())
+}
