@@ -480,6 +480,10 @@ impl FileSource {
         // the load and the start of the watch raised no event, so the file is read once more
         // right away and such an edit is applied.
         let mut last_text = std::mem::take(&mut self.text);
+        // The file is read into the buffer of the text before the last (swapped below): at
+        // 10k services a fresh 4 MB string per edit cost a page fault per 4 KiB page, 8 % of
+        // the agent's CPU per edit (perf).
+        let mut text = String::new();
         let mut look_now = true;
         loop {
             if !std::mem::take(&mut look_now) {
@@ -488,21 +492,21 @@ impl FileSource {
                     event = events.recv() => if event.is_none() { return Ok(()) },
                 }
             }
-            let text = match std::fs::read_to_string(&self.path) {
-                Ok(text) => text,
-                Err(error) => {
-                    tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
-                    tx.stale(format!("cannot read the file: {error}"));
-                    // Read again when it is back, even with the same text as the last good.
-                    last_text.clear();
-                    continue;
-                }
-            };
+            text.clear();
+            let read = std::fs::File::open(&self.path)
+                .and_then(|mut file| std::io::Read::read_to_string(&mut file, &mut text));
+            if let Err(error) = read {
+                tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
+                tx.stale(format!("cannot read the file: {error}"));
+                // Read again when it is back, even with the same text as the last good.
+                last_text.clear();
+                continue;
+            }
             if text == last_text {
                 tx.fresh();
                 continue;
             }
-            last_text = text;
+            std::mem::swap(&mut last_text, &mut text);
             match self.apply(&last_text) {
                 Ok(snapshot) => {
                     tracing::info!(
