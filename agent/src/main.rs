@@ -376,9 +376,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         tonic::transport::Server::builder()
             .add_service(AdsService::new(xds))
             .serve_with_incoming_shutdown(
-                // No Nagle: a small push (one endpoint change) would otherwise wait for the
-                // proxy's delayed ACK of the previous segment, tens of milliseconds.
-                tonic::transport::server::TcpIncoming::from(xds_listener).with_nodelay(Some(true)),
+                lattice_agent::xds::connection::incoming(xds_listener),
                 token.cancelled_owned(),
             )
             .await?;

@@ -4,6 +4,7 @@
 //! It knows nothing of the mesh model or of where the resources come from: the Envoy
 //! translator produces an [`XdsSnapshot`] and publishes it on the [`snapshot::channel`].
 
+pub mod connection;
 mod delta;
 mod grpc;
 mod inbound;
