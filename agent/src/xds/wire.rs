@@ -3,9 +3,9 @@
 //! through the generated `DiscoveryRequest`, that is 10k `String`s allocated and freed per ACK,
 //! per stream, which a profile at that scale showed as the largest share of the agent's CPU per
 //! change (`malloc`/`free` about 40 % of its samples, docs/benchmarks.md). [`SotwRequest`]
-//! decodes the same message with the names kept as their bytes on the wire (a slice of the
-//! request's buffer when they came in one run, as they do from tonic), so a stream recognises
-//! an unchanged subscription by a hash of those bytes, without a string or a step per name.
+//! decodes the same message with the names kept as their bytes on the wire, so a stream
+//! recognises an unchanged subscription by a hash of those bytes, without a string or a step
+//! per name; a list the stream sent before is recognised by its bytes alone ([`SotwDecoder`]).
 //! [`DeltaRequest`] does the same for what a reconnecting Delta client holds
 //! (`initial_resource_versions`, 20k names and versions at that scale).
 //!
@@ -78,9 +78,9 @@ struct KnownList {
     hash: u64,
 }
 
-/// The entries' bytes: where they lay in the request's buffer when they came as one run (the
-/// usual case: tonic holds a whole message in one buffer, so 10k names of an ACK are a slice
-/// of it, not a copy), or a buffer of their own.
+/// The entries' bytes: a list the stream sent before, shared; where they lay in the request's
+/// buffer when a new list came as one run (one HTTP/2 frame holds it, see [`super::inbound`]);
+/// or a buffer of their own.
 #[derive(Clone, Debug)]
 enum Entries {
     Shared(Bytes),
@@ -239,8 +239,9 @@ impl NameList {
     /// entry its own way, with prost's bounds and UTF-8 errors). The run is checked as UTF-8 at
     /// once: keys and one-byte lengths are ASCII, a whole character each, so every name in a
     /// valid run starts and ends on a character boundary and is valid itself. A first run is
-    /// taken as it lies in `buf` (`copy_to_bytes`, which tonic's buffer answers with a slice of
-    /// itself); a later one is copied after what was read before.
+    /// taken as it lies in `buf` (`copy_to_bytes`, which the request's frames answer with a
+    /// slice of one, [`super::inbound::Frames`]); a later one is copied after what was read
+    /// before.
     fn read_run(&mut self, buf: &mut impl Buf) -> bool {
         let chunk = buf.chunk();
         // The end of the entry whose length byte is at `at`, if it lies in the chunk.
@@ -356,8 +357,12 @@ impl SotwDecoder {
     /// Lists remembered: one per type that names its resources (endpoints and routes) is what
     /// a proxy sends, with room to spare.
     const KEPT: usize = 4;
+}
 
-    fn decode_from(&mut self, buf: &mut impl Buf) -> Result<SotwRequest, DecodeError> {
+impl RequestDecoder for SotwDecoder {
+    type Request = SotwRequest;
+
+    fn decode(&mut self, buf: &mut impl Buf) -> Result<SotwRequest, DecodeError> {
         let mut request = SotwRequest::default();
         request.resource_names.known = std::mem::take(&mut self.recent);
         let merged = prost::Message::merge(&mut request, &mut *buf);
@@ -416,14 +421,6 @@ fn share(entries: &[u8], hash: u64) -> Arc<[u8]> {
     lists.retain(|_, list| list.strong_count() > 0);
     lists.insert(key, Arc::downgrade(&list));
     list
-}
-
-impl RequestDecoder for SotwDecoder {
-    type Request = SotwRequest;
-
-    fn decode(&mut self, buf: &mut impl Buf) -> Result<SotwRequest, DecodeError> {
-        self.decode_from(buf)
-    }
 }
 
 /// A proto3 string field: left out when empty, as prost writes it.
@@ -905,7 +902,7 @@ mod tests {
 
     /// What a fresh decoder (no list known) reads of `bytes`.
     fn read_alone(bytes: &[u8]) -> SotwRequest {
-        SotwDecoder::default().decode_from(&mut &bytes[..]).unwrap()
+        SotwDecoder::default().decode(&mut &bytes[..]).unwrap()
     }
 
     #[test]
@@ -914,7 +911,7 @@ mod tests {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let first = full_request(&refs).encode_to_vec();
         let mut decoder = SotwDecoder::default();
-        let read = decoder.decode_from(&mut first.as_slice()).unwrap();
+        let read = decoder.decode(&mut first.as_slice()).unwrap();
         assert_eq!(read.resource_names.iter().collect::<Vec<_>>(), refs);
         assert_eq!(decoder.recent.len(), 1);
 
@@ -923,14 +920,14 @@ mod tests {
         let mut again = full_request(&refs);
         again.response_nonce = "13".into();
         let bytes = again.encode_to_vec();
-        let known = decoder.decode_from(&mut bytes.as_slice()).unwrap();
+        let known = decoder.decode(&mut bytes.as_slice()).unwrap();
         let Entries::Known(entries) = &known.resource_names.entries else {
             panic!("a known list was copied");
         };
         assert!(Arc::ptr_eq(entries, &decoder.recent[0].entries));
         // Another stream's decoder that reads the same list keeps the same copy of it.
         let mut other = SotwDecoder::default();
-        other.decode_from(&mut first.as_slice()).unwrap();
+        other.decode(&mut first.as_slice()).unwrap();
         assert!(Arc::ptr_eq(&other.recent[0].entries, entries));
         assert_eq!(known.resource_names, read.resource_names);
         assert_eq!(
@@ -949,7 +946,7 @@ mod tests {
         changed[150] = "outbound|80||s15X";
         for other in [&more[..], fewer, &changed[..], &refs[..1], &[]] {
             let bytes = full_request(other).encode_to_vec();
-            let decoded = decoder.decode_from(&mut bytes.as_slice()).unwrap();
+            let decoded = decoder.decode(&mut bytes.as_slice()).unwrap();
             assert_eq!(decoded.resource_names.iter().collect::<Vec<_>>(), other);
             assert_eq!(
                 decoded.resource_names.fingerprint(),
@@ -957,7 +954,7 @@ mod tests {
             );
             for chained in every_split(&bytes) {
                 let mut chained = chained;
-                let decoded = decoder.decode_from(&mut chained).unwrap();
+                let decoded = decoder.decode(&mut chained).unwrap();
                 assert_eq!(decoded.resource_names.iter().collect::<Vec<_>>(), other);
             }
         }
@@ -969,12 +966,8 @@ mod tests {
         let mut bad = first.clone();
         let at = bad.windows(4).position(|w| w == b"s150").unwrap();
         bad[at] = 0xff;
-        assert!(decoder.decode_from(&mut bad.as_slice()).is_err());
-        assert!(
-            SotwDecoder::default()
-                .decode_from(&mut bad.as_slice())
-                .is_err()
-        );
+        assert!(decoder.decode(&mut bad.as_slice()).is_err());
+        assert!(SotwDecoder::default().decode(&mut bad.as_slice()).is_err());
     }
 
     #[test]
