@@ -13,10 +13,22 @@ use crate::{bins, wait};
 /// A port that was free a moment ago (the OS hands out ephemeral ports round-robin, so a
 /// just-released one is not handed to someone else right away).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port on loopback")
+    free_ports::<1>()[0]
+}
+
+/// `N` ports that were free a moment ago, all different: each is held until all are chosen
+/// (two calls to [`free_port`] can get the same port back, which once gave an agent its xDS
+/// and DNS ports alike).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("no free port on loopback"))
+        .collect();
+    std::array::from_fn(|k| {
+        held[k]
+            .local_addr()
+            .expect("a bound listener has an address")
+            .port()
+    })
 }
 
 /// The three addresses an agent serves on.
@@ -47,10 +59,11 @@ impl Agent {
 
     pub fn start_with_env(args: &[&str], envs: &[(&str, &str)]) -> Agent {
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        let [xds, dns, admin] = free_ports();
         let addrs = AgentAddrs {
-            xds: loopback(free_port()),
-            dns: loopback(free_port()),
-            admin: loopback(free_port()),
+            xds: loopback(xds),
+            dns: loopback(dns),
+            admin: loopback(admin),
         };
         Agent::launch(None, addrs, args, envs)
     }

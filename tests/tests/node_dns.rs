@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
-use lattice_e2e::agent::{free_port, http_get};
+use lattice_e2e::agent::{free_ports, http_get};
 use lattice_e2e::bins;
 use lattice_e2e::netns::{Netns, Process};
 use lattice_e2e::wait;
@@ -41,15 +41,15 @@ impl NodeAgent {
         std::fs::write(mesh.path(), MESH)?;
         let log = tempfile::NamedTempFile::new()?;
         // The namespace is fresh, so any port is free in it.
-        let dns_port = free_port();
-        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let [dns_port, admin_port, xds_port] = free_ports();
+        let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
         let mut command = node.command(bins::path("lattice-agent"));
         command
             .arg(format!("--mesh-file={}", mesh.path().display()))
             .arg(format!("--node-local-dns={NODE_LOCAL}"))
             .arg(format!("--dns-addr={NODE_LOCAL}:{dns_port}"))
             .arg(format!("--admin-addr={admin}"))
-            .arg(format!("--xds-addr=127.0.0.1:{}", free_port()))
+            .arg(format!("--xds-addr=127.0.0.1:{xds_port}"))
             // Never the machine's resolver: an address nothing listens on.
             .arg("--upstream-dns=127.0.0.1:9")
             .env("RUST_LOG", "info")
@@ -265,6 +265,7 @@ fn without_net_admin_start_up_fails_and_says_why() -> anyhow::Result<()> {
     let node = Netns::new("node")?;
     let mesh = tempfile::NamedTempFile::new()?;
     std::fs::write(mesh.path(), MESH)?;
+    let [dns_port, admin_port, xds_port] = free_ports();
     // setpriv drops CAP_NET_ADMIN from the bounding set, so even root lacks it after exec.
     let output = node
         .command("setpriv")
@@ -272,9 +273,9 @@ fn without_net_admin_start_up_fails_and_says_why() -> anyhow::Result<()> {
         .arg(bins::path("lattice-agent"))
         .arg(format!("--mesh-file={}", mesh.path().display()))
         .arg(format!("--node-local-dns={NODE_LOCAL}"))
-        .arg(format!("--dns-addr={NODE_LOCAL}:{}", free_port()))
-        .arg(format!("--admin-addr=127.0.0.1:{}", free_port()))
-        .arg(format!("--xds-addr=127.0.0.1:{}", free_port()))
+        .arg(format!("--dns-addr={NODE_LOCAL}:{dns_port}"))
+        .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
+        .arg(format!("--xds-addr=127.0.0.1:{xds_port}"))
         .arg("--upstream-dns=127.0.0.1:9")
         .stdin(Stdio::null())
         .output()?;
