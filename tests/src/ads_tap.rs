@@ -1,6 +1,6 @@
 //! A relay between a real Envoy and the agent's xDS port that watches the ADS conversation
-//! going through it, so a benchmark can tell when Envoy *acknowledged* an endpoint change
-//! without asking Envoy's admin. An xDS client ACKs a response once it has applied it (Envoy
+//! going through it, so a benchmark can tell when Envoy *acknowledged* an endpoint change, or
+//! the last assignment of its initial sync, without asking Envoy's admin. An xDS client ACKs a response once it has applied it (Envoy
 //! updates a cluster's hosts on its main thread, then ACKs), so the ACK of the response that
 //! carried an assignment is when Envoy holds it. At 10k clusters, Envoy's admin answers a
 //! `/clusters` query filtered to one cluster in about 15 ms (it goes through every cluster),
@@ -90,26 +90,81 @@ impl AdsTap {
         endpoint: SocketAddr,
         timeout: Duration,
     ) -> anyhow::Result<Instant> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            self.changed.borrow_and_update();
-            {
-                let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(error) = &state.error {
-                    anyhow::bail!("the ADS relay: {error}");
-                }
-                if let Some((endpoints, at)) = state.held.get(cluster)
-                    && endpoints.contains(&endpoint)
-                {
-                    return Ok(*at);
+        let what = format!("{endpoint} in {cluster}");
+        wait_held(&mut self.changed, &self.state, &what, timeout, |held| {
+            held.get(cluster)
+                .filter(|(endpoints, _)| endpoints.contains(&endpoint))
+                .map(|(_, at)| *at)
+        })
+        .await
+    }
+
+    /// A handle that waits on what Envoy ACKed from another task.
+    pub fn watch(&self) -> TapWatch {
+        TapWatch {
+            state: self.state.clone(),
+            changed: self.changed.clone(),
+        }
+    }
+}
+
+/// Waits on the ACKs an [`AdsTap`] sees, from any task.
+pub struct TapWatch {
+    state: Arc<Mutex<TapState>>,
+    changed: watch::Receiver<u64>,
+}
+
+impl TapWatch {
+    /// When Envoy ACKed the last of the assignments that make `clusters` clusters hold what
+    /// `full` wants (waits up to `timeout`): the moment Envoy held them all.
+    pub async fn holds_all(
+        &mut self,
+        clusters: usize,
+        full: impl Fn(&str, &[SocketAddr]) -> bool,
+        timeout: Duration,
+    ) -> anyhow::Result<Instant> {
+        let what = format!("the assignments of {clusters} clusters");
+        wait_held(&mut self.changed, &self.state, &what, timeout, |held| {
+            let mut count = 0;
+            let mut last: Option<Instant> = None;
+            for (cluster, (endpoints, at)) in held {
+                if full(cluster, endpoints) {
+                    count += 1;
+                    last = Some(last.map_or(*at, |l| l.max(*at)));
                 }
             }
-            if tokio::time::timeout_at(deadline, self.changed.changed())
-                .await
-                .is_err()
-            {
-                anyhow::bail!("Envoy did not ACK {endpoint} in {cluster} within {timeout:?}");
+            if count == clusters { last } else { None }
+        })
+        .await
+    }
+}
+
+/// Waits up to `timeout` until `done` finds what it looks for in the ACKed assignments,
+/// looking again after each message the relay reads.
+async fn wait_held(
+    changed: &mut watch::Receiver<u64>,
+    state: &Mutex<TapState>,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&HashMap<String, (Vec<SocketAddr>, Instant)>) -> Option<Instant>,
+) -> anyhow::Result<Instant> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        changed.borrow_and_update();
+        {
+            let state = state.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(error) = &state.error {
+                anyhow::bail!("the ADS relay: {error}");
             }
+            if let Some(at) = done(&state.held) {
+                return Ok(at);
+            }
+        }
+        if tokio::time::timeout_at(deadline, changed.changed())
+            .await
+            .is_err()
+        {
+            anyhow::bail!("Envoy did not ACK {what} within {timeout:?}");
         }
     }
 }
