@@ -64,8 +64,9 @@ pub struct Args {
 
     /// Which statistics Envoy keeps: `mesh` (its own, the xDS connection's, listeners', and
     /// per mesh cluster only how many endpoints it has and how many are healthy) or `all`
-    /// (Envoy's default, about 150 per cluster: seconds more to take 10k clusters, and
-    /// hundreds of MiB).
+    /// (Envoy's default, about 150 per cluster: at 10k clusters about 1.7 s more to take them
+    /// and 120 MiB more). With either, a cluster's traffic statistics are made on its first
+    /// request.
     #[arg(long, env = "LATTICE_ENVOY_STATS", value_enum, default_value_t = EnvoyStats::Mesh)]
     pub envoy_stats: EnvoyStats,
 
