@@ -12,10 +12,11 @@ pub const PARALLEL_FROM: usize = 512;
 pub fn map_on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
     // The count first: `available_parallelism` reads the cgroup's CPU quota from three files
     // on every call, and this runs on every snapshot, almost always with a few items.
-    if items.len() < PARALLEL_FROM {
-        return items.iter().map(f).collect();
-    }
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = if items.len() < PARALLEL_FROM {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    };
     if cores < 2 {
         return items.iter().map(f).collect();
     }

@@ -39,8 +39,7 @@ const PADDED: u8 = 0x8;
 /// The relay, listening on `addr`.
 pub struct AdsTap {
     pub addr: SocketAddr,
-    state: Arc<Mutex<TapState>>,
-    changed: watch::Receiver<u64>,
+    acks: TapWatch,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -76,8 +75,7 @@ impl AdsTap {
         });
         Ok(AdsTap {
             addr,
-            state,
-            changed,
+            acks: TapWatch { state, changed },
             task,
         })
     }
@@ -91,24 +89,23 @@ impl AdsTap {
         timeout: Duration,
     ) -> anyhow::Result<Instant> {
         let what = format!("{endpoint} in {cluster}");
-        wait_held(&mut self.changed, &self.state, &what, timeout, |held| {
-            held.get(cluster)
-                .filter(|(endpoints, _)| endpoints.contains(&endpoint))
-                .map(|(_, at)| *at)
-        })
-        .await
+        self.acks
+            .wait(&what, timeout, |held| {
+                held.get(cluster)
+                    .filter(|(endpoints, _)| endpoints.contains(&endpoint))
+                    .map(|(_, at)| *at)
+            })
+            .await
     }
 
     /// A handle that waits on what Envoy ACKed from another task.
     pub fn watch(&self) -> TapWatch {
-        TapWatch {
-            state: self.state.clone(),
-            changed: self.changed.clone(),
-        }
+        self.acks.clone()
     }
 }
 
 /// Waits on the ACKs an [`AdsTap`] sees, from any task.
+#[derive(Clone)]
 pub struct TapWatch {
     state: Arc<Mutex<TapState>>,
     changed: watch::Receiver<u64>,
@@ -124,7 +121,7 @@ impl TapWatch {
         timeout: Duration,
     ) -> anyhow::Result<Instant> {
         let what = format!("the assignments of {clusters} clusters");
-        wait_held(&mut self.changed, &self.state, &what, timeout, |held| {
+        self.wait(&what, timeout, |held| {
             let mut count = 0;
             let mut last: Option<Instant> = None;
             for (cluster, (endpoints, at)) in held {
@@ -137,34 +134,33 @@ impl TapWatch {
         })
         .await
     }
-}
 
-/// Waits up to `timeout` until `done` finds what it looks for in the ACKed assignments,
-/// looking again after each message the relay reads.
-async fn wait_held(
-    changed: &mut watch::Receiver<u64>,
-    state: &Mutex<TapState>,
-    what: &str,
-    timeout: Duration,
-    done: impl Fn(&HashMap<String, (Vec<SocketAddr>, Instant)>) -> Option<Instant>,
-) -> anyhow::Result<Instant> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        changed.borrow_and_update();
-        {
-            let state = state.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(error) = &state.error {
-                anyhow::bail!("the ADS relay: {error}");
+    /// Waits up to `timeout` until `done` finds what it looks for in the ACKed assignments,
+    /// looking again after each message the relay reads.
+    async fn wait(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&HashMap<String, (Vec<SocketAddr>, Instant)>) -> Option<Instant>,
+    ) -> anyhow::Result<Instant> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            self.changed.borrow_and_update();
+            {
+                let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(error) = &state.error {
+                    anyhow::bail!("the ADS relay: {error}");
+                }
+                if let Some(at) = done(&state.held) {
+                    return Ok(at);
+                }
             }
-            if let Some(at) = done(&state.held) {
-                return Ok(at);
+            if tokio::time::timeout_at(deadline, self.changed.changed())
+                .await
+                .is_err()
+            {
+                anyhow::bail!("Envoy did not ACK {what} within {timeout:?}");
             }
-        }
-        if tokio::time::timeout_at(deadline, changed.changed())
-            .await
-            .is_err()
-        {
-            anyhow::bail!("Envoy did not ACK {what} within {timeout:?}");
         }
     }
 }

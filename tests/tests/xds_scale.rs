@@ -95,6 +95,8 @@ use serde_json::{Value, json};
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 const PER_SERVICE: usize = 10;
+/// What the name of every mesh cluster (`<dns name>|<port>`) contains, and no other's.
+const MESH_CLUSTER: &str = ".system.internal|";
 const SYNC: Duration = Duration::from_secs(600);
 const CHANGE: Duration = Duration::from_secs(60);
 /// The least time between two changes. The agent pushes at most once per `--debounce-ms`
@@ -438,12 +440,13 @@ async fn envoy_sync_end<T>(
     )
 }
 
-/// Polls Envoy until it is LIVE and each of the `services` mesh clusters holds all its
-/// endpoints; when the answer that showed it arrived.
-fn envoy_synced(admin: SocketAddr, pid: u32, services: usize) -> anyhow::Result<Instant> {
+/// Checks through Envoy's admin (polling until the deadline) that it is LIVE and each of the
+/// `services` mesh clusters holds all its endpoints.
+fn envoy_synced(admin: SocketAddr, pid: u32, services: usize) -> anyhow::Result<()> {
     envoy_holds_clusters(admin, pid, &format!("all {services} clusters"), |held| {
         held.len() == services
     })
+    .map(drop)
 }
 
 /// Polls Envoy until it is LIVE and `done` holds for the mesh clusters that hold all their
@@ -465,7 +468,7 @@ fn envoy_holds_clusters(
         let body = envoy_get(admin, pid, &gauges)?;
         let held: BTreeSet<&str> = body
             .lines()
-            .filter(|l| l.contains(".system.internal|"))
+            .filter(|l| l.contains(MESH_CLUSTER))
             .filter_map(|l| l.strip_suffix(&full))
             .map(|l| l.strip_prefix("cluster.").unwrap_or(l))
             .collect();
@@ -647,7 +650,7 @@ async fn run(
                     // Timed by Envoy's ACKs; its admin is asked once they say it holds
                     // everything, to check they told the truth (and how long an answer takes).
                     let full = |cluster: &str, endpoints: &[SocketAddr]| {
-                        cluster.contains(".system.internal|") && endpoints.len() == PER_SERVICE
+                        cluster.contains(MESH_CLUSTER) && endpoints.len() == PER_SERVICE
                     };
                     let at = acks.holds_all(services, full, SYNC).await?;
                     let asked = Instant::now();
