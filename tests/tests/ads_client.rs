@@ -83,11 +83,11 @@ async fn sees_endpoint_changes(mode: AdsMode) {
         .await
         .unwrap_or_else(|e| panic!("{e}\n{:?}\nagent log:\n{}", client.view(), agent.log()));
     let after = client.view();
-    assert!(after.endpoints[&cluster(1)].1 >= applied);
+    assert!(after.endpoints[cluster(1).as_str()].1 >= applied);
     for i in [0, 2] {
         assert_eq!(
-            after.endpoints[&cluster(i)],
-            before.endpoints[&cluster(i)],
+            after.endpoints[cluster(i).as_str()],
+            before.endpoints[cluster(i).as_str()],
             "{} changed",
             cluster(i)
         );
@@ -110,7 +110,7 @@ async fn sees_endpoint_changes(mode: AdsMode) {
     server.delete::<Service>(&namespace, &name).unwrap();
     client
         .wait_for("svc2 gone", WITHIN, |v| {
-            !v.clusters.contains(&cluster(2)) && v.endpoints_of(&cluster(2)).is_none()
+            !v.clusters.contains(cluster(2).as_str()) && v.endpoints_of(&cluster(2)).is_none()
         })
         .await
         .unwrap();

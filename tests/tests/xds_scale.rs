@@ -721,7 +721,7 @@ async fn run(
         }
         let mut arrived = fleet
             .iter()
-            .filter_map(|c| c.with_view(|v| v.endpoints.get(&name).map(|(_, at)| *at)))
+            .filter_map(|c| c.with_view(|v| v.endpoints.get(name.as_str()).map(|(_, at)| *at)))
             .max()
             .unwrap_or(applied);
         client_latencies_ms.push(ms(arrived.duration_since(applied)));
@@ -1155,7 +1155,7 @@ async fn connect_pod(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
 /// Whether a client holds every cluster of `clusters` with all its endpoints.
 fn holds_scope(v: &ClientView, clusters: &[String]) -> bool {
     clusters.iter().all(|c| {
-        v.clusters.contains(c) && v.endpoints_of(c).is_some_and(|e| e.len() == PER_SERVICE)
+        v.clusters.contains(c.as_str()) && v.endpoints_of(c).is_some_and(|e| e.len() == PER_SERVICE)
     })
 }
 
@@ -1164,7 +1164,7 @@ fn scope_arrival(client: &AdsClient, clusters: &[String]) -> Option<Instant> {
     client.with_view(|v| {
         clusters
             .iter()
-            .filter_map(|c| v.endpoints.get(c).map(|(_, at)| *at))
+            .filter_map(|c| v.endpoints.get(c.as_str()).map(|(_, at)| *at))
             .max()
     })
 }
@@ -1461,7 +1461,9 @@ async fn scoped_run(
         }
         let mut arrived = holders
             .iter()
-            .filter_map(|&h| fleet[h].with_view(|v| v.endpoints.get(&name).map(|(_, at)| *at)))
+            .filter_map(|&h| {
+                fleet[h].with_view(|v| v.endpoints.get(name.as_str()).map(|(_, at)| *at))
+            })
             .max()
             .unwrap_or(applied);
         if !holders.is_empty() {
@@ -1520,7 +1522,7 @@ async fn scoped_run(
             // Its proxy held the service's endpoints when the answer came.
             let held = client.with_view(|v| {
                 v.endpoints
-                    .get(&cluster)
+                    .get(cluster.as_str())
                     .is_some_and(|(e, at)| e.len() == PER_SERVICE && *at <= lookup.at)
             });
             held_at_answer += usize::from(held);
