@@ -455,6 +455,53 @@ async fn a_nacking_delta_client_is_not_sent_the_same_resources_in_a_loop() {
     );
 }
 
+/// Responses over 64 KiB go out as a frame in three parts, the middle one encoded once for
+/// every stream sent the same (the agent's `SharedHeads`): Envoy takes them over both
+/// protocols, and holds every cluster with its endpoint.
+#[test]
+fn envoy_takes_large_responses_sent_in_parts() {
+    let _one_envoy = ENVOY.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = dir.path().join("mesh.yaml");
+    // 1000 clusters: the SotW cluster response and a Delta one (256 KiB) are both far over.
+    let services: Vec<(String, [String; 1])> = (0..1000)
+        .map(|i| {
+            (
+                format!("/large/s{i}"),
+                [format!("10.201.{}.{}", i / 250, i % 250 + 1)],
+            )
+        })
+        .collect();
+    let endpoints: Vec<[&str; 1]> = services.iter().map(|(_, [e])| [e.as_str()]).collect();
+    let pairs: Vec<(&str, &[&str])> = services
+        .iter()
+        .zip(&endpoints)
+        .map(|((path, _), endpoints)| (path.as_str(), &endpoints[..]))
+        .collect();
+    write_mesh(&mesh, &pairs);
+    let want: BTreeMap<String, Vec<String>> = services
+        .iter()
+        .map(|(path, [endpoint])| {
+            let name = path
+                .trim_start_matches('/')
+                .rsplit('/')
+                .collect::<Vec<_>>()
+                .join(".");
+            (
+                format!("{name}.system.internal|8080"),
+                vec![format!("{endpoint}:8080")],
+            )
+        })
+        .collect();
+    let agent = Agent::start(&["--mesh-file", mesh.to_str().unwrap()]);
+    agent.wait_ready().unwrap();
+    for mode in [AdsMode::Sotw, AdsMode::Delta] {
+        let envoy = Envoy::start(&format!("large-{mode:?}"), agent.xds, mode);
+        envoy.wait_live().unwrap();
+        wait_clusters(&envoy, &want, Duration::from_secs(20));
+    }
+}
+
 /// The bootstrap's statistics list, in a real Envoy: per mesh cluster only the two membership
 /// gauges, against Envoy's ~150 with `--envoy-stats all` (the bootstrap without the list), of
 /// which a cluster's traffic statistics are made only on its first request.

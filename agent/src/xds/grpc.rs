@@ -11,19 +11,22 @@
 //!   capacity of the largest message it ever held for the life of the stream. A SotW cluster
 //!   response at 10k services is about 3 MB, so a hundred streams kept about 140 MiB of buffers
 //!   after the initial sync (the heap profile in docs/benchmarks.md). [`ResponseBody`] encodes
-//!   each message into a buffer of its exact size, which is freed once h2 has sent it.
+//!   each message into a buffer of its exact size, which is freed once h2 has sent it; a large
+//!   message as three parts, its head shared with every stream that sends the same one
+//!   ([`SharedHeads`]).
 //!
 //! The routing (two method paths of `envoy.service.discovery.v3.AggregatedDiscoveryService`,
 //! anything else `UNIMPLEMENTED`) and the codec defaults (no compression, tonic's message size
 //! limits) are the generated server's.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
-use prost::Message;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{BoxFuture, Service, StdError, http};
@@ -32,6 +35,7 @@ use tonic::{Request, Status};
 
 use super::delta::DeltaStream;
 use super::inbound::Inbound;
+use super::response::{Framed, SharedHeads};
 use super::server::XdsServer;
 use super::sotw::SotwStream;
 use super::stream::Ads;
@@ -83,8 +87,10 @@ where
         return Box::pin(async move { Ok(status.into_http()) });
     }
     let request = request.map(Inbound::<A::Decoder>::new);
+    let heads = server.shared_heads();
     let responses = server.open::<A>(Request::from_http(request));
-    let mut response = http::Response::new(tonic::body::Body::new(ResponseBody::new(responses)));
+    let body = ResponseBody::new(responses, heads);
+    let mut response = http::Response::new(tonic::body::Body::new(body));
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static(GRPC_CONTENT_TYPE),
@@ -92,17 +98,22 @@ where
     Box::pin(async move { Ok(response) })
 }
 
-/// The body of one call's response: each message as a gRPC frame in a buffer of its own, then
-/// the trailers with the stream's status.
+/// The body of one call's response: each message as a gRPC frame (see [`frame`]), then the
+/// trailers with the stream's status.
 struct ResponseBody<M> {
     responses: ReceiverStream<Result<M, Status>>,
+    heads: Arc<SharedHeads>,
+    /// The parts of the current message not yet handed to h2.
+    pending: VecDeque<Bytes>,
     ended: bool,
 }
 
 impl<M> ResponseBody<M> {
-    fn new(responses: ReceiverStream<Result<M, Status>>) -> Self {
+    fn new(responses: ReceiverStream<Result<M, Status>>, heads: Arc<SharedHeads>) -> Self {
         ResponseBody {
             responses,
+            heads,
+            pending: VecDeque::new(),
             ended: false,
         }
     }
@@ -116,7 +127,7 @@ impl<M> ResponseBody<M> {
     }
 }
 
-impl<M: Message> http_body::Body for ResponseBody<M> {
+impl<M: Framed + Unpin> http_body::Body for ResponseBody<M> {
     type Data = Bytes;
     type Error = Status;
 
@@ -124,36 +135,66 @@ impl<M: Message> http_body::Body for ResponseBody<M> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        if self.ended {
+        let this = &mut *self;
+        if let Some(part) = this.pending.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(part))));
+        }
+        if this.ended {
             return Poll::Ready(None);
         }
-        let frame = match ready!(Pin::new(&mut self.responses).poll_next(cx)) {
-            Some(Ok(message)) => match frame(&message) {
-                Ok(bytes) => Ok(Frame::data(bytes)),
-                Err(status) => self.end(status),
+        let frame = match ready!(Pin::new(&mut this.responses).poll_next(cx)) {
+            Some(Ok(message)) => match frame(&message, &this.heads, &mut this.pending) {
+                Ok(()) => match this.pending.pop_front() {
+                    Some(part) => Ok(Frame::data(part)),
+                    None => Ok(Frame::data(Bytes::new())),
+                },
+                Err(status) => this.end(status),
             },
-            Some(Err(status)) => self.end(status),
-            None => self.end(Status::ok("")),
+            Some(Err(status)) => this.end(status),
+            None => this.end(Status::ok("")),
         };
         Poll::Ready(Some(frame))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended
+        self.ended && self.pending.is_empty()
     }
 }
 
-/// One message as a gRPC length-prefixed frame (uncompressed), in a buffer of exactly its size.
-fn frame(message: &impl Message) -> Result<Bytes, Status> {
-    let len = message.encoded_len();
+/// One message as a gRPC length-prefixed frame (uncompressed), into `parts`: in one buffer of
+/// exactly its size, or, when its head is large, as the prefix, the head shared with other
+/// streams ([`SharedHeads`]) and the tail.
+fn frame<M: Framed>(
+    message: &M,
+    heads: &SharedHeads,
+    parts: &mut VecDeque<Bytes>,
+) -> Result<(), Status> {
+    let (head_len, tail_len) = (message.head_len(), message.tail_len());
+    let len = head_len + tail_len;
     let prefix = u32::try_from(len).map_err(|_| {
         Status::resource_exhausted(format!("a response of {len} bytes exceeds gRPC's 4 GiB"))
     })?;
-    let mut buf = BytesMut::with_capacity(5 + len);
-    buf.put_u8(0);
-    buf.put_u32(prefix);
-    message.encode_raw(&mut buf);
-    Ok(buf.freeze())
+    if head_len < SharedHeads::MIN {
+        heads.expire();
+        let mut buf = BytesMut::with_capacity(5 + len);
+        buf.put_u8(0);
+        buf.put_u32(prefix);
+        message.encode_head(&mut buf);
+        message.encode_tail(&mut buf);
+        parts.push_back(buf.freeze());
+        return Ok(());
+    }
+    let mut start = BytesMut::with_capacity(5);
+    start.put_u8(0);
+    start.put_u32(prefix);
+    parts.push_back(start.freeze());
+    parts.push_back(heads.head(message, head_len));
+    if tail_len > 0 {
+        let mut tail = BytesMut::with_capacity(tail_len);
+        message.encode_tail(&mut tail);
+        parts.push_back(tail.freeze());
+    }
+    Ok(())
 }
 
 impl<B> Service<http::Request<B>> for AdsService
@@ -186,18 +227,26 @@ mod tests {
     use http_body::Body as _;
     use tokio::sync::mpsc;
 
+    use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+    use prost::Message;
+
     use super::*;
     use crate::xds::SotwResponse;
+    use crate::xds::snapshot::XdsResource;
 
     type Sent = Result<SotwResponse, Status>;
 
     async fn frames(items: Vec<Sent>) -> Vec<Frame<Bytes>> {
+        frames_sharing(items, Arc::default()).await
+    }
+
+    async fn frames_sharing(items: Vec<Sent>, heads: Arc<SharedHeads>) -> Vec<Frame<Bytes>> {
         let (tx, rx) = mpsc::channel(items.len().max(1));
         for item in items {
             tx.send(item).await.unwrap();
         }
         drop(tx);
-        let mut body = ResponseBody::new(ReceiverStream::new(rx));
+        let mut body = ResponseBody::new(ReceiverStream::new(rx), heads);
         let mut frames = Vec::new();
         while let Some(frame) = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
             frames.push(frame.unwrap());
@@ -232,6 +281,66 @@ mod tests {
             assert_eq!(&data[5..], message);
         }
         assert_eq!(status_of(&frames[2]), "0");
+    }
+
+    /// A response whose head is over [`SharedHeads::MIN`].
+    fn large(resources: &[Arc<XdsResource>], nonce: &str) -> SotwResponse {
+        SotwResponse {
+            version_info: "7".to_string(),
+            resources: resources.to_vec(),
+            type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".to_string(),
+            nonce: nonce.to_string(),
+        }
+    }
+
+    fn clusters(n: usize) -> Vec<Arc<XdsResource>> {
+        (0..n)
+            .map(|i| {
+                let name = format!("cluster-{i}-{}", "x".repeat(100));
+                XdsResource::new(
+                    name.clone(),
+                    Cluster {
+                        name,
+                        ..Cluster::default()
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_large_message_is_its_frame_in_parts_whose_head_streams_share() {
+        let resources = clusters(1000);
+        let heads = Arc::new(SharedHeads::default());
+        let mut heads_sent = Vec::new();
+        for nonce in ["1", "22"] {
+            // One body per stream, both of one server.
+            let frames = frames_sharing(vec![Ok(large(&resources, nonce))], heads.clone()).await;
+            assert_eq!(status_of(frames.last().unwrap()), "0");
+            let parts: Vec<&Bytes> = frames[..frames.len() - 1]
+                .iter()
+                .map(|f| f.data_ref().expect("a part"))
+                .collect();
+            assert_eq!(parts.len(), 3, "prefix, head, tail");
+            let whole: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+            let message = large(&resources, nonce).encode_to_vec();
+            assert!(message.len() > SharedHeads::MIN);
+            assert_eq!(whole[0], 0, "not compressed");
+            assert_eq!(&whole[1..5], (message.len() as u32).to_be_bytes());
+            assert!(whole[5..] == message[..], "the parts are the message");
+            heads_sent.push(parts[1].clone());
+        }
+        assert_eq!(
+            heads_sent[0].as_ptr(),
+            heads_sent[1].as_ptr(),
+            "the second stream was sent the head the first encoded"
+        );
+        // The same names and contents, but other resources (a new snapshot's): encoded again.
+        let frames = frames_sharing(vec![Ok(large(&clusters(1000), "3"))], heads).await;
+        assert_ne!(
+            frames[1].data_ref().unwrap().as_ptr(),
+            heads_sent[0].as_ptr()
+        );
     }
 
     #[tokio::test]

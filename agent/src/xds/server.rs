@@ -15,6 +15,7 @@ use tonic::{Request, Status};
 
 use super::inbound::Inbound;
 use super::metrics::XdsMetrics;
+use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
@@ -89,6 +90,7 @@ pub struct XdsServer {
     identity: IdentityCheck,
     refusals: Arc<RefusalLog>,
     scopes: Option<Arc<ScopeRegistry>>,
+    heads: Arc<SharedHeads>,
 }
 
 impl XdsServer {
@@ -107,7 +109,13 @@ impl XdsServer {
             identity: IdentityCheck::Off,
             refusals: Arc::default(),
             scopes: None,
+            heads: Arc::default(),
         }
+    }
+
+    /// The encoded response heads the streams of this server share.
+    pub(super) fn shared_heads(&self) -> Arc<SharedHeads> {
+        self.heads.clone()
     }
 
     /// Gives each verified proxy whose pod is scoped only the services its pod uses.

@@ -39,7 +39,7 @@ use super::snapshot::{
 /// requests and every new snapshot, answering with what to send.
 pub trait Ads: Default + Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
-    type Response: prost::Message + Send + 'static;
+    type Response: super::response::Framed + Send + Unpin + 'static;
     /// How the stream's requests are read off the wire (one per stream, so it may remember).
     type Decoder: RequestDecoder<Request = Self::Request>;
     /// `sotw` or `delta`, for logs and `/debug/xds`.
