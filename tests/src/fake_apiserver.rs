@@ -5,8 +5,9 @@
 //!
 //! It keeps what an API server backed by etcd keeps: one global, monotonically increasing
 //! resourceVersion, the current objects, and the history of changes since the last compaction.
-//! Lists are paged (`limit`/`continue`, as kube's watcher asks for 500 at a time) from a
-//! consistent snapshot; watches replay history after their `resourceVersion`, then stream live
+//! Lists are paged (`limit`/`continue`) from a consistent snapshot, except those at
+//! `resourceVersion=0`, which a real server answers whole from its watch cache (kube's watcher
+//! lists that way, with a limit of 500 it then ignores); watches replay history after their `resourceVersion`, then stream live
 //! events as chunked JSON lines, send BOOKMARKs when asked, end after `timeoutSeconds`, and answer
 //! a version older than the compaction with an in-stream ERROR event carrying a 410 Status, as a
 //! real API server does.
@@ -941,10 +942,18 @@ fn list(
     params: &HashMap<String, String>,
     selector: &FieldSelector,
 ) -> Response<Body> {
+    // `resourceVersion=0` ("any"): a real API server answers from its watch cache, which does
+    // not paginate: `limit` is ignored and the whole list comes in one response (kube-apiserver
+    // since 1.13, kubernetes/kubernetes#70735; the semantics are spelled out in
+    // kubernetes/enhancements#2467). kube's watcher and client-go's reflectors list that way.
+    let from_cache = params.get("resourceVersion").is_some_and(|rv| rv == "0")
+        && params
+            .get("resourceVersionMatch")
+            .is_none_or(|m| m != "Exact");
     let limit = params
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
-        .filter(|l| *l > 0);
+        .filter(|l| *l > 0 && !from_cache);
     let mut store = lock(store);
     if store.absent.contains(target.kind) {
         return unknown_resource();
@@ -1215,6 +1224,14 @@ mod tests {
         );
         assert_eq!(names(&third), ["s4"]);
         assert!(third["metadata"].get("continue").is_none());
+
+        // resourceVersion=0, as kube's watcher lists: from the "watch cache", whole.
+        let (_, cached) = get(
+            &server,
+            "/api/v1/namespaces/a/services?limit=2&resourceVersion=0&resourceVersionMatch=NotOlderThan",
+        );
+        assert_eq!(names(&cached), ["s0", "s1", "s2", "s3", "s4", "s9"]);
+        assert!(cached["metadata"].get("continue").is_none());
 
         // Expired continue tokens are 410.
         let (_, first) = get(&server, "/api/v1/services?limit=2");
