@@ -24,6 +24,9 @@ struct DeltaTypeState {
     in_flight: Vec<(Arc<str>, u64)>,
     /// The snapshot version of the in-flight response, reported on its ACK or NACK.
     in_flight_version: String,
+    /// The interest's narrowings when the in-flight response was sent: while they stand, every
+    /// resource in it is still wanted.
+    in_flight_narrowings: u64,
 }
 
 /// One `DeltaAggregatedResources` stream.
@@ -98,6 +101,9 @@ impl Ads for DeltaStream {
                 }
             }
         }
+        if !request.resource_names_unsubscribe.is_empty() {
+            common.interest.narrowed();
+        }
         for name in &request.resource_names_unsubscribe {
             if name == "*" {
                 common.interest.wildcard = false;
@@ -125,8 +131,9 @@ impl Ads for DeltaStream {
                 // Either way the client has seen these versions: after an ACK it holds them,
                 // after a NACK re-sending the same bytes would only be rejected again. Names it
                 // unsubscribed from meanwhile are gone from its view.
+                let unchanged = state.in_flight_narrowings == common.interest.narrowings();
                 for (name, version) in std::mem::take(&mut state.in_flight) {
-                    if common.interest.wants(&name) {
+                    if unchanged || common.interest.wants(&name) {
                         common.client.insert(name, version);
                     }
                 }
@@ -215,6 +222,7 @@ impl DeltaStream {
                 .iter()
                 .map(|r| (r.name.clone(), r.version))
                 .collect();
+            state.in_flight_narrowings = state.common.interest.narrowings();
             state.common.pending = Some(nonce.clone());
             state.common.must_answer = false;
             let version = snapshot.version.to_string();
@@ -336,6 +344,27 @@ mod tests {
         assert!(got.contains_key(new));
         assert!(!got.contains_key(removed) && !got.contains_key(dropped));
         assert_eq!(got, expected, "every resource once, at its latest content");
+    }
+
+    /// A resource the client unsubscribes from in the very request that ACKs the response
+    /// carrying it is not held: subscribing to it again sends it again.
+    #[test]
+    fn delta_a_resource_unsubscribed_with_its_ack_is_not_held() {
+        let (_world, snap) = big_world(RESPONSE_BUDGET);
+        let wanted = names_of(&snap, ResourceType::Endpoint);
+        let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(EDS, &wanted, &[], ""), &snap);
+        let first = out[0].clone();
+        let name = first.resources[0].name.to_string();
+        let (mut out, _) = stream.on_request(&delta(EDS, &[], &[&name], &first.nonce), &snap);
+        while let Some(response) = out.pop() {
+            assert!(!names(&response).contains(&name.as_str()));
+            (out, _) = stream.on_request(&delta(EDS, &[], &[], &response.nonce), &snap);
+        }
+        let (out, _) = stream.on_request(&delta(EDS, &[&name], &[], ""), &snap);
+        assert_eq!(out.len(), 1);
+        assert_eq!(names(&out[0]), [name.as_str()]);
     }
 
     #[test]

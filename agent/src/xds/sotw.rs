@@ -273,6 +273,9 @@ fn set_sotw_interest(
     if wildcard != interest.wildcard {
         common.baseline = None;
     }
+    if !dropped.is_empty() || (interest.wildcard && !wildcard) {
+        interest.narrowed();
+    }
     interest.wildcard = wildcard;
     interest.names = fresh;
     for name in dropped {
