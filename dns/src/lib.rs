@@ -13,6 +13,7 @@
 //! fits with the rest of the agent is in `docs/architecture.md`.
 
 // The fuzz self-check is built only for the unit tests and for cargo-fuzz (`--cfg fuzzing`).
+mod batch;
 #[cfg(any(test, fuzzing))]
 mod check;
 mod error;

@@ -17,6 +17,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::batch::{self, Inbox, Outbox};
 use crate::error::DnsError;
 use crate::fast;
 use crate::forward::Forwarder;
@@ -24,7 +25,7 @@ use crate::metrics::{DnsMetrics, Served};
 use crate::observe::{Hold, LookupObserver};
 use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::NameTable;
-use crate::wire::{MAX_UDP_PAYLOAD, Transport};
+use crate::wire::Transport;
 
 /// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
 const UDP_BATCH: usize = 64;
@@ -253,8 +254,7 @@ async fn serve_udp(
     shutdown: CancellationToken,
 ) -> Result<(), DnsError> {
     let mut table = names.borrow_and_update().clone();
-    let mut buf = vec![0u8; usize::from(u16::MAX)];
-    let mut out = [0u8; MAX_UDP_PAYLOAD as usize];
+    let (mut inbox, mut outbox) = (Inbox::new(), Outbox::new());
     let mut forwards = JoinSet::new();
     let ttl = context.zone.ttl;
     loop {
@@ -263,83 +263,111 @@ async fn serve_udp(
             () = shutdown.cancelled() => return Ok(()),
             ready = socket.readable() => ready.map_err(|source| DnsError::Socket { protocol: "UDP", addr: socket_addr(&socket), source })?,
         }
-        let mut fast_replies = 0;
-        for _ in 0..UDP_BATCH {
-            let (len, peer) = match socket.try_recv_from(&mut buf) {
+        let (mut fast_replies, mut truncated) = (0, 0);
+        for _ in 0..UDP_BATCH / batch::BATCH {
+            let received = match inbox.receive(&socket, &mut truncated) {
                 Ok(received) => received,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     // ICMP errors from earlier sends surface here; they concern that client only.
                     tracing::debug!(error = %e, "DNS UDP receive error");
                     break;
                 }
             };
+            if received == 0 {
+                break;
+            }
             if names.has_changed().unwrap_or(false) {
                 table = names.borrow_and_update().clone();
             }
-            let query = &buf[..len];
-            if let Some((n, scope)) = fast::answer(&table, ttl, query, Transport::Udp, &mut out) {
-                fast_replies += 1;
-                match context.hold(peer, scope) {
-                    None => send_udp(&socket, &out[..n], peer),
-                    Some(hold) => {
-                        let (socket, bytes) = (socket.clone(), out[..n].to_vec());
-                        forwards.spawn(send_after(hold, socket, bytes, peer));
-                    }
-                }
-                continue;
-            }
-            match query::handle(&table, context.zone, query, Transport::Udp) {
-                Outcome::Reply {
-                    bytes,
-                    rcode,
-                    scope,
-                } => {
-                    context.metrics.reply(rcode, Served::Local);
-                    match context.hold(peer, scope.as_ref()) {
-                        None => send_udp(&socket, &bytes, peer),
+            for i in 0..received {
+                let Some((query, peer)) = inbox.query(i) else {
+                    continue;
+                };
+                if let Some((n, scope)) =
+                    fast::answer(&table, ttl, query, Transport::Udp, outbox.slot())
+                {
+                    fast_replies += 1;
+                    match context.hold(peer, scope) {
+                        None => outbox.push(n, peer),
                         Some(hold) => {
-                            forwards.spawn(send_after(hold, socket.clone(), bytes, peer));
+                            let (socket, bytes) = (socket.clone(), outbox.slot()[..n].to_vec());
+                            forwards.spawn(send_after(hold, socket, bytes, peer));
                         }
                     }
+                    continue;
                 }
-                Outcome::Drop => context.metrics.dropped(),
-                Outcome::Forward(request) => {
-                    if let Some(answer) = context.forwarder.cached(&request) {
-                        context
-                            .metrics
-                            .reply(answer.metadata.response_code, Served::Cached);
-                        send_udp(
-                            &socket,
-                            &query::relay(&request, answer, Transport::Udp),
-                            peer,
-                        );
-                        continue;
-                    }
-                    let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
-                        context
-                            .metrics
-                            .reply(ResponseCode::ServFail, Served::Forwarded);
-                        send_udp(
-                            &socket,
-                            &query::server_failure(&request, Transport::Udp),
-                            peer,
-                        );
-                        continue;
-                    };
-                    let (socket, context) = (socket.clone(), context.clone());
-                    forwards.spawn(async move {
-                        let bytes = forward(&context, &request, Transport::Udp).await;
-                        drop(permit);
-                        if let Err(e) = socket.send_to(&bytes, peer).await {
-                            tracing::debug!(%peer, error = %e, "cannot send a forwarded DNS answer");
-                        }
-                    });
-                }
+                answer_slowly(&socket, &context, &table, query, peer, &mut forwards);
             }
+            outbox.flush(&socket);
+            if received < batch::BATCH {
+                break;
+            }
+        }
+        for _ in 0..truncated {
+            context.metrics.dropped();
         }
         context.metrics.fast_replies(fast_replies);
         while forwards.try_join_next().is_some() {}
+    }
+}
+
+/// A query the fast path does not answer: the general path, the forwarding cache, or an
+/// upstream (in a task of its own); its reply is sent alone.
+fn answer_slowly(
+    socket: &Arc<UdpSocket>,
+    context: &Arc<Context>,
+    table: &NameTable,
+    query: &[u8],
+    peer: SocketAddr,
+    forwards: &mut JoinSet<()>,
+) {
+    match query::handle(table, context.zone, query, Transport::Udp) {
+        Outcome::Reply {
+            bytes,
+            rcode,
+            scope,
+        } => {
+            context.metrics.reply(rcode, Served::Local);
+            match context.hold(peer, scope.as_ref()) {
+                None => send_udp(socket, &bytes, peer),
+                Some(hold) => {
+                    forwards.spawn(send_after(hold, socket.clone(), bytes, peer));
+                }
+            }
+        }
+        Outcome::Drop => context.metrics.dropped(),
+        Outcome::Forward(request) => {
+            if let Some(answer) = context.forwarder.cached(&request) {
+                context
+                    .metrics
+                    .reply(answer.metadata.response_code, Served::Cached);
+                send_udp(
+                    socket,
+                    &query::relay(&request, answer, Transport::Udp),
+                    peer,
+                );
+                return;
+            }
+            let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
+                context
+                    .metrics
+                    .reply(ResponseCode::ServFail, Served::Forwarded);
+                send_udp(
+                    socket,
+                    &query::server_failure(&request, Transport::Udp),
+                    peer,
+                );
+                return;
+            };
+            let (socket, context) = (socket.clone(), context.clone());
+            forwards.spawn(async move {
+                let bytes = forward(&context, &request, Transport::Udp).await;
+                drop(permit);
+                if let Err(e) = socket.send_to(&bytes, peer).await {
+                    tracing::debug!(%peer, error = %e, "cannot send a forwarded DNS answer");
+                }
+            });
+        }
     }
 }
 
