@@ -227,10 +227,16 @@ fn health_and_failover(kubernetes: bool) {
         bad_served >= 1 && failed >= 1,
         "{which}: the failing backend was never tried, so nothing was proven"
     );
+    // Envoy ejects on its main thread: a worker reports the errors, and until the ejection
+    // reaches the workers each client may be routed there once more (a failure returns at
+    // once). So up to the errors that trigger it, plus two rounds of the parallel clients
+    // (one in flight, one routed meanwhile); without ejection it would be about half of 200.
+    // Seen: 3-5 on a quiet machine, 8 on a busy one.
+    let most = CONSECUTIVE_5XX + 2 * PARALLEL;
     assert!(
-        failed <= CONSECUTIVE_5XX + PARALLEL && bad_served as usize <= CONSECUTIVE_5XX + PARALLEL,
+        failed <= most && bad_served as usize <= most,
         "{which}: {failed} failures, {bad_served} requests at the failing backend: more than \
-         {CONSECUTIVE_5XX} consecutive errors plus {PARALLEL} in flight"
+         {CONSECUTIVE_5XX} consecutive errors plus two rounds of {PARALLEL} clients"
     );
     for reply in replies.iter().flatten().filter(|r| r.status == 200) {
         assert_eq!(reply.body.trim(), "good", "{which}");
