@@ -263,9 +263,9 @@ async fn serve_udp(
             () = shutdown.cancelled() => return Ok(()),
             ready = socket.readable() => ready.map_err(|source| DnsError::Socket { protocol: "UDP", addr: socket_addr(&socket), source })?,
         }
-        let (mut fast_replies, mut truncated) = (0, 0);
+        let mut fast_replies = 0;
         for _ in 0..UDP_BATCH / batch::BATCH {
-            let received = match inbox.receive(&socket, &mut truncated) {
+            let received = match inbox.receive(&socket) {
                 Ok(received) => received,
                 Err(e) => {
                     // ICMP errors from earlier sends surface here; they concern that client only.
@@ -281,6 +281,7 @@ async fn serve_udp(
             }
             for i in 0..received {
                 let Some((query, peer)) = inbox.query(i) else {
+                    context.metrics.dropped();
                     continue;
                 };
                 if let Some((n, scope)) =
@@ -302,9 +303,6 @@ async fn serve_udp(
             if received < batch::BATCH {
                 break;
             }
-        }
-        for _ in 0..truncated {
-            context.metrics.dropped();
         }
         context.metrics.fast_replies(fast_replies);
         while forwards.try_join_next().is_some() {}

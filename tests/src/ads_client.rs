@@ -456,17 +456,6 @@ fn decode<M: Message + Default>(any: &RawAny, type_url: &str) -> Result<M, Strin
     M::decode(any.value.clone()).map_err(|e| format!("cannot decode a {type_url}: {e}"))
 }
 
-/// The encoded size of a string field (as prost writes it: nothing when empty).
-fn string_len(tag: u32, value: &str) -> usize {
-    if value.is_empty() {
-        0
-    } else {
-        prost::encoding::key_len(tag)
-            + prost::encoding::encoded_len_varint(value.len() as u64)
-            + value.len()
-    }
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -657,6 +646,29 @@ fn names_field<S: AsRef<str>>(names: &[S]) -> Bytes {
     Bytes::from(buf)
 }
 
+/// Opens the ADS method at `path` on `channel`: the requests `rx` yields, the responses read as
+/// `R` (this module's types, which leave each resource as it came).
+async fn ads_stream<Q, R>(
+    channel: tonic::transport::Channel,
+    path: &'static str,
+    rx: mpsc::UnboundedReceiver<Q>,
+) -> anyhow::Result<tonic::Streaming<R>>
+where
+    Q: Message + Send + 'static,
+    R: Message + Default + Send + 'static,
+{
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE);
+    grpc.ready().await?;
+    let stream = grpc
+        .streaming(
+            tonic::Request::new(UnboundedReceiverStream::new(rx)),
+            http::uri::PathAndQuery::from_static(path),
+            tonic_prost::ProstCodec::<Q, R>::default(),
+        )
+        .await?;
+    Ok(stream.into_inner())
+}
+
 async fn run_sotw(
     channel: tonic::transport::Channel,
     node: Node,
@@ -727,17 +739,7 @@ async fn run_sotw(
         ))?;
         rds_names = Some(names);
     }
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE);
-    grpc.ready().await?;
-    let codec = tonic_prost::ProstCodec::<EncodedRequest, SotwResponse>::default();
-    let mut stream = grpc
-        .streaming(
-            tonic::Request::new(UnboundedReceiverStream::new(rx)),
-            http::uri::PathAndQuery::from_static(SOTW_PATH),
-            codec,
-        )
-        .await?
-        .into_inner();
+    let mut stream = ads_stream::<EncodedRequest, SotwResponse>(channel, SOTW_PATH, rx).await?;
     while let Some(response) = stream.message().await? {
         let outcome = receive(
             &view,
@@ -970,21 +972,11 @@ async fn run_delta(
             ..DeltaDiscoveryRequest::default()
         })?;
     }
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE);
-    grpc.ready().await?;
-    let codec = tonic_prost::ProstCodec::<DeltaDiscoveryRequest, DeltaResponse>::default();
-    let mut stream = grpc
-        .streaming(
-            tonic::Request::new(UnboundedReceiverStream::new(rx)),
-            http::uri::PathAndQuery::from_static(DELTA_PATH),
-            codec,
-        )
-        .await?
-        .into_inner();
+    let mut stream =
+        ads_stream::<DeltaDiscoveryRequest, DeltaResponse>(channel, DELTA_PATH, rx).await?;
     while let Some(mut response) = stream.message().await? {
-        let type_url = response.type_url.clone();
+        let (type_url, len) = (response.type_url.clone(), response.encoded_len());
         let nonce = std::mem::take(&mut response.nonce);
-        let len = response.encoded_len() + string_len(5, &nonce);
         let outcome = receive(&view, &type_url, len, |v, now| {
             apply_delta(v, response, routes, now)
         });

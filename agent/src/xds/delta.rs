@@ -9,9 +9,7 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 use super::inbound::Plain;
 use super::response::DeltaResponse;
 use super::snapshot::{Names, ResourceType, XdsSnapshot, parse_version};
-use super::stream::{
-    Ads, ClientView, Event, NameSet, Push, RESPONSE_BUDGET, Subscription, TypeState, nonce,
-};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, Subscription, TypeState, nonce};
 use super::wire::{DeltaRequest, VersionList};
 
 #[derive(Debug, Default)]
@@ -198,7 +196,7 @@ impl DeltaStream {
             found
                 .absent
                 .retain(|name| !state.told_absent.contains(name));
-            common.limit(&mut found.changed, RESPONSE_BUDGET);
+            common.limit(&mut found.changed);
             if found.is_empty() && !common.must_answer {
                 common.settle(snapshot.of(kind));
                 continue;

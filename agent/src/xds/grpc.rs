@@ -136,24 +136,24 @@ impl<M: Framed + Unpin> http_body::Body for ResponseBody<M> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = &mut *self;
-        if let Some(part) = this.pending.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(part))));
-        }
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        let frame = match ready!(Pin::new(&mut this.responses).poll_next(cx)) {
-            Some(Ok(message)) => match frame(&message, &this.heads, &mut this.pending) {
-                Ok(()) => match this.pending.pop_front() {
-                    Some(part) => Ok(Frame::data(part)),
-                    None => Ok(Frame::data(Bytes::new())),
+        loop {
+            if let Some(part) = this.pending.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(part))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            let status = match ready!(Pin::new(&mut this.responses).poll_next(cx)) {
+                // Its parts are handed out at the top of the loop.
+                Some(Ok(message)) => match frame(&message, &this.heads, &mut this.pending) {
+                    Ok(()) => continue,
+                    Err(status) => status,
                 },
-                Err(status) => this.end(status),
-            },
-            Some(Err(status)) => this.end(status),
-            None => this.end(Status::ok("")),
-        };
-        Poll::Ready(Some(frame))
+                Some(Err(status)) => status,
+                None => Status::ok(""),
+            };
+            return Poll::Ready(Some(this.end(status)));
+        }
     }
 
     fn is_end_stream(&self) -> bool {

@@ -307,7 +307,7 @@ impl SharedHeads {
         let now = Instant::now();
         {
             let mut heads = self.lock();
-            heads.retain(|h| now.saturating_duration_since(h.used) < Self::IDLE);
+            self.drop_idle(&mut heads, now);
             if let Some(known) = heads
                 .iter_mut()
                 .find(|h| h.is(M::KIND, fingerprint, &wanted))
@@ -349,8 +349,10 @@ impl SharedHeads {
         if self.kept.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let now = Instant::now();
-        let mut heads = self.lock();
+        self.drop_idle(&mut self.lock(), Instant::now());
+    }
+
+    fn drop_idle(&self, heads: &mut Vec<SharedHead>, now: Instant) {
         heads.retain(|h| now.saturating_duration_since(h.used) < Self::IDLE);
         self.kept.store(heads.len(), Ordering::Relaxed);
     }

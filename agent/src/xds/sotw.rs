@@ -9,9 +9,7 @@ use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::response::SotwResponse;
 use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{
-    Ads, ClientView, Event, NameSet, Push, SOTW_RESPONSE_BUDGET, Subscription, TypeState, nonce,
-};
+use super::stream::{Ads, ClientView, Event, NameSet, Push, Subscription, TypeState, nonce};
 use super::wire::{NameList, SotwDecoder, SotwRequest};
 
 #[derive(Debug, Default)]
@@ -114,7 +112,7 @@ impl SotwStream {
             let mut found = common.diff(current);
             let whole = kind.is_state_of_the_world();
             if !whole {
-                common.limit(&mut found.changed, SOTW_RESPONSE_BUDGET);
+                common.limit(&mut found.changed);
             }
             // Without removals in the protocol, a type sent by change has nothing to say when
             // its resources only went away (Envoy drops them with their cluster or listener).
@@ -301,6 +299,7 @@ mod tests {
 
     use super::*;
     use crate::mesh::Protocol;
+    use crate::xds::stream::RESPONSE_BUDGET;
     use crate::xds::testing::{
         BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world, names_of,
     };
@@ -635,7 +634,7 @@ mod tests {
 
     #[test]
     fn sotw_splits_large_endpoint_responses_and_sends_the_rest_after_the_ack() {
-        let (_world, snap) = big_world(SOTW_RESPONSE_BUDGET);
+        let (_world, snap) = big_world(RESPONSE_BUDGET);
         let names = names_of(&snap, ResourceType::Endpoint);
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut stream = Tested::<SotwStream>::default();
@@ -645,10 +644,7 @@ mod tests {
         while let Some(response) = out.pop() {
             responses += 1;
             let bytes: usize = response.resources.iter().map(|r| r.body.value.len()).sum();
-            assert!(
-                bytes <= SOTW_RESPONSE_BUDGET,
-                "{bytes} bytes in one response"
-            );
+            assert!(bytes <= RESPONSE_BUDGET, "{bytes} bytes in one response");
             got.extend(assignments(&response));
             (out, _) = stream.on_request(&ack(&response, &names), &snap);
         }

@@ -356,23 +356,23 @@ impl ClientView {
     }
 }
 
-/// The most resource bytes a Delta response carries (the protocol lets every one be split):
-/// the rest follows after the ACK. This paces a large first sync and bounds the memory in
-/// flight. It was 256 KiB, a quarter of the SotW budget, while every stream's responses were
-/// buffers of their own; since the streams of a sync share their large responses' bytes
-/// ([`super::response::SharedHeads`]) the larger budget costs no memory: at 10k services with
-/// 100 clients and Envoy (twelve interleaved pairs), agent CPU to sync 1.92 → 1.70 s on
-/// average, peak RSS 195–233 → 185–218 MiB.
+/// The most resource bytes a response that may be split carries (every Delta response; SotW
+/// endpoints and routes, sent by change): the rest follows after the ACK. This paces a large
+/// first sync and bounds the memory in flight.
+///
+/// SotW: Envoy's ACK of endpoints repeats its whole subscription (10k names at 10k services),
+/// which the client builds and the agent reads for every response: a first sync of 6 MB of
+/// assignments in 24 responses of 256 KiB made each SotW client send, and the agent read, 240k
+/// names. In 1 MiB responses, at 10k services with 50 SotW clients: sync 4.5–5.0 → 3.2–3.9 s,
+/// agent CPU to sync 2.85–3.16 → 2.13–2.83 s, peak RSS 250–254 → 251–262 MiB (2 MiB took the
+/// peak to 348 MiB and 4 MiB to 401, for no shorter sync).
+///
+/// Delta kept 256 KiB while every stream's responses were buffers of their own; since the
+/// streams of a sync share their large responses' bytes ([`super::response::SharedHeads`]) the
+/// larger budget costs no memory: at 10k services with 100 clients and Envoy (twelve
+/// interleaved pairs), agent CPU to sync 1.92 → 1.70 s on average, peak RSS 195–233 → 185–218
+/// MiB.
 pub(super) const RESPONSE_BUDGET: usize = 1 << 20;
-
-/// The same for the SotW types sent by change (endpoints and routes). Envoy's SotW ACK of
-/// endpoints repeats its whole subscription (10k names at 10k services), which the client
-/// builds and the agent reads for every response: a first sync of 6 MB of assignments in 24
-/// responses of 256 KiB made each SotW client send, and the agent read, 240k names. In 1 MiB
-/// responses, at 10k services with 50 SotW clients: sync 4.5–5.0 → 3.2–3.9 s, agent CPU to
-/// sync 2.85–3.16 → 2.13–2.83 s, peak RSS 250–254 → 251–262 MiB (2 MiB took the peak to 348
-/// MiB and 4 MiB to 401, for no shorter sync).
-pub(super) const SOTW_RESPONSE_BUDGET: usize = RESPONSE_BUDGET;
 
 /// How one type of the snapshot differs from what the client holds: what a push must say.
 #[derive(Default)]
@@ -538,10 +538,10 @@ impl TypeState {
             .collect()
     }
 
-    /// Keeps in `changed` the first resources up to `budget` bytes (at least one)
+    /// Keeps in `changed` the first resources up to [`RESPONSE_BUDGET`] bytes (at least one)
     /// and leaves the rest in the backlog for the next push, after this response's ACK; with
     /// room to spare, tops `changed` up from the backlog.
-    pub(super) fn limit(&mut self, changed: &mut Vec<Arc<XdsResource>>, budget: usize) {
+    pub(super) fn limit(&mut self, changed: &mut Vec<Arc<XdsResource>>) {
         if self.backlog_narrowings != self.interest.narrowings() {
             // Some may have been unsubscribed since they were found.
             let interest = &self.interest;
@@ -551,7 +551,7 @@ impl TypeState {
         let mut bytes = 0;
         let over = changed.iter().position(|r| {
             bytes += r.body.value.len();
-            bytes > budget
+            bytes > RESPONSE_BUDGET
         });
         if let Some(at) = over {
             let keep = at.max(1);
@@ -561,7 +561,7 @@ impl TypeState {
             return;
         }
         while let Some(next) = self.backlog.front() {
-            if !changed.is_empty() && bytes + next.body.value.len() > budget {
+            if !changed.is_empty() && bytes + next.body.value.len() > RESPONSE_BUDGET {
                 break;
             }
             bytes += next.body.value.len();
