@@ -98,6 +98,11 @@ impl Ads for DeltaStream {
                     common.look_again(name);
                 }
             }
+            // Counted first: the index is built only for a subscription as large as the type.
+            let names = &mut common.interest.names;
+            if !subscribe.is_empty() && names.len() == snapshot.of(kind).len() {
+                names.compact(snapshot.name_index(kind));
+            }
         }
         if !request.resource_names_unsubscribe.is_empty() {
             common.interest.narrowed();
@@ -129,10 +134,15 @@ impl Ads for DeltaStream {
                 // Either way the client has seen these versions: after an ACK it holds them,
                 // after a NACK re-sending the same bytes would only be rejected again. Names it
                 // unsubscribed from meanwhile are gone from its view.
-                let unchanged = state.in_flight_narrowings == common.interest.narrowings();
-                for (name, version) in std::mem::take(&mut state.in_flight) {
-                    if unchanged || common.interest.wants(&name) {
-                        common.client.insert(name, version);
+                let in_flight = std::mem::take(&mut state.in_flight);
+                if state.in_flight_narrowings == common.interest.narrowings() {
+                    let sent = in_flight.iter().map(|(name, version)| (name, *version));
+                    common.client.extend(snapshot.of(kind), sent);
+                } else {
+                    for (name, version) in in_flight {
+                        if common.interest.wants(&name) {
+                            common.client.insert(name, version);
+                        }
                     }
                 }
             } else {
@@ -522,7 +532,8 @@ mod tests {
     }
 
     /// A first subscription to every assignment is the snapshot's index, shared; one that
-    /// repeats a name and leaves another out is not; unsubscribing from one name of a shared
+    /// repeats a name and leaves another out is not, until a later request names that one;
+    /// unsubscribing from one name of a shared
     /// subscription stops its changes, as with a set of its own.
     #[test]
     fn delta_subscription_to_every_name_shares_the_index() {
@@ -540,6 +551,15 @@ mod tests {
             .names;
         assert!(!subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
         assert!(!subscription.contains(all[3]) && subscription.len() == all.len() - 1);
+        // The one left out, in a later request (Envoy subscribes batch by batch, as clusters
+        // arrive): every name now, held as the index.
+        other.on_request(&delta(EDS, &[all[3]], &[], ""), &snap);
+        let subscription = &other.machine.types[ResourceType::Endpoint.index()]
+            .common
+            .interest
+            .names;
+        assert!(subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
+        assert!(subscription.contains(all[3]) && subscription.len() == all.len());
 
         let mut stream = Tested::<DeltaStream>::default();
         let (mut out, _) = stream.on_request(&delta(EDS, &all, &[], ""), &snap);

@@ -129,11 +129,9 @@ impl SotwStream {
             for name in &found.removed {
                 common.client.remove(name);
             }
-            for resource in &found.changed {
-                common
-                    .client
-                    .insert(resource.name.clone(), resource.version);
-            }
+            common
+                .client
+                .extend(current, found.changed.iter().map(|r| (&r.name, r.version)));
             let resources = if whole {
                 current
                     .values()
