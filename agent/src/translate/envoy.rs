@@ -59,7 +59,7 @@ use crate::mesh::{
     TrafficDistribution,
 };
 use crate::parallel;
-use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
+use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a};
 use crate::xds::{ListenerBase, Part, PartsIndex, ServiceParts};
 
 /// The one listener every captured connection lands on, on
@@ -377,6 +377,9 @@ fn cluster(
             pack_any(http2),
         );
     }
+    let outlier = health
+        .and_then(|(_, policy)| policy.outlier.as_ref())
+        .map(|policy| outlier_detection(policy, &name));
     let base = if port.is_external() {
         external_cluster(&name, port, dns)
     } else {
@@ -406,9 +409,7 @@ fn cluster(
             }],
             ..CircuitBreakers::default()
         }),
-        outlier_detection: health
-            .and_then(|(_, policy)| policy.outlier.as_ref())
-            .map(outlier_detection),
+        outlier_detection: outlier,
         health_checks: health
             .and_then(|(host, policy)| Some(health_check(policy.check.as_ref()?, host, port)))
             .into_iter()
@@ -472,13 +473,30 @@ fn duration(d: std::time::Duration) -> Duration {
     }
 }
 
+/// The interval of `cluster`'s outlier sweeps: `interval`, longer by up to a fifth by a hash
+/// of the cluster's name. Envoy sweeps each cluster's endpoints on a timer of the cluster's
+/// own, started when the cluster first takes its endpoints, and a proxy of the whole mesh
+/// takes 10k clusters' endpoints in a few responses: with one interval their sweeps came due
+/// together, every 5 s, and held Envoy's main thread about 50 ms (100k endpoints), delaying
+/// whatever configuration arrived meanwhile (docs/benchmarks.md, Envoy's stall). Spread over
+/// a second, they drift apart from the first round on. Never shorter than asked, and the same
+/// from every agent (FNV-1a, not a seeded hash), so the cluster's bytes do not differ.
+fn sweep_interval(interval: std::time::Duration, cluster: &str) -> std::time::Duration {
+    let spread = u64::try_from(interval.as_millis() / 5).unwrap_or(u64::MAX);
+    let extra = fnv1a(cluster.as_bytes()) % spread.saturating_add(1);
+    interval.saturating_add(std::time::Duration::from_millis(extra))
+}
+
 fn uint(value: u32) -> Option<UInt32Value> {
     Some(UInt32Value { value })
 }
 
 /// A count of 0 turns its trigger off (enforcement 0 %); success-rate ejection is off (see
 /// [`crate::mesh::health::OutlierDetection`] for why).
-fn outlier_detection(policy: &crate::mesh::health::OutlierDetection) -> OutlierDetection {
+fn outlier_detection(
+    policy: &crate::mesh::health::OutlierDetection,
+    cluster: &str,
+) -> OutlierDetection {
     let enforce = |count: u32| uint(if count == 0 { 0 } else { 100 });
     let count = |count: u32| uint(count.max(1));
     OutlierDetection {
@@ -492,7 +510,7 @@ fn outlier_detection(policy: &crate::mesh::health::OutlierDetection) -> OutlierD
         enforcing_consecutive_local_origin_failure: enforce(policy.consecutive_connect_failures),
         enforcing_success_rate: uint(0),
         enforcing_local_origin_success_rate: uint(0),
-        interval: Some(duration(policy.interval)),
+        interval: Some(duration(sweep_interval(policy.interval, cluster))),
         base_ejection_time: Some(duration(policy.ejection_time)),
         max_ejection_time: Some(duration(std::time::Duration::from_secs(300))),
         max_ejection_percent: uint(policy.max_ejection_percent),
@@ -1115,6 +1133,38 @@ mod tests {
         ));
     }
 
+    /// A cluster's outlier sweeps run at the policy's interval or up to a fifth later, by its
+    /// name, so the clusters of a large mesh do not sweep all at once.
+    #[test]
+    fn outlier_sweeps_are_spread_by_cluster_name() {
+        let interval = std::time::Duration::from_secs(5);
+        let names: Vec<String> = (0..200)
+            .map(|i| format!("s{i}.many.system.internal|8080"))
+            .collect();
+        let intervals: std::collections::BTreeSet<_> = names
+            .iter()
+            .map(|name| sweep_interval(interval, name))
+            .collect();
+        assert!(
+            intervals
+                .iter()
+                .all(|d| *d >= interval && *d <= interval * 6 / 5),
+            "{intervals:?}"
+        );
+        assert!(intervals.len() > 150, "{} distinct", intervals.len());
+        assert_eq!(
+            sweep_interval(interval, &names[7]),
+            sweep_interval(interval, &names[7]),
+            "the same for the same cluster"
+        );
+        let short = std::time::Duration::from_millis(3);
+        assert_eq!(
+            sweep_interval(short, &names[0]),
+            short,
+            "a fifth of 3 ms is 0"
+        );
+    }
+
     #[test]
     fn every_service_cluster_has_outlier_detection_and_active_checks_only_when_asked() {
         use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
@@ -1159,6 +1209,11 @@ mod tests {
         assert_eq!(value(outlier.enforcing_success_rate), Some(0));
         assert_eq!(value(outlier.max_ejection_percent), Some(50));
         assert!(outlier.split_external_local_origin_errors);
+        let interval = outlier.interval.expect("an interval");
+        assert!(
+            interval.seconds == 5 || (interval.seconds == 6 && interval.nanos == 0),
+            "5 s, spread by up to a fifth: {interval:?}"
+        );
         assert!(
             plain.health_checks.is_empty(),
             "active checks are off by default"
