@@ -533,8 +533,8 @@ mod tests {
 
     /// A first subscription to every assignment is the snapshot's index, shared; one that
     /// repeats a name and leaves another out is not, until a later request names that one;
-    /// unsubscribing from one name of a shared
-    /// subscription stops its changes, as with a set of its own.
+    /// unsubscribing from one name of a shared subscription stops its changes, as with a set
+    /// of its own.
     #[test]
     fn delta_subscription_to_every_name_shares_the_index() {
         let mut world = World::new();
