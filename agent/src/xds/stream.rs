@@ -267,7 +267,7 @@ pub(super) struct ClientView {
 }
 
 /// The part of a [`ClientView`]'s base the client holds.
-#[derive(Debug, Default, Clone, PartialEq)]
+#[derive(Debug, Default, PartialEq)]
 enum Held {
     #[default]
     All,
@@ -333,33 +333,7 @@ impl ClientView {
         current: &ResourceMap,
         sent: impl Iterator<Item = (&'a Arc<str>, u64)> + Clone,
     ) {
-        use std::ops::Bound;
-        let after = match &self.held {
-            _ if !self.changes.is_empty() => None,
-            _ if self.len == 0 => Some(Bound::Unbounded),
-            Held::Through(last) if self.base.ptr_eq(current) => Some(Bound::Excluded(last.clone())),
-            _ => None,
-        };
-        let next_run = after.and_then(|after| {
-            let mut entries =
-                current.range::<_, str>((after.as_ref().map(|l| &**l), Bound::Unbounded));
-            let mut last = None;
-            for (name, version) in sent.clone() {
-                match entries.next() {
-                    Some((key, resource)) if **key == **name && resource.version == version => {
-                        last = Some(key);
-                    }
-                    _ => return None,
-                }
-            }
-            let held = match (last, entries.next()) {
-                (None, _) => return None,
-                (Some(_), None) => Held::All,
-                (Some(last), Some(_)) => Held::Through(last.clone()),
-            };
-            Some(held)
-        });
-        let Some(held) = next_run else {
+        let Some(held) = self.next_run(current, sent.clone()) else {
             for (name, version) in sent {
                 self.insert(name.clone(), version);
             }
@@ -371,6 +345,37 @@ impl ClientView {
         }
         self.base = current.clone();
         self.held = held;
+    }
+
+    /// What the client holds of `current` once it also holds `sent`, when that is a first part
+    /// of `current` (see [`ClientView::extend`]); `None` when `sent` is not the next run.
+    fn next_run<'a>(
+        &self,
+        current: &ResourceMap,
+        sent: impl Iterator<Item = (&'a Arc<str>, u64)>,
+    ) -> Option<Held> {
+        use std::ops::Bound;
+        if !self.changes.is_empty() {
+            return None;
+        }
+        let after = match &self.held {
+            _ if self.len == 0 => Bound::Unbounded,
+            Held::Through(last) if self.base.ptr_eq(current) => Bound::Excluded(&**last),
+            _ => return None,
+        };
+        let mut entries = current.range::<_, str>((after, Bound::Unbounded));
+        let mut last = None;
+        for (name, version) in sent {
+            let (key, resource) = entries.next()?;
+            if **key != **name || resource.version != version {
+                return None;
+            }
+            last = Some(key);
+        }
+        match (last?, entries.next()) {
+            (_, None) => Some(Held::All),
+            (last, Some(_)) => Some(Held::Through(last.clone())),
+        }
     }
 
     pub(super) fn insert(&mut self, name: Arc<str>, version: u64) {
