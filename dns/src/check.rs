@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use hickory_proto::op::{Message, MessageType};
 
 use crate::fast;
+use crate::forward::answer::Answer;
 use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::{MeshRecord, NameTable};
 use crate::wire::{MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport};
@@ -52,7 +53,7 @@ fn table() -> &'static NameTable {
 }
 
 /// Runs `data` through the query path as a query over UDP and TCP, and as an upstream answer to
-/// a forwarded query, and panics if an invariant breaks:
+/// a forwarded query (fresh and aged in the cache), and panics if an invariant breaks:
 /// - nothing panics, whatever the input;
 /// - every reply parses, carries the query's id, is a response, and fits the client's UDP limit;
 /// - whatever the fast path answers, the general path answers the same.
@@ -92,8 +93,11 @@ pub fn check_query(data: &[u8]) {
         {
             // The forwarder only accepts responses; pretend this one is.
             upstream.metadata.message_type = MessageType::Response;
-            let relayed = query::relay(&request, upstream, transport);
-            check_reply(data, &relayed, transport);
+            if let Ok(answer) = Answer::from_upstream(upstream, 300) {
+                for age in [0, 7, u32::MAX] {
+                    check_reply(data, &answer.reply(&request, age, transport), transport);
+                }
+            }
         }
     }
 }

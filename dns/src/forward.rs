@@ -1,129 +1,347 @@
-//! Forwarding to the upstream resolvers: UDP with a 1232-byte EDNS buffer, TCP when the answer is
-//! truncated, failover across upstreams, SERVFAIL when none answers, and an optional TTL cache.
+//! Forwarding to the upstream resolvers: every name outside the zone. A query's answer comes
+//! from the cache ([`cache`]) or from a *flight*: one upstream query per question at a time,
+//! whose answer every client that asked the same question meanwhile gets, each with its own id
+//! and letter case ([`answer`]). A flight asks the upstreams fastest first, the next one as soon
+//! as one fails or as soon as one is slow ([`upstream`]), and gives SERVFAIL if none has
+//! answered by the upstream timeout.
+//!
+//! hickory-resolver's name server pool does much of this (smoothed round-trip times, shared
+//! in-flight lookups), but it answers lookups rather than relaying messages: it turns NXDOMAIN
+//! and empty answers into errors and rebuilds responses, while a forwarder must pass on the
+//! upstream's rcode, flags and sections as they are. Its ordering and coalescing are rebuilt
+//! here on the same ideas, with time injected so tests can drive them.
+
+pub(crate) mod answer;
+mod cache;
+mod exchange;
+mod upstream;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
-use hickory_proto::rr::{RData, Record};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
+use crate::clock::Clock;
 use crate::metrics::{DnsMetrics, Served};
-use crate::wire::{MAX_UDP_PAYLOAD, lowercase_wire_name};
+use crate::server::DnsConfig;
+use crate::wire::{MAX_UDP_PAYLOAD, Transport};
+use answer::Answer;
+use cache::{Cache, CacheKey, CacheLimits};
+use exchange::{ExchangeError, Exchanged, exchange};
+use upstream::{Transition, Upstreams};
 
-/// Why one upstream gave no usable answer; the next upstream is tried.
-#[derive(Debug, thiserror::Error)]
-enum ExchangeError {
-    #[error("no answer within {0:?}")]
-    Timeout(Duration),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("malformed answer: {0}")]
-    Malformed(String),
+/// What a flight brings back: the answer, or `None` when no upstream gave one.
+type Flown = Option<Arc<Answer>>;
+
+/// A reply for the client, ready to send.
+#[derive(Debug)]
+pub(crate) struct Relayed {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) rcode: ResponseCode,
+    pub(crate) served: Served,
 }
 
 pub(crate) struct Forwarder {
-    upstreams: Vec<SocketAddr>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    upstreams: Upstreams,
     timeout: Duration,
     cache: Option<Cache>,
+    /// The flights under way, by question; a flight removes itself once its answer is cached.
+    flights: Mutex<HashMap<CacheKey, watch::Receiver<Option<Flown>>>>,
     /// Forwarded records' TTLs are cut to this.
     max_ttl: u32,
     metrics: DnsMetrics,
+    clock: Clock,
 }
 
 impl Forwarder {
-    pub(crate) fn new(
-        upstreams: Vec<SocketAddr>,
-        timeout: Duration,
-        cache_entries: Option<usize>,
-        max_ttl: u32,
-        metrics: DnsMetrics,
-    ) -> Self {
+    pub(crate) fn new(config: &DnsConfig, metrics: DnsMetrics) -> Self {
+        let cache = config.cache.then(|| {
+            Cache::new(
+                CacheLimits {
+                    entries: config.cache_entries.max(1),
+                    bytes: config.cache_bytes.max(1),
+                    source_entries: config.cache_entries_per_source.max(1),
+                    source_bytes: source_bytes(config),
+                },
+                metrics.clone(),
+            )
+        });
+        let upstreams = Upstreams::new(config.upstreams.clone());
+        for (addr, _, _) in upstreams.states() {
+            metrics.upstream_state(addr, true, None);
+        }
         Self {
-            upstreams,
-            timeout,
-            cache: cache_entries.map(Cache::new),
-            max_ttl,
-            metrics,
+            inner: Arc::new(Inner {
+                upstreams,
+                timeout: config.upstream_timeout,
+                cache,
+                flights: Mutex::new(HashMap::new()),
+                max_ttl: config.max_forwarded_ttl,
+                metrics,
+                clock: config.clock.clone(),
+            }),
         }
     }
 
-    /// The cached answer to `request`'s question, if there is a live one: no I/O, so the
-    /// server answers it in line instead of in a task of its own.
-    pub(crate) fn cached(&self, request: &Message) -> Option<Message> {
+    /// The reply to `request` from the cache, if it holds a live answer: no I/O, so the server
+    /// answers it in line instead of in a task of its own.
+    pub(crate) fn cached(&self, request: &Message, transport: Transport) -> Option<Relayed> {
         let key = CacheKey::of(request)?;
-        self.cache.as_ref()?.get(&key)
+        self.inner.cached(&key, request, transport)
     }
 
-    /// The upstream answer to `request`'s question, or `None` if no upstream answered.
-    pub(crate) async fn resolve(&self, request: &Message) -> Option<(Message, Served)> {
+    /// The reply to `request` from the cache or an upstream, or `None` if no upstream answered.
+    /// `source` (the client's address) is charged for the answer in the cache.
+    pub(crate) async fn resolve(
+        &self,
+        request: &Message,
+        source: IpAddr,
+        transport: Transport,
+    ) -> Option<Relayed> {
         let key = CacheKey::of(request)?;
-        if let Some(hit) = self.cache.as_ref().and_then(|c| c.get(&key)) {
-            return Some((hit, Served::Cached));
-        }
-        let query = upstream_query(request);
-        let mut last_answer = None;
-        for upstream in &self.upstreams {
-            let started = Instant::now();
-            match self.exchange(*upstream, &query).await {
-                Ok(answer) => {
-                    self.metrics.upstream_latency(started.elapsed());
-                    let rcode = answer.metadata.response_code;
-                    // SERVFAIL and REFUSED are about that server, not the name: try the next one.
-                    if matches!(rcode, ResponseCode::ServFail | ResponseCode::Refused) {
-                        tracing::debug!(%upstream, %rcode, "upstream failed the query; trying the next");
-                        self.metrics.upstream_failure("rcode");
-                        last_answer = Some(answer);
-                        continue;
-                    }
-                    let mut answer = answer;
-                    cap_ttls(&mut answer, self.max_ttl);
-                    if let Some(cache) = &self.cache {
-                        cache.insert(key, &answer);
-                    }
-                    return Some((answer, Served::Forwarded));
+        let mut flight = {
+            let mut flights = self.inner.flights();
+            match flights.get(&key) {
+                Some(flight) => {
+                    self.inner.metrics.coalesced();
+                    flight.clone()
                 }
-                Err(error) => {
-                    tracing::debug!(%upstream, %error, "upstream exchange failed; trying the next");
-                    self.metrics.upstream_failure(match error {
-                        ExchangeError::Timeout(_) => "timeout",
-                        ExchangeError::Io(_) => "io",
-                        ExchangeError::Malformed(_) => "malformed",
-                    });
+                None => {
+                    // Under the flights' lock: a flight caches its answer before it leaves
+                    // the map, so either it is still there or its answer is in the cache.
+                    if let Some(hit) = self.inner.cached(&key, request, transport) {
+                        return Some(hit);
+                    }
+                    let (tx, rx) = watch::channel(None);
+                    flights.insert(key.clone(), rx.clone());
+                    tokio::spawn(fly(self.inner.clone(), key, request.clone(), source, tx));
+                    rx
                 }
             }
+        };
+        if self.inner.cache.is_some() {
+            self.inner.metrics.cache_miss();
         }
-        last_answer.map(|a| (a, Served::Forwarded))
-    }
-
-    async fn exchange(
-        &self,
-        upstream: SocketAddr,
-        query: &Message,
-    ) -> Result<Message, ExchangeError> {
-        let bytes = query
-            .to_vec()
-            .map_err(|e| ExchangeError::Malformed(e.to_string()))?;
-        let answer = tokio::time::timeout(self.timeout, udp_exchange(upstream, query, &bytes))
+        // An error means the flight ended without an answer (it panicked): SERVFAIL.
+        let flown = flight
+            .wait_for(Option::is_some)
             .await
-            .map_err(|_| ExchangeError::Timeout(self.timeout))??;
-        if !answer.metadata.truncation {
-            return Ok(answer);
-        }
-        self.metrics.upstream_truncated();
-        tokio::time::timeout(self.timeout, tcp_exchange(upstream, query, &bytes))
-            .await
-            .map_err(|_| ExchangeError::Timeout(self.timeout))?
+            .ok()?
+            .clone()
+            .flatten()?;
+        Some(Relayed {
+            bytes: flown.reply(request, 0, transport),
+            rcode: flown.rcode(),
+            served: Served::Forwarded,
+        })
     }
 }
 
-/// The query sent upstream: the client's question and RD/CD/DO bits, a fresh random id, and our
-/// own EDNS (the client's options, such as cookies, are hop-by-hop).
+/// Each client's share of the cache's bytes: its share of the entries.
+fn source_bytes(config: &DnsConfig) -> usize {
+    let share = config.cache_entries_per_source as f64 / config.cache_entries.max(1) as f64;
+    ((config.cache_bytes as f64 * share.min(1.0)) as usize).max(1)
+}
+
+impl Inner {
+    fn flights(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<CacheKey, watch::Receiver<Option<Flown>>>> {
+        // Critical sections only look up, insert and remove: the map stays consistent.
+        self.flights.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn cached(&self, key: &CacheKey, request: &Message, transport: Transport) -> Option<Relayed> {
+        let hit = self.cache.as_ref()?.get(key, self.clock.now())?;
+        self.metrics.cache_hit();
+        Some(Relayed {
+            bytes: hit.answer.reply(request, hit.age, transport),
+            rcode: hit.answer.rcode(),
+            served: Served::Cached,
+        })
+    }
+
+    /// Asks the upstreams for `request`'s answer, by the timeout: fastest first, the next one at
+    /// once when one fails or gives SERVFAIL/REFUSED (about that server, not the name), and
+    /// also when one is slower than its usual time. A due probe of a down upstream goes out
+    /// beside the first. The first usable answer wins; exchanges still out finish on their
+    /// own and report their upstream's health.
+    async fn ask_upstreams(self: &Arc<Self>, request: &Message) -> Flown {
+        let started = Instant::now();
+        let deadline = started + self.timeout;
+        let plan = self.upstreams.plan(self.clock.now());
+        let (tx, mut results) = mpsc::channel(self.upstreams.len() + 1);
+        let query = upstream_query(request);
+        let probe = plan.probe;
+        if let Some(probe) = probe {
+            self.start(probe, &query, tx.clone());
+        }
+        let mut order = plan.order.into_iter();
+        let mut outstanding = usize::from(probe.is_some());
+        let mut hedge: Option<(usize, Instant, Duration)> = None;
+        let mut last_failure: Option<Message> = None;
+        let mut next = |outstanding: &mut usize, hedge: &mut Option<(usize, Instant, Duration)>| {
+            *hedge = order.next().map(|index| {
+                self.start(index, &query, tx.clone());
+                *outstanding += 1;
+                let wait = self.upstreams.hedge_delay(index, self.timeout);
+                (index, Instant::now() + wait, wait)
+            });
+        };
+        next(&mut outstanding, &mut hedge);
+        while outstanding > 0 || hedge.is_some() {
+            let hedge_at = hedge.map_or(deadline, |(_, at, _)| at.min(deadline));
+            tokio::select! {
+                Some((index, result)) = results.recv() => {
+                    outstanding -= 1;
+                    match result {
+                        Some(answer) if !failing(&answer) => match Answer::from_upstream(answer, self.max_ttl) {
+                            Ok(answer) => return Some(Arc::new(answer)),
+                            Err(error) => tracing::debug!(%error, "cannot relay an upstream answer"),
+                        },
+                        Some(answer) => last_failure = Some(answer),
+                        None => {}
+                    }
+                    // A failed probe changes nothing for this query: the upstreams that are up
+                    // keep their turns.
+                    if Some(index) != probe {
+                        next(&mut outstanding, &mut hedge);
+                    }
+                }
+                () = tokio::time::sleep_until(hedge_at), if hedge.is_some() => {
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                    if let Some((index, _, waited)) = hedge {
+                        self.upstreams.overtaken(index, waited);
+                    }
+                    next(&mut outstanding, &mut hedge);
+                }
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        last_failure.and_then(|answer| {
+            Answer::from_upstream(answer, self.max_ttl)
+                .ok()
+                .map(Arc::new)
+        })
+    }
+
+    /// Sends `query` to upstream `index` in a task of its own, which records the upstream's
+    /// health and sends the outcome to `results` (if the flight still listens).
+    fn start(
+        self: &Arc<Self>,
+        index: usize,
+        query: &Message,
+        results: mpsc::Sender<(usize, Option<Message>)>,
+    ) {
+        let mut query = query.clone();
+        query.metadata.id = rand::random();
+        let inner = self.clone();
+        let upstream = self.upstreams.addr(index);
+        self.metrics.upstream_query(upstream);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = exchange(upstream, &query, started + inner.timeout).await;
+            let result = inner.record(index, started.elapsed(), outcome);
+            let _ = results.send((index, result)).await;
+        });
+    }
+
+    /// Counts an exchange's outcome into the upstream's health and the metrics.
+    fn record(
+        &self,
+        index: usize,
+        elapsed: Duration,
+        outcome: Result<Exchanged, ExchangeError>,
+    ) -> Option<Message> {
+        let upstream = self.upstreams.addr(index);
+        let (transition, result) = match outcome {
+            Ok(exchanged) => {
+                self.metrics.upstream_latency(elapsed);
+                if exchanged.retried_over_tcp {
+                    self.metrics.upstream_truncated();
+                }
+                if failing(&exchanged.answer) {
+                    let rcode = exchanged.answer.metadata.response_code;
+                    tracing::debug!(%upstream, %rcode, "upstream failed the query; trying the next");
+                    self.metrics.upstream_failure("rcode");
+                }
+                (
+                    self.upstreams.answered(index, elapsed),
+                    Some(exchanged.answer),
+                )
+            }
+            Err(error) => {
+                tracing::debug!(%upstream, %error, "upstream exchange failed");
+                self.metrics.upstream_failure(error.reason());
+                (self.upstreams.failed(index, self.clock.now()), None)
+            }
+        };
+        match transition {
+            Some(Transition::WentDown) => tracing::warn!(
+                %upstream,
+                "upstream DNS server gave no answer; asking the others, probing it now and then"
+            ),
+            Some(Transition::CameBack) => {
+                tracing::info!(%upstream, "upstream DNS server answers again")
+            }
+            None => {}
+        }
+        if let Some((_, up, srtt)) = self.upstreams.states().nth(index) {
+            self.metrics.upstream_state(upstream, up, srtt);
+        }
+        result
+    }
+}
+
+/// A flight: asks the upstreams, caches the answer (charged to `source`, whose query started
+/// it), leaves the map, then tells every waiter.
+async fn fly(
+    inner: Arc<Inner>,
+    key: CacheKey,
+    request: Message,
+    source: IpAddr,
+    waiters: watch::Sender<Option<Flown>>,
+) {
+    // Leaves the map however the flight ends, a panic included.
+    struct Landing<'a>(&'a Inner, &'a CacheKey);
+    impl Drop for Landing<'_> {
+        fn drop(&mut self) {
+            self.0.flights().remove(self.1);
+        }
+    }
+    let landing = Landing(&inner, &key);
+    let flown = inner.ask_upstreams(&request).await;
+    if let (Some(answer), Some(cache)) = (&flown, &inner.cache)
+        && let Some(ttl) = answer.cache_ttl()
+    {
+        cache.insert(key.clone(), answer.clone(), ttl, source, inner.clock.now());
+    }
+    drop(landing);
+    waiters.send_replace(Some(flown));
+}
+
+/// SERVFAIL and REFUSED are about the server that gave them, not the name: another may answer.
+fn failing(answer: &Message) -> bool {
+    matches!(
+        answer.metadata.response_code,
+        ResponseCode::ServFail | ResponseCode::Refused
+    )
+}
+
+/// The query sent upstream: the client's question and RD/CD/DO bits, and our own EDNS (the
+/// client's options, such as cookies, are hop-by-hop). Each exchange gives it a fresh id.
 fn upstream_query(request: &Message) -> Message {
-    let mut query = Message::new(rand::random(), MessageType::Query, OpCode::Query);
+    let mut query = Message::new(0, MessageType::Query, OpCode::Query);
     query.metadata.recursion_desired = request.metadata.recursion_desired;
     query.metadata.checking_disabled = request.metadata.checking_disabled;
     query.queries.clone_from(&request.queries);
@@ -133,249 +351,4 @@ fn upstream_query(request: &Message) -> Message {
     edns.set_dnssec_ok(request.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok));
     query.edns = Some(edns);
     query
-}
-
-/// True if `answer` answers `query`: same id, a response, same question (names compared without
-/// case: some servers do not preserve it).
-fn is_answer_to(answer: &Message, query: &Message) -> bool {
-    answer.metadata.id == query.metadata.id
-        && answer.metadata.message_type == MessageType::Response
-        && answer.queries.len() == query.queries.len()
-        && answer.queries.iter().zip(&query.queries).all(|(a, q)| {
-            a.query_type() == q.query_type()
-                && a.query_class() == q.query_class()
-                && a.name().eq_ignore_root(q.name())
-        })
-}
-
-async fn udp_exchange(
-    upstream: SocketAddr,
-    query: &Message,
-    bytes: &[u8],
-) -> Result<Message, ExchangeError> {
-    let local: SocketAddr = match upstream {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
-    let socket = UdpSocket::bind(local).await?;
-    socket.connect(upstream).await?;
-    socket.send(bytes).await?;
-    let mut buf = vec![0; usize::from(u16::MAX)];
-    loop {
-        let len = socket.recv(&mut buf).await?;
-        // Anything that is not the answer (late, spoofed, garbage) is ignored; the timeout bounds us.
-        if let Ok(answer) = Message::from_vec(&buf[..len])
-            && is_answer_to(&answer, query)
-        {
-            return Ok(answer);
-        }
-    }
-}
-
-async fn tcp_exchange(
-    upstream: SocketAddr,
-    query: &Message,
-    bytes: &[u8],
-) -> Result<Message, ExchangeError> {
-    let mut stream = TcpStream::connect(upstream).await?;
-    let len = u16::try_from(bytes.len())
-        .map_err(|_| ExchangeError::Malformed("query too long for TCP".into()))?;
-    let mut framed = Vec::with_capacity(bytes.len() + 2);
-    framed.extend_from_slice(&len.to_be_bytes());
-    framed.extend_from_slice(bytes);
-    stream.write_all(&framed).await?;
-    let len = stream.read_u16().await?;
-    let mut buf = vec![0; usize::from(len)];
-    stream.read_exact(&mut buf).await?;
-    let answer = Message::from_vec(&buf).map_err(|e| ExchangeError::Malformed(e.to_string()))?;
-    if is_answer_to(&answer, query) {
-        Ok(answer)
-    } else {
-        Err(ExchangeError::Malformed(
-            "TCP answer does not match the query".into(),
-        ))
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct CacheKey {
-    name: Vec<u8>,
-    qtype: u16,
-    qclass: u16,
-    dnssec_ok: bool,
-    checking_disabled: bool,
-    recursion_desired: bool,
-}
-
-impl CacheKey {
-    fn of(request: &Message) -> Option<Self> {
-        let question = request.queries.first()?;
-        Some(Self {
-            name: lowercase_wire_name(question.name()),
-            qtype: question.query_type().into(),
-            qclass: question.query_class().into(),
-            dnssec_ok: request.edns.as_ref().is_some_and(|e| e.flags().dnssec_ok),
-            checking_disabled: request.metadata.checking_disabled,
-            recursion_desired: request.metadata.recursion_desired,
-        })
-    }
-}
-
-struct CacheEntry {
-    answer: Message,
-    stored: Instant,
-    ttl: u32,
-}
-
-/// Upstream answers kept for their TTL: the smallest TTL of the answer section, or for negative
-/// answers the SOA's TTL capped by its minimum (RFC 2308). Served TTLs count down.
-struct Cache {
-    capacity: usize,
-    entries: Mutex<HashMap<CacheKey, CacheEntry>>,
-}
-
-impl Cache {
-    fn new(capacity: usize) -> Self {
-        Self {
-            capacity,
-            entries: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn get(&self, key: &CacheKey) -> Option<Message> {
-        let mut entries = self.entries.lock().ok()?;
-        let entry = entries.get(key)?;
-        let age = u32::try_from(entry.stored.elapsed().as_secs()).unwrap_or(u32::MAX);
-        if age >= entry.ttl {
-            entries.remove(key);
-            return None;
-        }
-        let mut answer = entry.answer.clone();
-        for record in answer
-            .answers
-            .iter_mut()
-            .chain(&mut answer.authorities)
-            .chain(&mut answer.additionals)
-        {
-            record.ttl = record.ttl.saturating_sub(age);
-        }
-        Some(answer)
-    }
-
-    fn insert(&self, key: CacheKey, answer: &Message) {
-        let Some(ttl) = cache_ttl(answer) else {
-            return;
-        };
-        let Ok(mut entries) = self.entries.lock() else {
-            return;
-        };
-        if entries.len() >= self.capacity {
-            entries.retain(|_, e| e.stored.elapsed().as_secs() < u64::from(e.ttl));
-            if entries.len() >= self.capacity {
-                entries.clear();
-            }
-        }
-        entries.insert(
-            key,
-            CacheEntry {
-                answer: answer.clone(),
-                stored: Instant::now(),
-                ttl,
-            },
-        );
-    }
-}
-
-/// Cuts every record's TTL to `max`: clients (Envoy's DNS clusters among them, which refresh
-/// on the TTL) then look a name up again at least that often.
-fn cap_ttls(answer: &mut Message, max: u32) {
-    for record in answer
-        .answers
-        .iter_mut()
-        .chain(answer.authorities.iter_mut())
-        .chain(answer.additionals.iter_mut())
-    {
-        record.ttl = record.ttl.min(max);
-    }
-}
-
-fn cache_ttl(answer: &Message) -> Option<u32> {
-    if answer.metadata.truncation {
-        return None;
-    }
-    let negative = |answer: &Message| {
-        answer
-            .authorities
-            .iter()
-            .find_map(|r: &Record| match &r.data {
-                RData::SOA(soa) => Some(r.ttl.min(soa.minimum)),
-                _ => None,
-            })
-    };
-    let ttl = match answer.metadata.response_code {
-        ResponseCode::NoError if !answer.answers.is_empty() => {
-            answer.answers.iter().map(|r| r.ttl).min()
-        }
-        ResponseCode::NoError | ResponseCode::NXDomain => negative(answer),
-        _ => None,
-    }?;
-    (ttl > 0).then_some(ttl)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use hickory_proto::op::Query;
-    use hickory_proto::rr::rdata::{A, SOA};
-    use hickory_proto::rr::{Name, RecordType};
-
-    fn answer_with(ttl: u32) -> Message {
-        let name = Name::from_ascii("www.example.test.").unwrap();
-        let mut m = Message::response(1, OpCode::Query);
-        m.add_query(Query::query(name.clone(), RecordType::A));
-        m.add_answer(Record::from_rdata(
-            name,
-            ttl,
-            RData::A(A([192, 0, 2, 1].into())),
-        ));
-        m
-    }
-
-    #[test]
-    fn forwarded_ttls_are_capped() {
-        let mut answer = answer_with(86_400);
-        cap_ttls(&mut answer, 300);
-        assert_eq!(answer.answers[0].ttl, 300);
-        let mut short = answer_with(7);
-        cap_ttls(&mut short, 300);
-        assert_eq!(short.answers[0].ttl, 7, "shorter TTLs pass unchanged");
-    }
-
-    #[test]
-    fn cache_ttl_is_the_smallest_answer_ttl_or_the_soa_minimum() {
-        assert_eq!(cache_ttl(&answer_with(300)), Some(300));
-        assert_eq!(cache_ttl(&answer_with(0)), None);
-        let mut nx = Message::response(1, OpCode::Query);
-        nx.metadata.response_code = ResponseCode::NXDomain;
-        let zone = Name::from_ascii("example.test.").unwrap();
-        let soa = SOA::new(zone.clone(), zone.clone(), 1, 1, 1, 1, 60);
-        nx.add_authority(Record::from_rdata(zone, 3600, RData::SOA(soa)));
-        assert_eq!(cache_ttl(&nx), Some(60));
-        let mut fail = answer_with(300);
-        fail.metadata.response_code = ResponseCode::ServFail;
-        assert_eq!(cache_ttl(&fail), None);
-    }
-
-    #[test]
-    fn cache_serves_within_ttl_only() {
-        let cache = Cache::new(2);
-        let request = answer_with(1);
-        let key = CacheKey::of(&request).unwrap();
-        cache.insert(key.clone(), &answer_with(300));
-        assert_eq!(cache.get(&key).unwrap().answers[0].ttl, 300);
-        let short = Cache::new(2);
-        short.insert(key.clone(), &answer_with(1));
-        short.entries.lock().unwrap().get_mut(&key).unwrap().stored -= Duration::from_secs(1);
-        assert!(short.get(&key).is_none());
-    }
 }

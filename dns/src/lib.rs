@@ -16,6 +16,7 @@
 mod batch;
 #[cfg(any(test, fuzzing))]
 mod check;
+mod clock;
 mod error;
 mod fast;
 mod forward;
@@ -29,6 +30,7 @@ mod wire;
 
 #[cfg(any(test, fuzzing))]
 pub use check::check_query;
+pub use clock::Clock;
 pub use error::DnsError;
 pub use metrics::DnsMetrics;
 pub use observe::{Hold, LookupObserver};

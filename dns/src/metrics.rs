@@ -1,12 +1,17 @@
-//! DNS metrics: replies by rcode and by where the answer came from, upstream latency and failures.
-//! The counters the fast path touches are resolved once, so counting there is one atomic add.
+//! DNS metrics: replies by rcode and by where the answer came from; the forwarding cache (hits,
+//! misses, evictions by reason, size) and coalesced queries; each upstream's queries, state and
+//! smoothed round-trip time, upstream latency and failures. The counters the fast path touches
+//! are resolved once, so counting there is one atomic add.
 
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use hickory_proto::op::ResponseCode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -29,6 +34,22 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamLabels {
+    upstream: String,
+}
+
+/// Why the forwarding cache let an answer go: the `reason` label of its evictions counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Eviction {
+    /// The cache (a shard of it) was full: least recently used out.
+    Capacity,
+    /// The client whose query cached it was at its quota and cached another.
+    SourceQuota,
+    /// Its TTL ran out.
+    Expired,
+}
+
 /// Recorder for the DNS server's metrics, registered under `lattice_dns_`.
 #[derive(Clone, Debug)]
 pub struct DnsMetrics {
@@ -38,6 +59,15 @@ pub struct DnsMetrics {
     upstream_duration: Histogram,
     upstream_failures: Family<ReasonLabels, Counter>,
     upstream_truncated: Counter,
+    upstream_queries: Family<UpstreamLabels, Counter>,
+    upstream_up: Family<UpstreamLabels, Gauge>,
+    upstream_srtt: Family<UpstreamLabels, Gauge<f64, AtomicU64>>,
+    cache_hits: Counter,
+    cache_misses: Counter,
+    cache_evictions: Family<ReasonLabels, Counter>,
+    cache_entries: Gauge,
+    cache_bytes: Gauge,
+    coalesced: Counter,
 }
 
 impl DnsMetrics {
@@ -73,6 +103,60 @@ impl DnsMetrics {
             "Upstream UDP answers that were truncated and retried over TCP",
             upstream_truncated.clone(),
         );
+        let upstream_queries = Family::<UpstreamLabels, Counter>::default();
+        registry.register(
+            "upstream_queries",
+            "Queries sent to each upstream (probes of a down upstream included)",
+            upstream_queries.clone(),
+        );
+        let upstream_up = Family::<UpstreamLabels, Gauge>::default();
+        registry.register(
+            "upstream_up",
+            "1 while an upstream answers; 0 while it is down: skipped, and probed now and then",
+            upstream_up.clone(),
+        );
+        let upstream_srtt = Family::<UpstreamLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "upstream_srtt_seconds",
+            "Smoothed round-trip time of each upstream; upstreams that are up are asked fastest first",
+            upstream_srtt.clone(),
+        );
+        let cache_hits = Counter::default();
+        registry.register(
+            "cache_hits",
+            "Forwarded queries answered from the cache",
+            cache_hits.clone(),
+        );
+        let cache_misses = Counter::default();
+        registry.register(
+            "cache_misses",
+            "Forwarded queries the cache could not answer (each waited for an upstream)",
+            cache_misses.clone(),
+        );
+        let cache_evictions = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "cache_evictions",
+            "Answers the cache let go, by reason (capacity: it was full; source_quota: the client that cached it cached another at its quota; expired: its TTL ran out)",
+            cache_evictions.clone(),
+        );
+        let cache_entries = Gauge::default();
+        registry.register(
+            "cache_entries",
+            "Answers in the forwarding cache",
+            cache_entries.clone(),
+        );
+        let cache_bytes = Gauge::default();
+        registry.register(
+            "cache_bytes",
+            "Bytes the forwarding cache's answers take, as counted against its byte limit",
+            cache_bytes.clone(),
+        );
+        let coalesced = Counter::default();
+        registry.register(
+            "coalesced",
+            "Forwarded queries that joined an upstream query already under way for the same question instead of sending their own",
+            coalesced.clone(),
+        );
         let local_noerror = replies
             .get_or_create(&ReplyLabels {
                 rcode: rcode_label(ResponseCode::NoError),
@@ -86,6 +170,15 @@ impl DnsMetrics {
             upstream_duration,
             upstream_failures,
             upstream_truncated,
+            upstream_queries,
+            upstream_up,
+            upstream_srtt,
+            cache_hits,
+            cache_misses,
+            cache_evictions,
+            cache_entries,
+            cache_bytes,
+            coalesced,
         }
     }
 
@@ -124,6 +217,55 @@ impl DnsMetrics {
 
     pub(crate) fn upstream_truncated(&self) {
         self.upstream_truncated.inc();
+    }
+
+    pub(crate) fn upstream_query(&self, upstream: SocketAddr) {
+        self.upstream_queries
+            .get_or_create(&UpstreamLabels {
+                upstream: upstream.to_string(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn upstream_state(&self, upstream: SocketAddr, up: bool, srtt: Option<Duration>) {
+        let labels = UpstreamLabels {
+            upstream: upstream.to_string(),
+        };
+        self.upstream_up.get_or_create(&labels).set(i64::from(up));
+        if let Some(srtt) = srtt {
+            self.upstream_srtt
+                .get_or_create(&labels)
+                .set(srtt.as_secs_f64());
+        }
+    }
+
+    pub(crate) fn cache_hit(&self) {
+        self.cache_hits.inc();
+    }
+
+    pub(crate) fn cache_miss(&self) {
+        self.cache_misses.inc();
+    }
+
+    pub(crate) fn cache_evicted(&self, reason: Eviction, count: u64) {
+        let reason = match reason {
+            Eviction::Capacity => "capacity",
+            Eviction::SourceQuota => "source_quota",
+            Eviction::Expired => "expired",
+        };
+        self.cache_evictions
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(count);
+    }
+
+    /// The cache grew (or shrank) by `entries` answers and `bytes` bytes.
+    pub(crate) fn cache_size(&self, entries: i64, bytes: i64) {
+        self.cache_entries.inc_by(entries);
+        self.cache_bytes.inc_by(bytes);
+    }
+
+    pub(crate) fn coalesced(&self) {
+        self.coalesced.inc();
     }
 }
 

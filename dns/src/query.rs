@@ -29,7 +29,7 @@ pub(crate) enum Outcome {
         /// The [`MeshRecord::Scope`](crate::MeshRecord::Scope) of the mesh name answered.
         scope: Option<Arc<str>>,
     },
-    /// Not ours: ask upstream, then `relay` the answer.
+    /// Not ours: the forwarder answers it.
     Forward(Box<Message>),
     /// Not worth an answer (a response, or too short to carry an id).
     Drop,
@@ -103,26 +103,6 @@ fn scope_of(table: &NameTable, name: &Name) -> Option<Arc<str>> {
             table.service(&target)?.scope.clone()
         }
     }
-}
-
-/// The reply to `request` built from an upstream answer: the upstream's rcode, flags, sections
-/// and TTLs unchanged; the client's id, question (letter case) and EDNS.
-pub(crate) fn relay(request: &Message, mut upstream: Message, transport: Transport) -> Vec<u8> {
-    upstream.metadata.id = request.metadata.id;
-    // Records owned by the question name carry the client's letter case, as the question does
-    // (answers from the cache were stored with another client's case).
-    if let Some(question) = request.queries.first() {
-        for record in &mut upstream.answers {
-            if record.name.eq_ignore_root(question.name()) && !record.name.eq_case(question.name())
-            {
-                record.name = question.name().clone();
-            }
-        }
-    }
-    upstream.queries.clone_from(&request.queries);
-    upstream.edns = echo_edns(request);
-    upstream.signature = None;
-    encode(&upstream, response_limit(request, transport))
 }
 
 /// SERVFAIL for `request`: no upstream answered.

@@ -4,7 +4,7 @@
 //! for names with a scope are reported to the [`LookupObserver`], if any, which may hold an
 //! answer back; a held UDP answer is sent by a task of its own, so the socket goes on serving.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::{self, Inbox, Outbox};
+use crate::clock::Clock;
 use crate::error::DnsError;
 use crate::fast;
 use crate::forward::Forwarder;
@@ -35,13 +36,15 @@ const UDP_BATCH: usize = 64;
 pub struct DnsConfig {
     /// UDP and TCP address; port 0 picks a free port (see `DnsServer::local_addr`).
     pub listen: SocketAddr,
-    /// Servers that answer every name outside the mesh zone, tried in order.
+    /// Servers that answer every name outside the mesh zone: those that answer asked fastest
+    /// first, one that does not skipped and probed now and then.
     pub upstreams: Vec<SocketAddr>,
     /// TTL of mesh records.
     pub ttl: u32,
     /// SOA minimum: how long clients cache NXDOMAIN and NODATA for mesh names.
     pub negative_ttl: u32,
-    /// How long to wait for one upstream before trying the next.
+    /// How long a forwarded query waits for the upstreams before the client gets SERVFAIL, and
+    /// one upstream gets to answer before it counts as down.
     pub upstream_timeout: Duration,
     /// Cache forwarded answers for their TTL.
     pub cache: bool,
@@ -50,6 +53,13 @@ pub struct DnsConfig {
     pub max_forwarded_ttl: u32,
     /// Most forwarded answers kept in the cache.
     pub cache_entries: usize,
+    /// Most bytes the cached answers take (wire size plus bookkeeping).
+    pub cache_bytes: usize,
+    /// Most answers one client address may have put in the cache (and the same share of
+    /// `cache_bytes`); beyond it, its new answers replace its own least recently used ones.
+    pub cache_entries_per_source: usize,
+    /// Time as the forwarder sees it (cache ages, upstream probes); tests use a manual clock.
+    pub clock: Clock,
     /// UDP sockets sharing the port (SO_REUSEPORT), each served by its own task.
     pub udp_sockets: usize,
     /// Most forwarded UDP queries and TCP connections in flight; beyond it queries get SERVFAIL
@@ -70,6 +80,9 @@ impl DnsConfig {
             cache: true,
             max_forwarded_ttl: 300,
             cache_entries: 10_000,
+            cache_bytes: 16 << 20,
+            cache_entries_per_source: 1_250,
+            clock: Clock::system(),
             udp_sockets: std::thread::available_parallelism().map_or(1, usize::from),
             max_in_flight: 1024,
             tcp_idle_timeout: Duration::from_secs(10),
@@ -120,13 +133,7 @@ impl DnsServer {
                             ttl: config.ttl,
                             negative_ttl: config.negative_ttl,
                         },
-                        forwarder: Forwarder::new(
-                            config.upstreams.clone(),
-                            config.upstream_timeout,
-                            config.cache.then_some(config.cache_entries),
-                            config.max_forwarded_ttl,
-                            metrics.clone(),
-                        ),
+                        forwarder: Forwarder::new(&config, metrics.clone()),
                         metrics,
                         in_flight: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
                         tcp_idle_timeout: config.tcp_idle_timeout,
@@ -335,15 +342,9 @@ fn answer_slowly(
         }
         Outcome::Drop => context.metrics.dropped(),
         Outcome::Forward(request) => {
-            if let Some(answer) = context.forwarder.cached(&request) {
-                context
-                    .metrics
-                    .reply(answer.metadata.response_code, Served::Cached);
-                send_udp(
-                    socket,
-                    &query::relay(&request, answer, Transport::Udp),
-                    peer,
-                );
+            if let Some(hit) = context.forwarder.cached(&request, Transport::Udp) {
+                context.metrics.reply(hit.rcode, hit.served);
+                send_udp(socket, &hit.bytes, peer);
                 return;
             }
             let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
@@ -359,7 +360,7 @@ fn answer_slowly(
             };
             let (socket, context) = (socket.clone(), context.clone());
             forwards.spawn(async move {
-                let bytes = forward(&context, &request, Transport::Udp).await;
+                let bytes = forward(&context, &request, peer.ip(), Transport::Udp).await;
                 drop(permit);
                 if let Err(e) = socket.send_to(&bytes, peer).await {
                     tracing::debug!(%peer, error = %e, "cannot send a forwarded DNS answer");
@@ -400,11 +401,16 @@ fn socket_addr(socket: &UdpSocket) -> SocketAddr {
 
 /// The client's answer to a query that is not the zone's: from the cache or an upstream, or
 /// SERVFAIL.
-async fn forward(context: &Context, request: &Message, transport: Transport) -> Vec<u8> {
-    match context.forwarder.resolve(request).await {
-        Some((answer, served)) => {
-            context.metrics.reply(answer.metadata.response_code, served);
-            query::relay(request, answer, transport)
+async fn forward(
+    context: &Context,
+    request: &Message,
+    client: IpAddr,
+    transport: Transport,
+) -> Vec<u8> {
+    match context.forwarder.resolve(request, client, transport).await {
+        Some(relayed) => {
+            context.metrics.reply(relayed.rcode, relayed.served);
+            relayed.bytes
         }
         None => {
             context
@@ -488,9 +494,10 @@ async fn serve_tcp_connection(
                     context.metrics.reply(rcode, Served::Local);
                     (bytes, context.hold(peer, scope.as_ref()))
                 }
-                Outcome::Forward(request) => {
-                    (forward(context, &request, Transport::Tcp).await, None)
-                }
+                Outcome::Forward(request) => (
+                    forward(context, &request, peer.ip(), Transport::Tcp).await,
+                    None,
+                ),
                 Outcome::Drop => {
                     context.metrics.dropped();
                     return Ok(());

@@ -1,5 +1,7 @@
 //! Forwarding of names outside the zone, against a test-started unbound and scripted upstreams on
-//! loopback: relaying, EDNS toward upstream, TCP retry, SERVFAIL, failover and the cache.
+//! loopback: relaying, EDNS toward upstream, TCP retry, SERVFAIL, failover, upstream health,
+//! coalescing and the cache. Time that matters (TTLs, probe intervals) is a manual clock the
+//! tests move, never a sleep.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -7,10 +9,12 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{ScriptedUpstream, Server, Unbound, dig};
-use hickory_proto::op::{Message, OpCode};
+use common::{GatedUpstream, ScriptedUpstream, Server, Unbound, dig, eventually};
+use hickory_proto::op::{Message, OpCode, Query};
 use hickory_proto::rr::rdata::A;
-use hickory_proto::rr::{RData, Record};
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use lattice_dns::Clock;
+use tokio::net::UdpSocket;
 
 const MESH: &[(&str, &str)] = &[("buzz.bar.foo.system.internal", "240.240.0.1")];
 
@@ -164,12 +168,11 @@ async fn servfail_when_no_upstream_answers_in_time() {
         started.elapsed()
     );
     assert_eq!(silent.count(), 1);
-    assert_eq!(
-        server.metric("lattice_dns_upstream_failures_total{reason=\"timeout\"}"),
-        1.0,
-        "{}",
-        server.metrics()
-    );
+    // The exchange counts its time-out on its own clock, a moment after the client's answer.
+    eventually(Duration::from_secs(5), || async {
+        server.metric("lattice_dns_upstream_failures_total{reason=\"timeout\"}") == 1.0
+    })
+    .await;
     server.stop().await;
 }
 
@@ -196,34 +199,46 @@ async fn fails_over_to_the_next_upstream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_serves_answers_for_their_ttl_and_counts_it_down() {
-    let upstream = ScriptedUpstream::start(answer_a(2)).await;
-    let server = Server::start(MESH, |c| c.upstreams = vec![upstream.addr]).await;
+    let upstream = ScriptedUpstream::start(answer_a(300)).await;
+    let clock = Clock::manual();
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![upstream.addr];
+        c.clock = clock.clone();
+    })
+    .await;
     let first = dig(server.addr, &["www.example.test"]).await;
     // Said before indexing, so a rare empty answer (seen once in CI) shows what dig got.
     assert!(!first.answers().is_empty(), "no answer: {}", first.text);
-    assert_eq!(first.answers()[0][1], "2", "{}", first.text);
-    let second = dig(server.addr, &["WWW.example.test"]).await;
-    assert!(!second.answers().is_empty(), "no answer: {}", second.text);
-    assert_eq!(second.answers()[0][4], "192.0.2.1", "{}", second.text);
-    assert_eq!(
-        second.answers()[0][0],
-        "WWW.example.test.",
-        "the client's case: {}",
-        second.text
-    );
+    assert_eq!(first.answers()[0][1], "300", "{}", first.text);
+    clock.advance(Duration::from_secs(100));
+    for transport in ["+notcp", "+tcp"] {
+        let second = dig(server.addr, &[transport, "WWW.example.test"]).await;
+        assert!(!second.answers().is_empty(), "no answer: {}", second.text);
+        assert_eq!(
+            second.answers()[0],
+            vec!["WWW.example.test.", "200", "IN", "A", "192.0.2.1"],
+            "the client's case, the TTL less 100 s in the cache: {}",
+            second.text
+        );
+    }
     assert_eq!(
         upstream.count(),
         1,
-        "the second query was served from the cache"
+        "later queries were served from the cache"
     );
     assert_eq!(
         server.metric("lattice_dns_replies_total{rcode=\"NOERROR\",source=\"cached\"}"),
-        1.0
+        2.0
     );
-    // Time passing is the point here, not readiness: the entry expires after its TTL.
-    tokio::time::sleep(Duration::from_millis(2100)).await;
-    dig(server.addr, &["www.example.test"]).await;
+    assert_eq!(server.metric("lattice_dns_cache_hits_total"), 2.0);
+    assert_eq!(server.metric("lattice_dns_cache_misses_total"), 1.0);
+    clock.advance(Duration::from_secs(199));
+    let last = dig(server.addr, &["www.example.test"]).await;
+    assert_eq!(last.answers()[0][1], "1", "{}", last.text);
+    clock.advance(Duration::from_secs(1));
+    let fresh = dig(server.addr, &["www.example.test"]).await;
     assert_eq!(upstream.count(), 2, "the expired entry was fetched again");
+    assert_eq!(fresh.answers()[0][1], "300", "{}", fresh.text);
     server.stop().await;
 
     let uncached = ScriptedUpstream::start(answer_a(300)).await;
@@ -239,5 +254,236 @@ async fn cache_serves_answers_for_their_ttl_and_counts_it_down() {
         2,
         "with the cache off every query goes upstream"
     );
+    server.stop().await;
+}
+
+/// One upstream dead of two: once it has missed an answer, misses go to the live one alone,
+/// one upstream query each, as with two live upstreams; the dead one gets a probe now and then
+/// (as the clock moves), beside the live one, and is asked again once a probe is answered.
+async fn one_dead_upstream_of_two(dead: SocketAddr, dead_count: impl Fn() -> usize) {
+    let live = ScriptedUpstream::start(answer_a(60)).await;
+    let clock = Clock::manual();
+    let server = Server::start(MESH, |c| {
+        // The dead one first: configured order is the order before anything is measured.
+        c.upstreams = vec![dead, live.addr];
+        c.upstream_timeout = Duration::from_millis(500);
+        c.clock = clock.clone();
+    })
+    .await;
+    let up = |addr: SocketAddr| format!("lattice_dns_upstream_up{{upstream=\"{addr}\"}}");
+    let d = dig(server.addr, &["first.example.test"]).await;
+    assert_eq!(
+        d.status(),
+        "NOERROR",
+        "the live one answers the first miss: {}",
+        d.text
+    );
+    assert_eq!(dead_count(), 1);
+    eventually(Duration::from_secs(5), || async {
+        server.metric(&up(dead)) == 0.0
+    })
+    .await;
+    assert_eq!(server.metric(&up(live.addr)), 1.0);
+    for i in 0..20 {
+        let d = dig(server.addr, &[&format!("n{i}.example.test")]).await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    }
+    assert_eq!(dead_count(), 1, "no miss asked the dead upstream again");
+    assert_eq!(live.count(), 21, "each miss cost one upstream query");
+    // The probe goes once the clock says so, beside a query to the live upstream.
+    clock.advance(Duration::from_secs(1));
+    let d = dig(server.addr, &["probed.example.test"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    // The probe went out before the live upstream's query; it is counted when it arrives.
+    eventually(Duration::from_secs(5), || async { dead_count() == 2 }).await;
+    assert_eq!(live.count(), 22);
+    let d = dig(server.addr, &["after-probe.example.test"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert_eq!(dead_count(), 2, "no second probe before its time");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_upstream_is_skipped_and_probed() {
+    let silent = silent_upstream().await;
+    one_dead_upstream_of_two(silent.addr, || silent.count()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_upstream_is_skipped_and_probed() {
+    // A closed port: the kernel answers every query with ICMP port unreachable. Probes are
+    // counted by the failures they cause.
+    let closed: SocketAddr = {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.local_addr().unwrap()
+    };
+    let live = ScriptedUpstream::start(answer_a(60)).await;
+    let clock = Clock::manual();
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![closed, live.addr];
+        c.clock = clock.clone();
+    })
+    .await;
+    let asked =
+        |addr: SocketAddr| format!("lattice_dns_upstream_queries_total{{upstream=\"{addr}\"}}");
+    for i in 0..10 {
+        let d = dig(server.addr, &[&format!("n{i}.example.test")]).await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    }
+    assert_eq!(server.metric(&asked(closed)), 1.0, "{}", server.metrics());
+    assert_eq!(server.metric(&asked(live.addr)), 10.0);
+    clock.advance(Duration::from_secs(1));
+    dig(server.addr, &["probed.example.test"]).await;
+    assert_eq!(server.metric(&asked(closed)), 2.0, "one probe");
+    assert_eq!(server.metric(&asked(live.addr)), 11.0);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_down_upstream_that_answers_a_probe_is_asked_again() {
+    // Down first (it answers nothing until opened), then back.
+    let flaky = GatedUpstream::start(answer_a(60)).await;
+    let live = ScriptedUpstream::start(answer_a(60)).await;
+    let clock = Clock::manual();
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![flaky.addr, live.addr];
+        c.upstream_timeout = Duration::from_millis(500);
+        c.clock = clock.clone();
+    })
+    .await;
+    let up = format!("lattice_dns_upstream_up{{upstream=\"{}\"}}", flaky.addr);
+    dig(server.addr, &["first.example.test"]).await;
+    eventually(Duration::from_secs(5), || async {
+        server.metric(&up) == 0.0
+    })
+    .await;
+    flaky.open();
+    clock.advance(Duration::from_secs(1));
+    dig(server.addr, &["probe.example.test"]).await;
+    eventually(Duration::from_secs(5), || async {
+        server.metric(&up) == 1.0
+    })
+    .await;
+    assert_eq!(flaky.count(), 2, "the first query and the probe");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_queries_in_flight_reach_the_upstream_once() {
+    let upstream = GatedUpstream::start(answer_a(60)).await;
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![upstream.addr];
+        c.upstream_timeout = Duration::from_secs(10);
+    })
+    .await;
+    // Ten clients ask the same question in ten spellings, over UDP and TCP, while the upstream
+    // holds its answer.
+    let spellings: Vec<String> = (0..10)
+        .map(|i| {
+            "slow.example.test"
+                .chars()
+                .enumerate()
+                .map(|(k, c)| {
+                    if (k + i) % 3 == 0 {
+                        c.to_ascii_uppercase()
+                    } else {
+                        c
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let addr = server.addr;
+    let clients: Vec<_> = spellings
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let name = name.clone();
+            tokio::spawn(async move {
+                let transport = if i % 2 == 0 { "+notcp" } else { "+tcp" };
+                (
+                    name.clone(),
+                    dig(addr, &[transport, "+time=10", &name]).await,
+                )
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(10), || async {
+        server.metric("lattice_dns_coalesced_total") == 9.0
+    })
+    .await;
+    assert_eq!(upstream.count(), 1);
+    upstream.open();
+    for client in clients {
+        let (name, d) = client.await.unwrap();
+        // dig itself checks that the reply's id is its query's.
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+        assert_eq!(d.answers()[0][0], format!("{name}."), "{}", d.text);
+        assert_eq!(d.answers()[0][4], "192.0.2.1", "{}", d.text);
+    }
+    assert_eq!(upstream.count(), 1, "one upstream query for all ten");
+    server.stop().await;
+}
+
+/// A query for `name` A with id `id` and EDNS.
+fn query_bytes(id: u16, name: &str) -> Vec<u8> {
+    let mut m = Message::query();
+    m.metadata.id = id;
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    m.to_vec().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_unique_names_from_one_pod_does_not_evict_anothers() {
+    let upstream = ScriptedUpstream::start(answer_a(300)).await;
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![upstream.addr];
+        c.cache_entries = 100;
+        c.cache_entries_per_source = 20;
+    })
+    .await;
+    // The quiet pod (127.0.0.2) caches ten names.
+    let quiet: Vec<String> = (0..10).map(|i| format!("app{i}.example.test")).collect();
+    for name in &quiet {
+        let d = dig(server.addr, &["-b", "127.0.0.2", name]).await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    }
+    // The noisy pod (127.0.0.3) asks for 1000 names nobody asked before, 50 at a time.
+    let noisy = UdpSocket::bind("127.0.0.3:0").await.unwrap();
+    noisy.connect(server.addr).await.unwrap();
+    let mut buf = vec![0; 1500];
+    for batch in 0..20u16 {
+        for i in 0..50u16 {
+            let id = batch * 50 + i;
+            noisy
+                .send(&query_bytes(id, &format!("flood{id}.example.test.")))
+                .await
+                .unwrap();
+        }
+        for _ in 0..50 {
+            tokio::time::timeout(Duration::from_secs(5), noisy.recv(&mut buf))
+                .await
+                .expect("the flood is answered")
+                .unwrap();
+        }
+    }
+    assert_eq!(upstream.count(), 1010);
+    assert!(
+        server.metric("lattice_dns_cache_evictions_total{reason=\"source_quota\"}") >= 980.0,
+        "{}",
+        server.metrics()
+    );
+    // The quiet pod's names are still cached: no new upstream query.
+    for name in &quiet {
+        let d = dig(server.addr, &["-b", "127.0.0.2", name]).await;
+        assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    }
+    assert_eq!(
+        upstream.count(),
+        1010,
+        "the quiet pod's names stayed in the cache"
+    );
+    assert_eq!(server.metric("lattice_dns_cache_entries"), 30.0);
     server.stop().await;
 }

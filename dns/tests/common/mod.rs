@@ -305,3 +305,66 @@ impl Drop for ScriptedUpstream {
         self.task.abort();
     }
 }
+
+/// A UDP upstream on loopback that records every query at once but sends its answers (from
+/// `respond`) only once [`GatedUpstream::open`] is called: a slow upstream whose slowness the
+/// test ends, not a timer.
+pub struct GatedUpstream {
+    pub addr: SocketAddr,
+    pub queries: Arc<Mutex<Vec<Message>>>,
+    gate: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl GatedUpstream {
+    pub async fn start(respond: impl Fn(&Message) -> Option<Message> + Send + 'static) -> Self {
+        let socket = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let addr = socket.local_addr().unwrap();
+        let queries = Arc::new(Mutex::new(Vec::new()));
+        let seen = queries.clone();
+        let (gate, _) = watch::channel(false);
+        let opened = gate.clone();
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0; 65535];
+            loop {
+                let Ok((len, peer)) = socket.recv_from(&mut buf).await else {
+                    return;
+                };
+                let Ok(query) = Message::from_vec(&buf[..len]) else {
+                    continue;
+                };
+                let reply = respond(&query);
+                seen.lock().unwrap().push(query);
+                let (socket, mut open) = (socket.clone(), opened.subscribe());
+                tokio::spawn(async move {
+                    if open.wait_for(|open| *open).await.is_ok()
+                        && let Some(reply) = reply
+                    {
+                        let _ = socket.send_to(&reply.to_vec().unwrap(), peer).await;
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            queries,
+            gate,
+            task,
+        }
+    }
+
+    /// Sends every answer held so far, and every later one at once.
+    pub fn open(&self) {
+        self.gate.send_replace(true);
+    }
+
+    pub fn count(&self) -> usize {
+        self.queries.lock().unwrap().len()
+    }
+}
+
+impl Drop for GatedUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
