@@ -1,16 +1,19 @@
 //! The general query path: parses with `hickory_proto`, answers the zone and search-suffixed mesh
-//! names, decides what is forwarded, and shapes every reply for the client's transport (EDNS echo,
+//! names, refuses other classes than IN outside the zone (CHAOS's `version.bind` and
+//! `id.server` included: they would tell the upstream's version and name as this server's),
+//! decides what is forwarded, and shapes every reply for the client's transport (EDNS echo,
 //! truncation). The fast path in `fast.rs` must agree with it; `check_query` tests that.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 
 use hickory_proto::op::{Edns, Message, OpCode, Query, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, CNAME, NS, SOA, SRV};
+use hickory_proto::rr::rdata::{A, AAAA, CNAME, MX, NS, SOA, SRV};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use lattice_contract::ZONE;
 
-use crate::table::{Lookup, NameEntry, NameTable, in_zone};
+use crate::forward::answer::opt_record;
+use crate::table::{Lookup, NameEntry, NameTable, in_zone, nameserver_wire_name};
 use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport, lowercase_wire_name};
 
 /// Settings of the local zone that do not come from the mesh.
@@ -19,6 +22,8 @@ pub(crate) struct ZoneSettings {
     pub(crate) ttl: u32,
     /// SOA minimum: how long resolvers cache NXDOMAIN and NODATA (RFC 2308).
     pub(crate) negative_ttl: u32,
+    /// The address of `ns.system.internal`, the zone's NS and SOA name.
+    pub(crate) nameserver: Option<IpAddr>,
 }
 
 #[derive(Debug)]
@@ -50,13 +55,16 @@ pub(crate) fn handle(
     }
     let op_code = (header[2] >> 3) & 0x0f;
     if op_code != u8::from(OpCode::Query) {
-        return error_reply(header, ResponseCode::NotImp);
+        let edns = Message::from_vec(query).ok().and_then(|m| m.edns);
+        return error_reply(header, edns.as_ref(), ResponseCode::NotImp);
     }
+    // A message that does not parse may not have one valid OPT (RFC 6891 §6.1.1: two OPTs are
+    // a FORMERR): the reply is the header alone.
     let Ok(request) = Message::from_vec(query) else {
-        return error_reply(header, ResponseCode::FormErr);
+        return error_reply(header, None, ResponseCode::FormErr);
     };
     if request.queries.len() != 1 {
-        return error_reply(header, ResponseCode::FormErr);
+        return error_reply(header, request.edns.as_ref(), ResponseCode::FormErr);
     }
     let limit = response_limit(&request, transport);
     if request.edns.as_ref().is_some_and(|e| e.version() > 0) {
@@ -153,13 +161,19 @@ fn encode(reply: &Message, limit: usize) -> Vec<u8> {
     }
 }
 
-/// A header-only reply for a query that cannot be parsed or is not a QUERY.
-fn error_reply(header: &[u8], rcode: ResponseCode) -> Outcome {
+/// The reply to a query that cannot be parsed or is not a QUERY: the header, and an OPT if the
+/// query had a valid one (RFC 6891 §6.1.1; a reply without one tells the client this server
+/// lacks EDNS).
+fn error_reply(header: &[u8], edns: Option<&Edns>, rcode: ResponseCode) -> Outcome {
     let mut bytes = vec![0; HEADER_LEN];
     bytes[..2].copy_from_slice(&header[..2]);
     // QR, the opcode and RD copied.
     bytes[2] = 0x80 | (header[2] & 0x79);
     bytes[3] = 0x80 | rcode.low();
+    if let Some(edns) = edns {
+        bytes[11] = 1;
+        bytes.extend_from_slice(&opt_record(edns.flags().dnssec_ok));
+    }
     Outcome::Reply {
         bytes,
         rcode,
@@ -200,6 +214,12 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
             return Some(reply);
         }
         answer_in_zone(table, zone, question, &key, &mut reply);
+        return Some(reply);
+    }
+    // Only the Internet class is forwarded: CHAOS names (`version.bind`, `id.server`) are
+    // about the server asked, and the upstream's answers would pass for this server's.
+    if question.query_class() != DNSClass::IN {
+        reply.metadata.response_code = ResponseCode::Refused;
         return Some(reply);
     }
     let (target, target_key) = search_suffixed_mesh_name(table, question.name())?;
@@ -257,12 +277,25 @@ fn answer_in_zone(
             RData::NS(NS(nameserver_name(&apex))),
         );
         let soa = Record::from_rdata(name.clone(), zone.ttl, soa.data.clone());
+        // A null MX (RFC 7505): the zone takes no mail.
+        let mx = Record::from_rdata(name.clone(), zone.ttl, RData::MX(MX::new(0, Name::root())));
         match qtype {
             RecordType::SOA => vec![soa],
-            RecordType::NS => vec![ns],
-            RecordType::ANY => vec![soa, ns],
+            RecordType::MX => vec![mx],
+            RecordType::NS => {
+                // The name server's address goes along, as an authoritative server's does.
+                reply.add_additionals(nameserver_records(
+                    &nameserver_name(&apex),
+                    zone,
+                    RecordType::ANY,
+                ));
+                vec![ns]
+            }
+            RecordType::ANY => vec![soa, ns, mx],
             _ => Vec::new(),
         }
+    } else if key == nameserver_wire_name() {
+        nameserver_records(name, zone, qtype)
     } else {
         match table.lookup(key) {
             Lookup::Service(entry) => service_records(name, entry, qtype, zone.ttl),
@@ -322,6 +355,18 @@ fn service_records(name: &Name, entry: &NameEntry, qtype: RecordType, ttl: u32) 
     }
 }
 
+/// The name server's address records of type `qtype` (ANY: all), owned by `name`.
+fn nameserver_records(name: &Name, zone: ZoneSettings, qtype: RecordType) -> Vec<Record> {
+    let data = match zone.nameserver {
+        Some(IpAddr::V4(v4)) if matches!(qtype, RecordType::A | RecordType::ANY) => RData::A(A(v4)),
+        Some(IpAddr::V6(v6)) if matches!(qtype, RecordType::AAAA | RecordType::ANY) => {
+            RData::AAAA(AAAA(v6))
+        }
+        _ => return Vec::new(),
+    };
+    vec![Record::from_rdata(name.clone(), zone.ttl, data)]
+}
+
 fn apex() -> Name {
     let mut apex = Name::from_ascii(ZONE).unwrap_or_else(|_| Name::root());
     apex.set_fqdn(true);
@@ -336,13 +381,15 @@ fn soa_record(apex: &Name, serial: u32, zone: ZoneSettings) -> Record {
     let hostmaster = apex
         .prepend_label("hostmaster")
         .unwrap_or_else(|_| apex.clone());
+    // Nothing transfers the zone, so refresh, retry and expire mean nothing; they are the
+    // values RFC 1912 recommends, so checkers have nothing to say about them.
     let soa = SOA::new(
         nameserver_name(apex),
         hostmaster,
         serial,
-        3600,
-        600,
-        86400,
+        14_400,
+        3_600,
+        604_800,
         zone.negative_ttl,
     );
     Record::from_rdata(apex.clone(), zone.ttl, RData::SOA(soa))

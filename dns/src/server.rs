@@ -39,6 +39,10 @@ pub struct DnsConfig {
     /// Servers that answer every name outside the mesh zone: those that answer asked fastest
     /// first, one that does not skipped and probed now and then.
     pub upstreams: Vec<SocketAddr>,
+    /// The address of `ns.system.internal`, the zone's name server (the NS and SOA name): the
+    /// address pods reach this server at. `None` when listening on every address: the name then
+    /// exists without an address.
+    pub nameserver: Option<IpAddr>,
     /// TTL of mesh records.
     pub ttl: u32,
     /// SOA minimum: how long clients cache NXDOMAIN and NODATA for mesh names.
@@ -74,6 +78,7 @@ impl DnsConfig {
         Self {
             listen,
             upstreams,
+            nameserver: (!listen.ip().is_unspecified()).then_some(listen.ip()),
             ttl: 30,
             negative_ttl: 30,
             upstream_timeout: Duration::from_secs(2),
@@ -132,6 +137,7 @@ impl DnsServer {
                         zone: ZoneSettings {
                             ttl: config.ttl,
                             negative_ttl: config.negative_ttl,
+                            nameserver: config.nameserver,
                         },
                         forwarder: Forwarder::new(&config, metrics.clone()),
                         metrics,

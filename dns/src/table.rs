@@ -1,7 +1,8 @@
 //! The mesh name table: an immutable index from lower-cased wire-format names to addresses, with the
 //! A answer records of every name encoded once so the fast path only copies bytes; which names
 //! are in the zone at all; and the scope each name's lookups are reported under (see
-//! `observe.rs`), which is not a record and never makes a name exist.
+//! `observe.rs`), which is not a record and never makes a name exist. The zone's own names, its
+//! apex and its name server `ns.system.internal`, are the zone's and never a mesh name.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -80,8 +81,9 @@ pub struct NameTable {
 impl NameTable {
     /// `entries`: fully qualified names without the trailing dot (`buzz.bar.foo.system.internal`)
     /// and their addresses. A name may appear several times (several addresses, IPv4 and IPv6).
-    /// Names outside `system.internal`, the apex itself and names that are not valid DNS names
-    /// are skipped with a warning: the table is built from a mesh that was already validated.
+    /// Names outside `system.internal`, the apex itself, the name server's name
+    /// (`ns.system.internal`, the mesh path `/ns`) and names that are not valid DNS names are
+    /// skipped with a warning: the table is built from a mesh that was already validated.
     pub fn new(entries: impl IntoIterator<Item = (String, IpAddr)>) -> Self {
         Self::from_records(
             entries
@@ -105,6 +107,10 @@ impl NameTable {
             };
             if key == zone || !in_zone(&key) {
                 tracing::warn!(%name, zone = ZONE, "skipping mesh name: not below the zone");
+                continue;
+            }
+            if key == NAMESERVER_WIRE {
+                tracing::warn!(%name, "skipping mesh name: it is the zone's name server, whose address is the DNS server's own (rename the service)");
                 continue;
             }
             if let MeshRecord::Scope(scope) = record {
@@ -193,6 +199,14 @@ fn encode_a_records(addrs: &[Ipv4Addr]) -> Box<[u8]> {
 
 /// `ZONE` in wire format; a unit test checks the two agree.
 const ZONE_WIRE: &[u8] = b"\x06system\x08internal\x00";
+
+/// The zone's name server, `ns.` before `ZONE`, in wire format: the NS and SOA name, whose
+/// address is the DNS server's own.
+const NAMESERVER_WIRE: &[u8] = b"\x02ns\x06system\x08internal\x00";
+
+pub(crate) fn nameserver_wire_name() -> &'static [u8] {
+    NAMESERVER_WIRE
+}
 
 /// True if the lower-cased wire name `key` is the zone apex or below it.
 pub(crate) fn in_zone(key: &[u8]) -> bool {
@@ -305,6 +319,30 @@ mod tests {
         assert_eq!(
             lowercase_wire_name_from_dotted(ZONE).as_deref(),
             Some(ZONE_WIRE)
+        );
+        assert_eq!(
+            lowercase_wire_name_from_dotted(&format!("ns.{ZONE}")).as_deref(),
+            Some(NAMESERVER_WIRE)
+        );
+    }
+
+    #[test]
+    fn the_name_servers_name_is_never_a_mesh_name() {
+        let t = NameTable::new([
+            (
+                "NS.system.internal".to_string(),
+                "240.240.0.9".parse().unwrap(),
+            ),
+            (
+                "a.ns.system.internal".to_string(),
+                "240.240.0.8".parse().unwrap(),
+            ),
+        ]);
+        let ns = lowercase_wire_name_from_dotted("ns.system.internal").unwrap();
+        assert!(t.service(&ns).is_none());
+        assert!(
+            matches!(t.lookup(&ns), Lookup::EmptyNonTerminal),
+            "a name below it still makes it exist"
         );
     }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Server, dig, eventually, kdig, table};
+use common::{ScriptedUpstream, Server, dig, eventually, kdig, table};
 
 const MESH: &[(&str, &str)] = &[
     ("buzz.bar.foo.system.internal", "240.240.0.1"),
@@ -116,6 +116,116 @@ async fn soa_and_ns_at_the_apex() {
         "{}",
         d.text
     );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_name_servers_name_resolves_to_the_address_the_server_answers_on() {
+    let server = Server::start(MESH, |_| {}).await;
+    let d = dig(server.addr, &["NS.system.internal", "A"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert!(d.flags().contains(&"aa"), "{}", d.text);
+    assert_eq!(
+        d.answers(),
+        vec![vec!["NS.system.internal.", "30", "IN", "A", "127.0.0.1"]],
+        "{}",
+        d.text
+    );
+    let d = dig(server.addr, &["system.internal", "NS"]).await;
+    assert_eq!(
+        d.additional(),
+        vec![vec!["ns.system.internal.", "30", "IN", "A", "127.0.0.1"]],
+        "the address goes along with the NS record: {}",
+        d.text
+    );
+    // It has no IPv6 address: NODATA with the SOA, never NXDOMAIN.
+    let d = dig(server.addr, &["ns.system.internal", "AAAA"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert!(
+        d.answers().is_empty() && d.authority()[0][3] == "SOA",
+        "{}",
+        d.text
+    );
+    server.stop().await;
+    // Listening on every address, the server knows none to give: the name exists, empty.
+    let server = Server::start(MESH, |c| c.nameserver = None).await;
+    let d = dig(server.addr, &["ns.system.internal", "A"]).await;
+    assert_eq!(d.status(), "NOERROR", "{}", d.text);
+    assert!(d.answers().is_empty(), "{}", d.text);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apex_says_it_takes_no_mail() {
+    let server = Server::start(MESH, |_| {}).await;
+    let d = dig(server.addr, &["system.internal", "MX"]).await;
+    assert_eq!(
+        d.answers(),
+        vec![vec!["system.internal.", "30", "IN", "MX", "0", "."]],
+        "a null MX (RFC 7505): {}",
+        d.text
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_classes_than_in_are_refused_here_and_never_forwarded() {
+    let upstream = ScriptedUpstream::start(|_| None).await;
+    let server = Server::start(MESH, |c| c.upstreams = vec![upstream.addr]).await;
+    for (class, name) in [
+        ("CH", "version.bind"),
+        ("CH", "hostname.bind"),
+        ("CH", "id.server"),
+        ("CH", "version.server"),
+        ("HS", "example.test"),
+        ("CH", "buzz.bar.foo.system.internal"),
+    ] {
+        for transport in ["+notcp", "+tcp"] {
+            let d = dig(server.addr, &[transport, class, "TXT", name]).await;
+            assert_eq!(d.status(), "REFUSED", "{class} {name}: {}", d.text);
+            assert!(d.answers().is_empty(), "{}", d.text);
+        }
+    }
+    assert_eq!(upstream.count(), 0, "nothing was forwarded");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_only_errors_carry_an_opt_when_the_query_had_one() {
+    let server = Server::start(MESH, |_| {}).await;
+    for (args, status) in [
+        (&["+opcode=15", "+header-only"][..], "NOTIMP"),
+        (&["+opcode=4", "system.internal", "SOA"][..], "NOTIMP"),
+        (&["+opcode=5", "system.internal", "SOA"][..], "NOTIMP"),
+        (&["+header-only"][..], "FORMERR"),
+        (&["+header-only", "+cookie"][..], "FORMERR"),
+    ] {
+        for transport in ["+notcp", "+tcp"] {
+            let d = dig(
+                server.addr,
+                &[&[transport, "+edns=0", "+dnssec"], args].concat(),
+            )
+            .await;
+            assert_eq!(d.status(), status, "{args:?}: {}", d.text);
+            let opt = d
+                .opt()
+                .unwrap_or_else(|| panic!("{args:?}: no OPT: {}", d.text));
+            assert!(
+                opt.contains("version: 0") && opt.contains("flags: do"),
+                "{opt}"
+            );
+            assert!(
+                !d.text.contains("COOKIE"),
+                "options are not echoed: {}",
+                d.text
+            );
+            let d = dig(server.addr, &[&[transport, "+noedns"], args].concat()).await;
+            if !args.contains(&"+cookie") {
+                assert_eq!(d.status(), status, "{args:?}: {}", d.text);
+                assert!(d.opt().is_none(), "no OPT in, none out: {}", d.text);
+            }
+        }
+    }
     server.stop().await;
 }
 
