@@ -30,6 +30,8 @@ const DEBIAN: &[(&str, &str)] = &[
     ("dnsperf", "dnsperf"),
     ("unbound", "unbound"),
     ("knot", "knotd"),
+    ("dnsviz", "dnsviz"),
+    ("zonemaster-cli", "zonemaster-cli"),
     ("curl", "curl"),
     ("procps", "ps"),
     ("util-linux", "setpriv"),
