@@ -138,6 +138,29 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
     pub dns_ttl: u32,
 
+    /// Most answers for names outside the mesh the DNS cache keeps (least recently used out).
+    #[arg(
+        long,
+        env = "LATTICE_DNS_CACHE_ENTRIES",
+        default_value_t = 10_000,
+        value_name = "N"
+    )]
+    pub dns_cache_entries: usize,
+
+    /// Most bytes the DNS cache's answers take.
+    #[arg(long, env = "LATTICE_DNS_CACHE_BYTES", default_value_t = 16 << 20, value_name = "BYTES")]
+    pub dns_cache_bytes: usize,
+
+    /// Most answers one client address may have in the DNS cache (and the same share of
+    /// --dns-cache-bytes): one pod's unique names replace its own, never the others'.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_CACHE_ENTRIES_PER_SOURCE",
+        default_value_t = 1_250,
+        value_name = "N"
+    )]
+    pub dns_cache_entries_per_source: usize,
+
     /// Least time between two pushes, in milliseconds: a lone mesh change goes out at once,
     /// changes that follow a push closer than this wait and go out together.
     #[arg(long, env = "LATTICE_DEBOUNCE_MS", default_value_t = 10)]
@@ -211,6 +234,9 @@ mod tests {
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");
         assert_eq!(config.dns_ttl, 30);
+        assert_eq!(config.dns_cache_entries, 10_000);
+        assert_eq!(config.dns_cache_bytes, 16 << 20);
+        assert_eq!(config.dns_cache_entries_per_source, 1_250);
     }
 
     #[test]

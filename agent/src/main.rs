@@ -202,6 +202,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
     dns_config.ttl = config.dns_ttl;
+    dns_config.cache_entries = config.dns_cache_entries;
+    dns_config.cache_bytes = config.dns_cache_bytes;
+    dns_config.cache_entries_per_source = config.dns_cache_entries_per_source;
+    // The zone's name server is the address pods reach this server at.
+    if let Some(address) = config.node_local_dns {
+        dns_config.nameserver = Some(address);
+    }
     let mut dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
     // Proxies hold what their pods use only when pods can be told apart: identity checking.
     let scopes = (kubernetes.is_some()
