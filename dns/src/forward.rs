@@ -324,6 +324,8 @@ async fn fly(
     if let (Some(answer), Some(cache)) = (&flown, &inner.cache)
         && let Some(ttl) = answer.cache_ttl()
     {
+        // An IPv4 client of a dual-stack socket is one client whichever way it is written.
+        let source = source.to_canonical();
         cache.insert(key.clone(), answer.clone(), ttl, source, inner.clock.now());
     }
     drop(landing);
