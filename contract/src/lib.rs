@@ -11,6 +11,10 @@ pub use trap::{TrapCidr, TrapCidrError, TrapCidrs};
 /// The DNS zone mesh names live under: service `/foo/bar/buzz` is `buzz.bar.foo.system.internal`.
 pub const ZONE: &str = "system.internal";
 
+/// The zone's name server is `ns.` before [`ZONE`]: the NS and SOA name, answered with the DNS
+/// server's own address. No mesh path may take its name (`/ns`).
+pub const ZONE_NAMESERVER_LABEL: &str = "ns";
+
 /// The trapped block when `--trap-cidr` is not given. Class E: never routed anywhere, so a
 /// connection that escapes capture fails instead of leaking to a real network.
 pub const DEFAULT_TRAP_CIDR: &str = "240.240.0.0/16";

@@ -230,6 +230,7 @@ pub(crate) fn in_zone(key: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lattice_contract::ZONE_NAMESERVER_LABEL;
 
     fn table() -> NameTable {
         NameTable::new([
@@ -321,7 +322,7 @@ mod tests {
             Some(ZONE_WIRE)
         );
         assert_eq!(
-            lowercase_wire_name_from_dotted(&format!("ns.{ZONE}")).as_deref(),
+            lowercase_wire_name_from_dotted(&format!("{ZONE_NAMESERVER_LABEL}.{ZONE}")).as_deref(),
             Some(NAMESERVER_WIRE)
         );
     }

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use lattice_contract::ZONE;
+use lattice_contract::{ZONE, ZONE_NAMESERVER_LABEL};
 
 /// A service's place in the mesh: `/`-separated DNS labels, most general first.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -23,6 +23,10 @@ pub enum PathError {
     Segment { path: String, segment: String },
     #[error("mesh path {0:?} makes a DNS name longer than 253 characters")]
     TooLong(String),
+    #[error(
+        "mesh path {0:?} is reserved: its DNS name is the zone's name server; choose another path"
+    )]
+    Reserved(String),
 }
 
 impl MeshPath {
@@ -85,6 +89,9 @@ impl FromStr for MeshPath {
                 segment: bad.to_string(),
             });
         }
+        if rest == ZONE_NAMESERVER_LABEL {
+            return Err(PathError::Reserved(s.to_string()));
+        }
         let path = MeshPath(s.to_string());
         if path.dns_name().len() > 253 {
             return Err(PathError::TooLong(s.to_string()));
@@ -133,6 +140,16 @@ mod tests {
         for bad in ["", "Db-1", "db/1", "db.1", "-db"] {
             assert!(path.child(bad).is_err(), "{bad:?} should be refused");
         }
+    }
+
+    #[test]
+    fn the_name_servers_path_is_reserved() {
+        assert_eq!(
+            "/ns".parse::<MeshPath>(),
+            Err(PathError::Reserved("/ns".to_string()))
+        );
+        assert!("/ns/web".parse::<MeshPath>().is_ok());
+        assert!("/web/ns".parse::<MeshPath>().is_ok());
     }
 
     #[test]
