@@ -11,6 +11,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use hickory_proto::op::ResponseCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -23,7 +24,7 @@ use super::{Context, forward};
 use crate::budget::TcpSlot;
 use crate::error::DnsError;
 use crate::fast;
-use crate::handoff::Listeners;
+use crate::handoff::{self, Listeners};
 use crate::metrics::Served;
 use crate::query::{self, Outcome};
 use crate::table::NameTable;
@@ -47,16 +48,12 @@ const LINGER: Duration = Duration::from_secs(2);
 /// client is about to send.
 const FIRST_QUERY_WAIT: Duration = Duration::from_millis(500);
 
-/// After the listeners stop being steered, how long handshakes under way may still complete
-/// into their accept queues.
-const SETTLE: Duration = Duration::from_millis(50);
-
 /// Refused connections waiting for their client to close; beyond it a refused connection is
 /// closed at once.
 const LINGERING_REFUSALS: usize = 256;
 
-/// Accepts on `listeners` until `drain` is cancelled; then takes what their accept queues hold,
-/// closes them, and waits for every connection to close.
+/// Accepts on `listeners` until `drain` is cancelled; then takes what their accept queues hold
+/// (`handoff::incoming`), closes them, and waits for every connection to close.
 pub(super) async fn serve(
     listeners: Listeners,
     context: Arc<Context>,
@@ -65,40 +62,24 @@ pub(super) async fn serve(
 ) -> Result<(), DnsError> {
     let mut connections = JoinSet::new();
     let refusals = Arc::new(Semaphore::new(LINGERING_REFUSALS));
-    let accept = |stream, peer, connections: &mut JoinSet<()>| {
-        admit(
-            stream,
-            peer,
-            &context,
-            &names,
-            &drain,
-            &refusals,
-            connections,
-        );
-    };
+    let incoming = handoff::incoming(listeners, drain.clone());
+    tokio::pin!(incoming);
     loop {
-        let accepted = tokio::select! {
-            () = drain.cancelled() => break,
-            accepted = listeners.accept() => accepted,
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-        };
-        match accepted {
-            Ok((stream, peer)) => accept(stream, peer, &mut connections),
-            Err(e) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "DNS TCP accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+        tokio::select! {
+            accepted = incoming.next() => match accepted {
+                Some(Ok((stream, peer))) => {
+                    admit(stream, peer, &context, &names, &drain, &refusals, &mut connections);
+                }
+                Some(Err(e)) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "DNS TCP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                None => break,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
-    listeners.leave();
-    tokio::time::sleep(SETTLE).await;
-    while let Some(accepted) = listeners.try_accept() {
-        if let Ok((stream, peer)) = accepted {
-            accept(stream, peer, &mut connections);
-        }
-    }
-    drop(listeners);
     while connections.join_next().await.is_some() {}
     Ok(())
 }
