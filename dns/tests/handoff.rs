@@ -268,3 +268,87 @@ async fn before_the_first_table_the_zone_fails_retryably_and_other_names_are_for
     assert_eq!(d.status(), "NXDOMAIN", "{}", d.text);
     server.stop().await;
 }
+
+/// An upstream that answers every query `delay` after it arrives, and counts them.
+async fn slow_upstream(delay: Duration) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let socket = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let addr = socket.local_addr().unwrap();
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = seen.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0; 4096];
+        while let Ok((len, peer)) = socket.recv_from(&mut buf).await {
+            let Ok(query) = Message::from_vec(&buf[..len]) else {
+                continue;
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let socket = socket.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let mut reply = Message::response(query.metadata.id, OpCode::Query);
+                reply.queries.clone_from(&query.queries);
+                let name = query.queries[0].name().clone();
+                reply.add_answer(hickory_proto::rr::Record::from_rdata(
+                    name,
+                    60,
+                    RData::A(hickory_proto::rr::rdata::A([192, 0, 2, 7].into())),
+                ));
+                let _ = socket.send_to(&reply.to_vec().unwrap(), peer).await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// Draining answers what was received before it stops, forwarded queries still at their
+/// upstream included, over UDP and TCP; the TCP connection then gets its FIN.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_answers_the_forwarded_queries_in_flight() {
+    let (upstream, seen) = slow_upstream(Duration::from_millis(300)).await;
+    let server = Server::start_with(
+        table(&[(WEB, "240.240.0.1")]),
+        |c| {
+            c.upstreams = vec![upstream];
+        },
+        None,
+    )
+    .await;
+    let mut clients = Vec::new();
+    for k in 0..10u16 {
+        let client = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        client
+            .send_to(&query(k, &format!("n{k}.example.test")), server.addr)
+            .await
+            .unwrap();
+        clients.push(client);
+    }
+    let mut stream = TcpStream::connect(server.addr).await.unwrap();
+    let bytes = query(99, "tcp.example.test");
+    let mut framed = (bytes.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&bytes);
+    stream.write_all(&framed).await.unwrap();
+    eventually(Duration::from_secs(2), || async {
+        seen.load(std::sync::atomic::Ordering::SeqCst) == 11
+    })
+    .await;
+    // Every query is at the upstream: drain now.
+    server.stop().await;
+    for client in &clients {
+        let mut buf = [0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(2), client.recv(&mut buf))
+            .await
+            .expect("answered while draining")
+            .unwrap();
+        assert_eq!(address_of(&buf[..n]), Some(Ipv4Addr::new(192, 0, 2, 7)));
+    }
+    let len = stream.read_u16().await.expect("answered before the FIN");
+    let mut reply = vec![0; usize::from(len)];
+    stream.read_exact(&mut reply).await.unwrap();
+    assert_eq!(address_of(&reply), Some(Ipv4Addr::new(192, 0, 2, 7)));
+    let mut rest = Vec::new();
+    assert_eq!(
+        stream.read_to_end(&mut rest).await.unwrap(),
+        0,
+        "then a FIN"
+    );
+}
