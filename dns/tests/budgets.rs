@@ -206,3 +206,104 @@ async fn over_the_total_a_new_connection_takes_the_oldest_idle_ones_slot() {
     assert_eq!(closed, 1);
     server.stop().await;
 }
+
+/// Reads framed answers until the server closes: their count, or the error that ended them.
+async fn answers_until_closed(stream: &mut TcpStream) -> std::io::Result<usize> {
+    let mut count = 0;
+    loop {
+        let len = match stream.read_u16().await {
+            Ok(len) => len,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(count),
+            Err(e) => return Err(e),
+        };
+        let mut reply = vec![0; usize::from(len)];
+        stream.read_exact(&mut reply).await?;
+        count += 1;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_close_when_idle_or_old_with_a_fin_and_pipelines_are_answered_whole() {
+    let upstream = ScriptedUpstream::start(answer).await;
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![upstream.addr];
+        c.tcp_idle_timeout = Duration::from_millis(300);
+        c.tcp_lifetime = Duration::from_secs(2);
+        c.tcp_pipeline = 4;
+    })
+    .await;
+
+    // Idle: closed with a FIN, counted.
+    let mut idle = connect_from(GOOD, server.addr).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), answers_until_closed(&mut idle))
+        .await
+        .expect("closed when idle");
+    assert_eq!(ended.unwrap(), 0);
+    assert_eq!(
+        server.metric("lattice_dns_tcp_closed_total{reason=\"idle\"}"),
+        1.0
+    );
+
+    // Forty queries in one write, mesh and forwarded, with four answered at a time: every one
+    // answered, each by its id.
+    let mut pipelined = connect_from(GOOD, server.addr).await.unwrap();
+    let mut burst = Vec::new();
+    for k in 0..40u16 {
+        let name = if k % 2 == 0 {
+            "web.shop.system.internal".to_string()
+        } else {
+            format!("n{k}.example.test")
+        };
+        burst.extend(framed_query(k, &name));
+    }
+    pipelined.write_all(&burst).await.unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..40 {
+        let len = pipelined.read_u16().await.unwrap();
+        let mut reply = vec![0; usize::from(len)];
+        pipelined.read_exact(&mut reply).await.unwrap();
+        let reply = Message::from_vec(&reply).unwrap();
+        assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
+        ids.push(reply.metadata.id);
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, (0..40).collect::<Vec<u16>>());
+
+    // Old: a connection that keeps asking is closed once its lifetime is up, after its answer.
+    let mut busy = connect_from(GOOD, server.addr).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        for k in 0u16.. {
+            if busy
+                .write_all(&framed_query(k, "web.shop.system.internal"))
+                .await
+                .is_err()
+            {
+                return k;
+            }
+            match busy.read_u16().await {
+                Ok(len) => {
+                    let mut reply = vec![0; usize::from(len)];
+                    busy.read_exact(&mut reply).await.unwrap();
+                }
+                Err(e) => {
+                    assert_eq!(
+                        e.kind(),
+                        std::io::ErrorKind::UnexpectedEof,
+                        "a FIN, not a reset"
+                    );
+                    return k;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        unreachable!()
+    })
+    .await
+    .expect("closed at its lifetime");
+    assert!(closed >= 10, "open about its lifetime: {closed} queries");
+    assert_eq!(
+        server.metric("lattice_dns_tcp_closed_total{reason=\"lifetime\"}"),
+        1.0
+    );
+    server.stop().await;
+}

@@ -40,6 +40,10 @@ const READ_CHUNK: usize = 4096;
 /// Room for a fast-path answer (a mesh name's A records); a longer one takes the general path.
 const FAST_ANSWER_MAX: usize = 2048;
 
+/// Room made for a read when the buffer is full: a query and then some. A connection that
+/// waits holds no more than this.
+const FIRST_READ: usize = 512;
+
 /// How long a closing connection waits for its client to close its side, reading and
 /// discarding: past it the socket is closed whatever the client does.
 const LINGER: Duration = Duration::from_secs(2);
@@ -105,7 +109,7 @@ fn admit(
                 slot,
                 buffer: Vec::new(),
                 pending: JoinSet::new(),
-                out: vec![0; 2 + FAST_ANSWER_MAX],
+                out: Vec::new(),
                 queries: 0,
                 idle: false,
             };
@@ -189,7 +193,7 @@ struct Connection {
     buffer: Vec<u8>,
     /// Answers under way (forwarded queries, held answers), written as each is ready.
     pending: JoinSet<Vec<u8>>,
-    /// Fast-path answers are written here after two bytes for their length.
+    /// Fast-path answers are written here after two bytes for their length (made on the first).
     out: Vec<u8>,
     /// Queries taken so far.
     queries: u64,
@@ -209,8 +213,15 @@ impl Connection {
                 Ok(false) => {}
                 Err(reason) => break reason,
             }
-            self.mark_idle(self.pending.is_empty() && self.buffer.is_empty());
-            let mut chunk = [0u8; READ_CHUNK];
+            let idle = self.pending.is_empty() && self.buffer.is_empty();
+            if idle && self.buffer.capacity() > READ_CHUNK {
+                // A burst's buffer is not kept by a connection that waits.
+                self.buffer = Vec::new();
+            }
+            self.mark_idle(idle);
+            if self.buffer.capacity() == self.buffer.len() {
+                self.buffer.reserve(FIRST_READ);
+            }
             tokio::select! {
                 biased;
                 () = drain.cancelled() => break Close::Drain,
@@ -222,12 +233,9 @@ impl Connection {
                     }
                     idle_deadline = Instant::now() + limits.idle_timeout;
                 }
-                read = self.stream.read(&mut chunk), if self.pending.len() < limits.pipeline => match read {
+                read = self.stream.read_buf(&mut self.buffer), if self.pending.len() < limits.pipeline => match read {
                     Ok(0) => break Close::Client,
-                    Ok(n) => {
-                        self.buffer.extend_from_slice(&chunk[..n]);
-                        self.mark_idle(false);
-                    }
+                    Ok(_) => self.mark_idle(false),
                     Err(_) => break Close::Failed,
                 },
                 () = tokio::time::sleep_until(idle_deadline), if self.pending.is_empty() => break Close::Idle,
@@ -276,6 +284,9 @@ impl Connection {
     async fn answer(&mut self, query: &[u8]) -> Result<(), Close> {
         let context = self.context.clone();
         let table = self.names.borrow().clone();
+        if self.out.is_empty() {
+            self.out = vec![0; 2 + FAST_ANSWER_MAX];
+        }
         if let Some((n, scope)) = fast::answer(
             &table,
             context.zone.ttl,
