@@ -1,7 +1,11 @@
 //! The admin HTTP server (node-local): health, readiness, metrics and debug views. Kept apart
-//! from the data path so a slow scrape never delays a push.
+//! from the data path so a slow scrape never delays a push. Its TCP port is shared
+//! (SO_REUSEPORT) so an upgraded agent binds beside this one; the Unix socket, if any, is this
+//! agent's alone, which is where the kubelet's probes ask (`--probe`).
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use axum::Router;
@@ -9,7 +13,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::StatusRx;
@@ -33,12 +37,30 @@ pub struct AdminState {
 
 pub struct AdminServer {
     listener: TcpListener,
+    /// The agent's own socket and its path (removed when the server stops).
+    socket: Option<(UnixListener, PathBuf)>,
     router: Router,
 }
 
 impl AdminServer {
-    pub async fn bind(addr: SocketAddr, state: AdminState) -> std::io::Result<AdminServer> {
-        let listener = TcpListener::bind(addr).await?;
+    /// Binds `addr` (shared with a successor) and, if given, the Unix socket `socket` (a file
+    /// left there by an earlier run of this pod's agent is replaced).
+    pub async fn bind(
+        addr: SocketAddr,
+        socket: Option<&Path>,
+        state: AdminState,
+    ) -> std::io::Result<AdminServer> {
+        let listener = lattice_dns::handoff::shared_listener(addr)?;
+        let socket = match socket {
+            Some(path) => {
+                match std::fs::remove_file(path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                    _ => {}
+                }
+                Some((UnixListener::bind(path)?, path.to_path_buf()))
+            }
+            None => None,
+        };
         let router = Router::new()
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/readyz", get(readyz))
@@ -47,7 +69,11 @@ impl AdminServer {
             .route("/debug/xds", get(debug_xds))
             .route("/debug/routes", get(debug_routes))
             .with_state(state);
-        Ok(AdminServer { listener, router })
+        Ok(AdminServer {
+            listener,
+            socket,
+            router,
+        })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -55,9 +81,72 @@ impl AdminServer {
     }
 
     pub async fn run(self, shutdown: CancellationToken) -> std::io::Result<()> {
-        axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await
+        let stopped = shutdown.clone();
+        let tcp = axum::serve(self.listener, self.router.clone())
+            .with_graceful_shutdown(async move { stopped.cancelled().await });
+        let Some((socket, path)) = self.socket else {
+            return tcp.await;
+        };
+        let unix = axum::serve(socket, self.router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await });
+        let served = tokio::try_join!(tcp.into_future(), unix.into_future()).map(|_| ());
+        let _ = std::fs::remove_file(path);
+        served
+    }
+}
+
+/// Why a probe ([`probe`]) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("{0:?} is not an admin path (`/readyz`, `/healthz`)")]
+    Path(String),
+    #[error("cannot ask the agent on {socket}: {source}")]
+    Io {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the agent answered {status}: {body}")]
+    Status { status: String, body: String },
+}
+
+/// How long a probe waits for the agent: below the kubelet's default probe timeout (1 s).
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(900);
+
+/// Asks the agent listening on the Unix socket `socket` for `path`: the body if it answers
+/// 200. The kubelet's exec probes run this (`lattice-agent --probe`), so each pod's probes
+/// reach its own agent, whoever shares its TCP ports.
+pub fn probe(socket: &Path, path: &str) -> Result<String, ProbeError> {
+    use std::io::{Read, Write};
+    if !path.starts_with('/') || path.len() > 256 || !path.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ProbeError::Path(path.chars().take(64).collect()));
+    }
+    let io = |source| ProbeError::Io {
+        socket: socket.to_path_buf(),
+        source,
+    };
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(io)?;
+    stream.set_read_timeout(Some(PROBE_TIMEOUT)).map_err(io)?;
+    stream.set_write_timeout(Some(PROBE_TIMEOUT)).map_err(io)?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(io)?;
+    let mut response = Vec::new();
+    stream
+        .take(64 << 10)
+        .read_to_end(&mut response)
+        .map_err(io)?;
+    let response = String::from_utf8_lossy(&response);
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head.split_whitespace().nth(1).unwrap_or("no status");
+    if status == "200" {
+        Ok(body.to_string())
+    } else {
+        Err(ProbeError::Status {
+            status: status.to_string(),
+            body: body.trim().chars().take(512).collect(),
+        })
     }
 }
 

@@ -129,8 +129,9 @@ pub struct AgentConfig {
     pub upstream_dns: Vec<SocketAddr>,
 
     /// Add this link-local address to the node (dummy link `lattice-dns0`, or `lo`) before the
-    /// DNS server binds, and remove it on shutdown; pods use it as their nameserver. Needs
-    /// CAP_NET_ADMIN. --dns-addr must listen on it. The manifests use 169.254.20.10.
+    /// DNS server binds, and leave it there on shutdown, for the agent that follows; pods use
+    /// it as their nameserver. Needs CAP_NET_ADMIN. --dns-addr must listen on it. The
+    /// manifests use 169.254.20.10.
     #[arg(long, env = "LATTICE_NODE_LOCAL_DNS", value_name = "ADDR")]
     pub node_local_dns: Option<std::net::IpAddr>,
 
@@ -160,6 +161,93 @@ pub struct AgentConfig {
         value_name = "N"
     )]
     pub dns_cache_entries_per_source: usize,
+    /// Most forwarded DNS queries (names outside the mesh, not cached) in flight; beyond it a
+    /// forwarded query gets SERVFAIL. Mesh names never wait on it.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_FORWARDS",
+        default_value_t = 1024,
+        value_name = "N"
+    )]
+    pub dns_forwards: usize,
+
+    /// Most forwarded DNS queries in flight from one source address (a pod).
+    #[arg(
+        long,
+        env = "LATTICE_DNS_FORWARDS_PER_SOURCE",
+        default_value_t = 128,
+        value_name = "N"
+    )]
+    pub dns_forwards_per_source: usize,
+
+    /// Most DNS TCP connections open; beyond it the connection idle longest is closed for a
+    /// new one, or the new one refused when none is idle.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_TCP_CONNECTIONS",
+        default_value_t = 1024,
+        value_name = "N"
+    )]
+    pub dns_tcp_connections: usize,
+
+    /// Most DNS TCP connections open from one source address; beyond it a new one is refused.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_TCP_CONNECTIONS_PER_SOURCE",
+        default_value_t = 64,
+        value_name = "N"
+    )]
+    pub dns_tcp_connections_per_source: usize,
+
+    /// A DNS TCP connection with no query for this many seconds is closed.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_TCP_IDLE_TIMEOUT_SECS",
+        default_value_t = 10,
+        value_name = "SECS"
+    )]
+    pub dns_tcp_idle_timeout_secs: u64,
+
+    /// A DNS TCP connection open this many seconds is closed once its queries are answered.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_TCP_LIFETIME_SECS",
+        default_value_t = 120,
+        value_name = "SECS"
+    )]
+    pub dns_tcp_lifetime_secs: u64,
+
+    /// Most queries of one DNS TCP connection answered at once (pipelined); beyond it the
+    /// connection is read no further until one is answered.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_TCP_PIPELINE",
+        default_value_t = 16,
+        value_name = "N"
+    )]
+    pub dns_tcp_pipeline: usize,
+
+    /// On SIGTERM, the longest the agent drains (answers the DNS queries it has received,
+    /// closes TCP connections without a reset, ends ADS streams) before it exits anyway. Keep
+    /// it below the pod's terminationGracePeriodSeconds.
+    #[arg(
+        long,
+        env = "LATTICE_DRAIN_TIMEOUT_SECS",
+        default_value_t = 20,
+        value_name = "SECS"
+    )]
+    pub drain_timeout_secs: u64,
+
+    /// Also serve the admin endpoints on this Unix socket. In the DaemonSet it lies in the
+    /// pod's own emptyDir, so the kubelet's probes (`--probe`) reach this pod's agent even while
+    /// an upgraded one shares its ports.
+    #[arg(long, env = "LATTICE_ADMIN_SOCKET", value_name = "PATH")]
+    pub admin_socket: Option<PathBuf>,
+
+    /// Ask the running agent's admin socket (--admin-socket) for PATH (`/readyz`, `/healthz`)
+    /// and exit 0 if it answers 200, 1 otherwise: the kubelet's exec probes.
+    #[arg(long, value_name = "PATH", requires = "admin_socket")]
+    pub probe: Option<String>,
 
     /// Least time between two pushes, in milliseconds: a lone mesh change goes out at once,
     /// changes that follow a push closer than this wait and go out together.
@@ -195,6 +283,10 @@ impl AgentConfig {
 
     pub fn debounce(&self) -> Duration {
         Duration::from_millis(self.debounce_ms)
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout_secs)
     }
 }
 
@@ -237,6 +329,15 @@ mod tests {
         assert_eq!(config.dns_cache_entries, 10_000);
         assert_eq!(config.dns_cache_bytes, 16 << 20);
         assert_eq!(config.dns_cache_entries_per_source, 1_250);
+        assert_eq!(config.dns_forwards, 1024);
+        assert_eq!(config.dns_forwards_per_source, 128);
+        assert_eq!(config.dns_tcp_connections, 1024);
+        assert_eq!(config.dns_tcp_connections_per_source, 64);
+        assert_eq!(config.dns_tcp_idle_timeout_secs, 10);
+        assert_eq!(config.dns_tcp_lifetime_secs, 120);
+        assert_eq!(config.dns_tcp_pipeline, 16);
+        assert_eq!(config.drain_timeout_secs, 20);
+        assert_eq!(config.admin_socket, None);
     }
 
     #[test]

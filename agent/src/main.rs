@@ -1,6 +1,15 @@
 //! `lattice-agent`: the node agent binary. Reads its configuration, binds every socket first
 //! (so a bad address fails start-up, not a request later), starts the source, the pipeline
 //! and the servers, and shuts them down in order on SIGTERM or Ctrl-C.
+//!
+//! A rolling upgrade runs two agents on a node for a while: the new one binds beside the old
+//! (every socket the pods reach is shared with SO_REUSEPORT, see `lattice_dns::handoff`), takes
+//! traffic once it is ready, and is then marked ready itself; the kubelet then sends the old
+//! one SIGTERM, on which it drains: its DNS sockets and xDS listeners leave the ports' selection
+//! without losing what they queued, every DNS query it received is answered, its TCP
+//! connections close without a reset, and its ADS streams end so each Envoy reconnects, to the
+//! new agent, keeping its configuration meanwhile. Then it exits, leaving the node-local
+//! address to the new one.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -10,22 +19,24 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use lattice_agent::admin::{AdminServer, AdminState};
+use lattice_agent::admin::{self, AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
 use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
-use lattice_agent::node_local_address::{self, NodeLocalAddress};
+use lattice_agent::node_local_address;
 use lattice_agent::readiness::Readiness;
 use lattice_agent::scope::{ScopeRegistry, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
 use lattice_agent::xds::{AdsService, ProxyRegistry, XdsServer};
+use lattice_dns::handoff::{self, BoundTcp};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
+use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 
 /// jemalloc instead of glibc's malloc: it hands freed memory back to the system (glibc's arenas
@@ -58,6 +69,18 @@ fn main() -> ExitCode {
                 format!("invalid value for --node-zone: {error}"),
             )
             .exit();
+    }
+    if let (Some(path), Some(socket)) = (&config.probe, &config.admin_socket) {
+        return match admin::probe(socket, path) {
+            Ok(body) => {
+                print!("{body}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                println!("{error}");
+                ExitCode::FAILURE
+            }
+        };
     }
     init_logging(config.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
@@ -143,6 +166,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         return Ok(());
     }
 
+    // Cancelled first, on SIGTERM: the servers the pods reach stop taking work and finish
+    // what they hold. Then `shutdown` stops everything else.
+    let drain = CancellationToken::new();
     let shutdown = CancellationToken::new();
     let metrics = Metrics::new();
     let proxies = ProxyRegistry::default();
@@ -179,25 +205,32 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let pipeline = pipeline.with_external_dns(external_dns);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
-    // node-local address, so it must exist first. Dropped on an early return, it removes
-    // itself.
-    let node_dns = match config.node_local_dns {
-        Some(address) => Some(NodeLocalAddress::install(address).await?),
-        None => None,
+    // node-local address, so it must exist first; it stays when the agent stops, for the agent
+    // that follows.
+    if let Some(address) = config.node_local_dns {
+        node_local_address::install(address).await?;
+    }
+    let xds_context = || {
+        format!(
+            "cannot bind the xDS server on {} (--xds-addr)",
+            config.xds_addr
+        )
     };
-    let xds_listener = tokio::net::TcpListener::bind(config.xds_addr)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot bind the xDS server on {} (--xds-addr)",
-                config.xds_addr
-            )
-        })?;
+    let xds_beside = handoff::tcp_in_use(config.xds_addr).with_context(xds_context)?;
+    let xds_sockets =
+        BoundTcp::bind(config.xds_addr, &handoff::online_cpus()).with_context(xds_context)?;
     if reachable_off_node(config.xds_addr.ip()) {
         tracing::warn!(
             xds = %config.xds_addr,
             "the xDS server is bound to an address other hosts may reach: anyone who reaches it \
              can read the mesh. Bind it to loopback or to the node-local address (--xds-addr)"
+        );
+    }
+    if handoff::kernel_steers() == Some(false) && !handoff::migrates_requests() {
+        tracing::warn!(
+            "this kernel (before 6.1) cannot steer new connections away from a draining agent, \
+             and net.ipv4.tcp_migrate_req is not 1: in an upgrade, a DNS or xDS connection that \
+             arrives as the old agent closes its listeners may be reset. Set the sysctl on the node"
         );
     }
     let mut dns_config = DnsConfig::new(config.dns_addr, upstreams);
@@ -209,6 +242,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     if let Some(address) = config.node_local_dns {
         dns_config.nameserver = Some(address);
     }
+    dns_config.forwards = config.dns_forwards;
+    dns_config.forwards_per_source = config.dns_forwards_per_source;
+    dns_config.tcp_connections = config.dns_tcp_connections;
+    dns_config.tcp_connections_per_source = config.dns_tcp_connections_per_source;
+    dns_config.tcp_idle_timeout = Duration::from_secs(config.dns_tcp_idle_timeout_secs);
+    dns_config.tcp_lifetime = Duration::from_secs(config.dns_tcp_lifetime_secs);
+    dns_config.tcp_pipeline = config.dns_tcp_pipeline;
     let mut dns = DnsServer::bind(dns_config, published.names, metrics.dns.clone()).await?;
     // Proxies hold what their pods use only when pods can be told apart: identity checking.
     let scopes = (kubernetes.is_some()
@@ -256,18 +296,22 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         node: locality_rx.clone(),
         metrics: metrics.clone(),
         proxies: proxies.clone(),
-        readiness,
+        readiness: readiness.clone(),
     };
-    let admin = AdminServer::bind(config.admin_addr, admin_state)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot bind the admin server on {} (--admin-addr)",
-                config.admin_addr
-            )
-        })?;
+    let admin = AdminServer::bind(
+        config.admin_addr,
+        config.admin_socket.as_deref(),
+        admin_state,
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "cannot bind the admin server on {} (--admin-addr)",
+            config.admin_addr
+        )
+    })?;
     tracing::info!(
-        xds = %xds_listener.local_addr()?,
+        xds = %xds_sockets.local_addr(),
         dns = %dns.local_addr(),
         admin = %admin.local_addr()?,
         "listening"
@@ -357,34 +401,44 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     });
     let token = shutdown.clone();
     tasks.spawn(async move {
-        drop(dns_ready);
-        dns.run(token).await?;
-        Ok("dns server")
-    });
-    let token = shutdown.clone();
-    tasks.spawn(async move {
         admin.run(token).await?;
         Ok("admin server")
     });
-    let xds = XdsServer::new(
-        published.xds,
-        metrics.xds.clone(),
-        proxies,
-        shutdown.clone(),
-    )
-    .with_identity(identity);
+    // The servers the pods reach, apart: on SIGTERM they drain while everything else runs.
+    let mut servers: JoinSet<anyhow::Result<&'static str>> = JoinSet::new();
+    let token = drain.clone();
+    let dns = dns.on_open(move || drop(dns_ready));
+    servers.spawn(async move {
+        dns.run(token).await?;
+        Ok("dns server")
+    });
+    let xds = XdsServer::new(published.xds, metrics.xds.clone(), proxies, drain.clone())
+        .with_identity(identity);
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
         None => xds,
     };
-    let token = shutdown.clone();
-    tasks.spawn(async move {
+    let token = drain.clone();
+    servers.spawn(async move {
+        if xds_beside {
+            tracing::info!(xds = %xds_sockets.local_addr(), "another listener (the agent this one replaces) holds the xDS address: listening once this agent is ready");
+            tokio::select! {
+                () = readiness.ready_but(&["xds server", "dns server"]) => {}
+                () = token.cancelled() => return Ok("xds server"),
+            }
+        }
+        let listeners = xds_sockets
+            .listen()
+            .context("cannot listen on the xDS address")?;
         drop(xds_ready);
+        let accepted = handoff::incoming(listeners, token).map(|accepted| accepted.map(|(stream, _)| stream));
+        // The incoming stream ends once draining has taken the listeners' queues; the server
+        // then waits for its streams, which end on the same token.
         tonic::transport::Server::builder()
             .add_service(AdsService::new(xds))
             .serve_with_incoming_shutdown(
-                lattice_agent::xds::connection::incoming(xds_listener),
-                token.cancelled_owned(),
+                lattice_agent::xds::connection::incoming(accepted),
+                std::future::pending::<()>(),
             )
             .await?;
         Ok("xds server")
@@ -392,14 +446,25 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
 
     let mut failure = None;
     tokio::select! {
-        signal = shutdown_signal() => tracing::info!(signal, "shutting down"),
-        Some(done) = tasks.join_next() => {
-            failure = Some(match done {
-                Ok(Ok(name)) => anyhow::anyhow!("{name} stopped unexpectedly"),
-                Ok(Err(error)) => error,
-                Err(join) => anyhow::anyhow!("a task panicked: {join}"),
-            });
+        signal = shutdown_signal() => tracing::info!(signal, "shutting down: draining first"),
+        Some(done) = tasks.join_next() => failure = Some(unexpected(done)),
+        Some(done) = servers.join_next() => failure = Some(unexpected(done)),
+    }
+    drain.cancel();
+    let drained = tokio::time::timeout(config.drain_timeout(), async {
+        while let Some(done) = servers.join_next().await {
+            if let Ok(Err(error)) = done {
+                tracing::warn!("{}", report(error.as_ref()));
+            }
         }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            timeout_secs = config.drain_timeout_secs,
+            "still draining after --drain-timeout-secs; stopping anyway"
+        );
+        servers.shutdown().await;
     }
     shutdown.cancel();
     while let Some(done) = tasks.join_next().await {
@@ -407,17 +472,21 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             tracing::warn!("{}", report(error.as_ref()));
         }
     }
-    if let Some(node_dns) = node_dns
-        && let Err(error) = node_dns.remove().await
-    {
-        tracing::warn!("{}", report(&error));
-    }
     match failure {
         Some(error) => Err(error),
         None => {
             tracing::info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// Why a task that should run until shutdown ended.
+fn unexpected(done: Result<anyhow::Result<&'static str>, tokio::task::JoinError>) -> anyhow::Error {
+    match done {
+        Ok(Ok(name)) => anyhow::anyhow!("{name} stopped unexpectedly"),
+        Ok(Err(error)) => error,
+        Err(join) => anyhow::anyhow!("a task panicked: {join}"),
     }
 }
 

@@ -1,11 +1,17 @@
 //! The node-local DNS address: a link-local address (the manifests use
 //! [`lattice_contract::NODE_LOCAL_DNS`]) that the agent adds to the node with netlink before its
-//! DNS server binds, and removes on shutdown, as NodeLocal DNSCache does. Pods reach it through their `dnsConfig`; being link-local, it is the
-//! same on every node and never routed off the node.
+//! DNS server binds, as NodeLocal DNSCache does. Pods reach it through their `dnsConfig`; being
+//! link-local, it is the same on every node and never routed off the node.
+//!
+//! The agent never removes it, on SIGTERM or otherwise (NodeLocal DNSCache's `-skipteardown`):
+//! in a rolling upgrade the next agent serves on it while this one drains, and removing it
+//! would cut the node's DNS off from both. Adding it is idempotent, so a restarted or upgraded
+//! agent takes over what its predecessor left. Uninstalling removes it by hand
+//! (docs/install.md).
 //!
 //! The address goes on a dummy link of our own ([`LINK_NAME`]), so removing the link removes
 //! everything we added. Where dummy links are unavailable (no `dummy` kernel module, some
-//! sandboxes), it goes on `lo` instead and only the address is removed.
+//! sandboxes), it goes on `lo` instead.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -62,137 +68,10 @@ pub fn check_dns_addr(
     }
 }
 
-/// The node-local address while it is installed. [`NodeLocalAddress::remove`] takes it away;
-/// dropping it without that (an early return on a start-up error) removes it too.
-#[derive(Debug)]
-pub struct NodeLocalAddress {
-    address: IpAddr,
-    link: &'static str,
-    link_index: u32,
-    installed: bool,
-}
-
-impl NodeLocalAddress {
-    /// Adds `address` (as a host route: /32 or /128) to [`LINK_NAME`], created if needed, or to
-    /// `lo` where dummy links are unavailable. Idempotent: an address or link left behind by an
-    /// agent that was killed is taken over.
-    pub async fn install(address: IpAddr) -> Result<NodeLocalAddress, NodeLocalAddressError> {
-        let handle = connect()?;
-        let netlink = |action| {
-            move |source| NodeLocalAddressError::Netlink {
-                action,
-                address,
-                source,
-            }
-        };
-        let (link, link_index) = match link_index(&handle, LINK_NAME)
-            .await
-            .map_err(netlink("look up the dummy link"))?
-        {
-            Some(index) => (LINK_NAME, index),
-            None => match handle
-                .link()
-                .add(LinkDummy::new(LINK_NAME).up().build())
-                .execute()
-                .await
-            {
-                Ok(()) => {
-                    let index = link_index(&handle, LINK_NAME)
-                        .await
-                        .map_err(netlink("look up the new dummy link"))?
-                        .ok_or(NodeLocalAddressError::LinkGone(LINK_NAME))?;
-                    (LINK_NAME, index)
-                }
-                Err(error) if is_permission_denied(&error) => {
-                    return Err(netlink("create the dummy link")(error));
-                }
-                Err(error) => {
-                    warn!(
-                        %error,
-                        "dummy links are unavailable here; putting the node-local DNS address on lo"
-                    );
-                    let index = link_index(&handle, LOOPBACK)
-                        .await
-                        .map_err(netlink("look up lo"))?
-                        .ok_or(NodeLocalAddressError::LinkGone(LOOPBACK))?;
-                    (LOOPBACK, index)
-                }
-            },
-        };
-        // From here on, a failure (or a drop) removes what was added.
-        let installed = NodeLocalAddress {
-            address,
-            link,
-            link_index,
-            installed: true,
-        };
-        handle
-            .link()
-            .set(LinkUnspec::new_with_index(link_index).up().build())
-            .execute()
-            .await
-            .map_err(netlink("bring the link up"))?;
-        handle
-            .address()
-            .add(link_index, address, host_prefix(address))
-            .replace()
-            .execute()
-            .await
-            .map_err(netlink("add the address"))?;
-        info!(%address, link, "node-local DNS address installed");
-        Ok(installed)
-    }
-
-    /// Removes the address (and our dummy link). Call it after the DNS server has stopped.
-    pub async fn remove(mut self) -> Result<(), NodeLocalAddressError> {
-        self.installed = false;
-        uninstall(self.address, self.link, self.link_index).await?;
-        info!(address = %self.address, link = self.link, "node-local DNS address removed");
-        Ok(())
-    }
-}
-
-impl Drop for NodeLocalAddress {
-    fn drop(&mut self) {
-        if !self.installed {
-            return;
-        }
-        // Drop cannot await, and may run inside a runtime that must not be blocked on, so the
-        // removal gets a thread and a runtime of its own. Threads inherit the network
-        // namespace, so it removes the same address.
-        let (address, link, index) = (self.address, self.link, self.link_index);
-        let removed = std::thread::scope(|scope| {
-            scope
-                .spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(NodeLocalAddressError::Connect)?;
-                    runtime.block_on(uninstall(address, link, index))
-                })
-                .join()
-        });
-        match removed {
-            Ok(Ok(())) => info!(%address, link, "node-local DNS address removed"),
-            Ok(Err(error)) => warn!(%error, "node-local DNS address left in place"),
-            Err(_) => warn!(%address, "node-local DNS address left in place: removal panicked"),
-        }
-    }
-}
-
-fn connect() -> Result<Handle, NodeLocalAddressError> {
-    let (connection, handle, _) =
-        rtnetlink::new_connection().map_err(NodeLocalAddressError::Connect)?;
-    // The connection task ends when the last handle is dropped.
-    tokio::spawn(connection);
-    Ok(handle)
-}
-
-async fn uninstall(
-    address: IpAddr,
-    link: &'static str,
-    index: u32,
-) -> Result<(), NodeLocalAddressError> {
+/// Adds `address` (as a host route: /32 or /128) to [`LINK_NAME`], created if needed, or to
+/// `lo` where dummy links are unavailable, and returns the link it is on. Idempotent: an
+/// address or link left by an earlier agent is taken over.
+pub async fn install(address: IpAddr) -> Result<&'static str, NodeLocalAddressError> {
     let handle = connect()?;
     let netlink = |action| {
         move |source| NodeLocalAddressError::Netlink {
@@ -201,29 +80,63 @@ async fn uninstall(
             source,
         }
     };
-    if link == LINK_NAME {
-        // Deleting our link deletes its addresses with it.
-        return match handle.link().del(index).execute().await {
-            Err(error) if is_not_found(&error) => Ok(()),
-            other => other.map_err(netlink("delete the dummy link")),
-        };
-    }
-    let found: Vec<_> = handle
-        .address()
-        .get()
-        .set_link_index_filter(index)
-        .set_address_filter(address)
-        .execute()
-        .try_collect()
+    let (link, link_index) = match link_index(&handle, LINK_NAME)
         .await
-        .map_err(netlink("look up the address"))?;
-    for message in found {
-        match handle.address().del(message).execute().await {
-            Err(error) if is_not_found(&error) => {}
-            other => other.map_err(netlink("delete the address"))?,
-        }
-    }
-    Ok(())
+        .map_err(netlink("look up the dummy link"))?
+    {
+        Some(index) => (LINK_NAME, index),
+        None => match handle
+            .link()
+            .add(LinkDummy::new(LINK_NAME).up().build())
+            .execute()
+            .await
+        {
+            Ok(()) => {
+                let index = link_index(&handle, LINK_NAME)
+                    .await
+                    .map_err(netlink("look up the new dummy link"))?
+                    .ok_or(NodeLocalAddressError::LinkGone(LINK_NAME))?;
+                (LINK_NAME, index)
+            }
+            Err(error) if is_permission_denied(&error) => {
+                return Err(netlink("create the dummy link")(error));
+            }
+            Err(error) => {
+                warn!(
+                    %error,
+                    "dummy links are unavailable here; putting the node-local DNS address on lo"
+                );
+                let index = link_index(&handle, LOOPBACK)
+                    .await
+                    .map_err(netlink("look up lo"))?
+                    .ok_or(NodeLocalAddressError::LinkGone(LOOPBACK))?;
+                (LOOPBACK, index)
+            }
+        },
+    };
+    handle
+        .link()
+        .set(LinkUnspec::new_with_index(link_index).up().build())
+        .execute()
+        .await
+        .map_err(netlink("bring the link up"))?;
+    handle
+        .address()
+        .add(link_index, address, host_prefix(address))
+        .replace()
+        .execute()
+        .await
+        .map_err(netlink("add the address"))?;
+    info!(%address, link, "node-local DNS address installed");
+    Ok(link)
+}
+
+fn connect() -> Result<Handle, NodeLocalAddressError> {
+    let (connection, handle, _) =
+        rtnetlink::new_connection().map_err(NodeLocalAddressError::Connect)?;
+    // The connection task ends when the last handle is dropped.
+    tokio::spawn(connection);
+    Ok(handle)
 }
 
 async fn link_index(handle: &Handle, name: &str) -> Result<Option<u32>, rtnetlink::Error> {
@@ -258,7 +171,7 @@ fn errno(error: &rtnetlink::Error) -> Option<i32> {
 fn is_not_found(error: &rtnetlink::Error) -> bool {
     matches!(
         errno(error),
-        Some(code) if code == errno_value::ENODEV || code == errno_value::EADDRNOTAVAIL
+        Some(code) if code == errno_value::ENODEV
     )
 }
 
@@ -275,7 +188,6 @@ mod errno_value {
     pub const EPERM: i32 = 1;
     pub const EACCES: i32 = 13;
     pub const ENODEV: i32 = 19;
-    pub const EADDRNOTAVAIL: i32 = 99;
 }
 
 #[cfg(test)]

@@ -9,9 +9,18 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::watch;
+
 /// The components not ready yet, by name (a name may be registered more than once).
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<Mutex<BTreeMap<Cow<'static, str>, usize>>>);
+pub struct Readiness(Arc<Inner>);
+
+#[derive(Debug, Default)]
+struct Inner {
+    pending: Mutex<BTreeMap<Cow<'static, str>, usize>>,
+    /// Bumped whenever a token drops, for [`Readiness::ready_but`].
+    changed: watch::Sender<u64>,
+}
 
 impl Readiness {
     pub fn new() -> Self {
@@ -33,9 +42,26 @@ impl Readiness {
         self.lock().keys().map(|k| k.to_string()).collect()
     }
 
+    /// Completes once every component is ready but those named in `but` (the servers that
+    /// wait for the rest before they take traffic).
+    pub async fn ready_but(&self, but: &[&str]) {
+        let mut changed = self.0.changed.subscribe();
+        loop {
+            if self.lock().keys().all(|k| but.contains(&k.as_ref())) {
+                return;
+            }
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Cow<'static, str>, usize>> {
         // A panic while holding this lock leaves a consistent map (each change is one step).
-        self.0.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.0
+            .pending
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 }
 
@@ -56,6 +82,8 @@ impl Drop for ReadyToken {
                 pending.remove(&self.component);
             }
         }
+        drop(pending);
+        self.readiness.0.changed.send_modify(|n| *n += 1);
     }
 }
 
@@ -80,5 +108,22 @@ mod tests {
         drop(names_again);
         drop(xds);
         assert!(readiness.pending().is_empty());
+    }
+
+    #[tokio::test]
+    async fn ready_but_waits_for_every_other_component() {
+        let readiness = Readiness::new();
+        let server = readiness.register("xds server");
+        let names = readiness.register("dns names");
+        let waiting = tokio::spawn({
+            let readiness = readiness.clone();
+            async move { readiness.ready_but(&["xds server"]).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "dns names is not ready");
+        drop(names);
+        waiting.await.unwrap();
+        assert_eq!(readiness.pending(), ["xds server"]);
+        drop(server);
     }
 }

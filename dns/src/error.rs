@@ -14,6 +14,10 @@ pub enum DnsError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error(
+        "another DNS server answers on {addr} (it said {rcode} to the zone's SOA, where a Lattice agent answers it): is NodeLocal DNSCache on this address? Give the agent another one (--dns-addr, --node-local-dns)"
+    )]
+    Foreign { addr: SocketAddr, rcode: String },
     #[error("DNS {protocol} socket on {addr} failed: {source}")]
     Socket {
         protocol: &'static str,

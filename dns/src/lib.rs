@@ -14,12 +14,14 @@
 
 // The fuzz self-check is built only for the unit tests and for cargo-fuzz (`--cfg fuzzing`).
 mod batch;
+mod budget;
 #[cfg(any(test, fuzzing))]
 mod check;
 mod clock;
 mod error;
 mod fast;
 mod forward;
+pub mod handoff;
 mod metrics;
 mod observe;
 mod query;

@@ -1,7 +1,8 @@
 //! DNS metrics: replies by rcode and by where the answer came from; the forwarding cache (hits,
 //! misses, evictions by reason, size) and coalesced queries; each upstream's queries, state and
-//! smoothed round-trip time, upstream latency and failures. The counters the fast path touches
-//! are resolved once, so counting there is one atomic add.
+//! smoothed round-trip time, upstream latency and failures; what the budgets turned away, and the
+//! TCP connections. The counters the fast path touches are resolved once, so counting there is
+//! one atomic add.
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -14,6 +15,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::budget::Limit;
 
 /// Where an answer came from: the `source` label of the replies counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +71,9 @@ pub struct DnsMetrics {
     cache_entries: Gauge,
     cache_bytes: Gauge,
     coalesced: Counter,
+    limited: Family<ReasonLabels, Counter>,
+    tcp_connections: Gauge,
+    tcp_closed: Family<ReasonLabels, Counter>,
 }
 
 impl DnsMetrics {
@@ -157,6 +163,24 @@ impl DnsMetrics {
             "Forwarded queries that joined an upstream query already under way for the same question instead of sending their own",
             coalesced.clone(),
         );
+        let limited = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "limited",
+            "Queries and connections turned away by a budget, by reason (forwards_per_source, forwards: a forwarded query got SERVFAIL; tcp_connections_per_source, tcp_connections: a connection was refused; tcp_idle_evicted: an idle connection was closed for a new one)",
+            limited.clone(),
+        );
+        let tcp_connections = Gauge::default();
+        registry.register(
+            "tcp_connections",
+            "TCP connections open",
+            tcp_connections.clone(),
+        );
+        let tcp_closed = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "tcp_closed",
+            "TCP connections closed by the server, by reason (idle, lifetime, evicted, drain, oversized: a message over 4 KiB, stalled: the client did not read its answers)",
+            tcp_closed.clone(),
+        );
         let local_noerror = replies
             .get_or_create(&ReplyLabels {
                 rcode: rcode_label(ResponseCode::NoError),
@@ -179,6 +203,9 @@ impl DnsMetrics {
             cache_entries,
             cache_bytes,
             coalesced,
+            limited,
+            tcp_connections,
+            tcp_closed,
         }
     }
 
@@ -266,6 +293,25 @@ impl DnsMetrics {
 
     pub(crate) fn coalesced(&self) {
         self.coalesced.inc();
+    }
+
+    pub(crate) fn limited(&self, limit: Limit) {
+        self.limited
+            .get_or_create(&ReasonLabels {
+                reason: limit.label(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn tcp_connections(&self, open: usize) {
+        self.tcp_connections
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+    }
+
+    pub(crate) fn tcp_closed(&self, reason: &'static str) {
+        self.tcp_closed
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 }
 

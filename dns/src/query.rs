@@ -207,6 +207,12 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
     let question = &request.queries[0];
     let key = lowercase_wire_name(question.name());
     let mut reply = response_to(request);
+    if table.is_pending() && (in_zone(&key) || search_suffixed_target(question.name()).is_some()) {
+        // Nothing of the zone is known yet: a failure the client retries, never an NXDOMAIN
+        // it would cache as the name's absence.
+        reply.metadata.response_code = ResponseCode::ServFail;
+        return Some(reply);
+    }
     if in_zone(&key) {
         reply.metadata.authoritative = true;
         if !matches!(question.query_class(), DNSClass::IN | DNSClass::ANY) {
@@ -239,6 +245,15 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
 /// is a mesh name: the name up to and including the first run of the zone's labels, when labels
 /// precede and follow that run.
 fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Vec<u8>)> {
+    let target = search_suffixed_target(name)?;
+    let key = lowercase_wire_name(&target);
+    table.service(&key)?;
+    Some((target, key))
+}
+
+/// The name a search-suffixed name would stand for, mesh name or not (see
+/// [`search_suffixed_mesh_name`]).
+fn search_suffixed_target(name: &Name) -> Option<Name> {
     let labels: Vec<&[u8]> = name.iter().collect();
     let zone_labels = ZONE.split('.').count();
     let at = labels.windows(zone_labels).position(|window| {
@@ -253,9 +268,7 @@ fn search_suffixed_mesh_name(table: &NameTable, name: &Name) -> Option<(Name, Ve
     }
     let mut target = Name::from_labels(labels[..mesh_labels].iter().copied()).ok()?;
     target.set_fqdn(true);
-    let key = lowercase_wire_name(&target);
-    table.service(&key)?;
-    Some((target, key))
+    Some(target)
 }
 
 /// Adds the zone's records for `question` (whose lower-cased wire name is `key`) to `reply`.

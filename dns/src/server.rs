@@ -1,35 +1,45 @@
-//! The DNS server: SO_REUSEPORT UDP sockets, each drained by its own task through the fast path,
-//! and a TCP listener; both fall back to the general path and the forwarder. The name table is
+//! The DNS server: UDP sockets sharing the port, each drained by its own task through the fast
+//! path (`server/udp.rs`), and TCP listeners, one per CPU, a task per connection
+//! (`server/tcp.rs`); both fall back to the general path and the forwarder. The name table is
 //! read from a `watch` channel, so a new mesh snapshot takes effect on the next query. Answers
 //! for names with a scope are reported to the [`LookupObserver`], if any, which may hold an
-//! answer back; a held UDP answer is sent by a task of its own, so the socket goes on serving.
+//! answer back; a held answer is sent by a task of its own, so the socket goes on serving.
+//! Forwarded queries and TCP connections each draw on a budget of their own (`budget.rs`).
+//!
+//! Its life, for a rolling upgrade without a lost query (`handoff.rs`): every socket is bound
+//! with SO_REUSEPORT at [`DnsServer::bind`]; [`DnsServer::run`] opens them at once, or, when
+//! another server (the agent it replaces) holds the address, only once the first name table is
+//! published; cancelling `run`'s token drains it: its sockets leave the port's selection, every
+//! query already received is answered, and TCP connections are closed without a reset.
 
-use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd;
+mod tcp;
+mod udp;
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hickory_proto::op::{Message, ResponseCode};
-use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, setsockopt, sockopt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::{Semaphore, watch};
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RecordType};
+use lattice_contract::ZONE;
+use tokio::net::UdpSocket;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::{self, Inbox, Outbox};
+use crate::budget::{ForwardBudget, RefusalLog, TcpBudget};
 use crate::clock::Clock;
 use crate::error::DnsError;
-use crate::fast;
 use crate::forward::Forwarder;
+use crate::handoff::{self, BoundTcp, BoundUdp};
 use crate::metrics::{DnsMetrics, Served};
 use crate::observe::{Hold, LookupObserver};
-use crate::query::{self, Outcome, ZoneSettings};
+use crate::query::{self, ZoneSettings};
 use crate::table::NameTable;
 use crate::wire::Transport;
 
-/// Datagrams handled per wake-up of a UDP task before it lets other tasks run.
-const UDP_BATCH: usize = 64;
+/// Each UDP socket's receive buffer: bursts from many clients queue instead of being dropped.
+const UDP_RECEIVE_BUFFER: usize = 4 << 20;
 
 /// Configuration of the DNS server.
 #[derive(Clone, Debug)]
@@ -64,13 +74,25 @@ pub struct DnsConfig {
     pub cache_entries_per_source: usize,
     /// Time as the forwarder sees it (cache ages, upstream probes); tests use a manual clock.
     pub clock: Clock,
-    /// UDP sockets sharing the port (SO_REUSEPORT), each served by its own task.
+    /// UDP sockets sharing the port (SO_REUSEPORT), each served by its own task and steered to
+    /// one CPU; by default one per online CPU.
     pub udp_sockets: usize,
-    /// Most forwarded UDP queries and TCP connections in flight; beyond it queries get SERVFAIL
-    /// and connections are closed.
-    pub max_in_flight: usize,
+    /// Most forwarded queries in flight; beyond it a forwarded query gets SERVFAIL.
+    pub forwards: usize,
+    /// Most forwarded queries in flight from one source address.
+    pub forwards_per_source: usize,
+    /// Most TCP connections open; beyond it the connection idle longest is closed for a new
+    /// one, or the new one refused when none is idle.
+    pub tcp_connections: usize,
+    /// Most TCP connections open from one source address; beyond it a new one is refused.
+    pub tcp_connections_per_source: usize,
     /// A TCP connection with no query for this long is closed.
     pub tcp_idle_timeout: Duration,
+    /// A TCP connection open this long is closed once its queries are answered.
+    pub tcp_lifetime: Duration,
+    /// Most queries of one TCP connection answered at once; beyond it the server reads no
+    /// more of that connection until one is answered.
+    pub tcp_pipeline: usize,
 }
 
 impl DnsConfig {
@@ -88,11 +110,24 @@ impl DnsConfig {
             cache_bytes: 16 << 20,
             cache_entries_per_source: 1_250,
             clock: Clock::system(),
-            udp_sockets: std::thread::available_parallelism().map_or(1, usize::from),
-            max_in_flight: 1024,
+            udp_sockets: handoff::online_cpus().len(),
+            forwards: 1024,
+            forwards_per_source: 128,
+            tcp_connections: 1024,
+            tcp_connections_per_source: 64,
             tcp_idle_timeout: Duration::from_secs(10),
+            tcp_lifetime: Duration::from_secs(120),
+            tcp_pipeline: 16,
         }
     }
+}
+
+/// How a TCP connection is served.
+#[derive(Clone, Copy, Debug)]
+struct TcpLimits {
+    idle_timeout: Duration,
+    lifetime: Duration,
+    pipeline: usize,
 }
 
 /// State shared by every socket task.
@@ -102,62 +137,114 @@ struct Context {
     zone: ZoneSettings,
     forwarder: Forwarder,
     metrics: DnsMetrics,
-    in_flight: Arc<Semaphore>,
-    tcp_idle_timeout: Duration,
+    forwards: Arc<ForwardBudget>,
+    tcp: Arc<TcpBudget>,
+    tcp_limits: TcpLimits,
+    refusals: RefusalLog,
 }
+
+impl Context {
+    /// What an answer for a name of `scope` to `peer` must wait for, if anything.
+    fn hold(&self, peer: SocketAddr, scope: Option<&Arc<str>>) -> Option<Hold> {
+        let (observer, scope) = (self.observer.as_ref()?, scope?);
+        observer.looked_up(peer.ip().to_canonical(), scope)
+    }
+}
+
+/// Called once the server takes traffic.
+type OnOpen = Box<dyn FnOnce() + Send>;
 
 /// A bound DNS server; `run` serves until cancelled.
 pub struct DnsServer {
-    udp: Vec<UdpSocket>,
-    tcp: TcpListener,
+    udp: BoundUdp,
+    tcp: BoundTcp,
     local_addr: SocketAddr,
+    /// Another server held the address at bind: take traffic only once the table is known.
+    beside: bool,
     names: watch::Receiver<Arc<NameTable>>,
     /// Shared by the socket tasks once `run` starts them; until then the builder methods edit it.
     context: Context,
+    on_open: Option<OnOpen>,
 }
 
 impl DnsServer {
-    /// Binds the UDP sockets and the TCP listener on `config.listen`.
+    /// Binds the UDP sockets and the TCP listeners on `config.listen`. When another server
+    /// holds the address already, it must be a Lattice agent (the one this one replaces):
+    /// any other DNS server there is an error.
     pub async fn bind(
         config: DnsConfig,
         names: watch::Receiver<Arc<NameTable>>,
         metrics: DnsMetrics,
     ) -> Result<DnsServer, DnsError> {
+        let bind_error = |protocol| {
+            move |source| DnsError::Bind {
+                protocol,
+                addr: config.listen,
+                source,
+            }
+        };
+        let beside = handoff::udp_in_use(config.listen).map_err(bind_error("UDP"))?
+            || handoff::tcp_in_use(config.listen).map_err(bind_error("TCP"))?;
+        if beside {
+            check_predecessor(config.listen).await?;
+        }
+        let cpus = handoff::online_cpus();
         // With port 0 the kernel picks the UDP port; TCP may find it taken, so try a few.
         let attempts = if config.listen.port() == 0 { 8 } else { 1 };
         let mut last_error = None;
         for _ in 0..attempts {
-            match bind_sockets(config.listen, config.udp_sockets.max(1)) {
-                Ok((udp, tcp, local_addr)) => {
-                    if config.upstreams.is_empty() {
-                        tracing::warn!(%local_addr, "DNS server has no upstreams: names outside the mesh get SERVFAIL");
-                    }
-                    let context = Context {
-                        observer: None,
-                        zone: ZoneSettings {
-                            ttl: config.ttl,
-                            negative_ttl: config.negative_ttl,
-                            nameserver: config.nameserver,
-                        },
-                        forwarder: Forwarder::new(&config, metrics.clone()),
-                        metrics,
-                        in_flight: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
-                        tcp_idle_timeout: config.tcp_idle_timeout,
-                    };
-                    tracing::info!(%local_addr, upstreams = ?config.upstreams, ttl = config.ttl, cache = config.cache, udp_sockets = udp.len(), "DNS server bound");
-                    return Ok(DnsServer {
-                        udp,
-                        tcp,
-                        local_addr,
-                        names,
-                        context,
+            let udp = BoundUdp::bind(config.listen, config.udp_sockets, UDP_RECEIVE_BUFFER)
+                .map_err(bind_error("UDP"))?;
+            let local_addr = udp.local_addr();
+            let tcp = match BoundTcp::bind(local_addr, &cpus) {
+                Ok(tcp) => tcp,
+                Err(source) => {
+                    last_error = Some(DnsError::Bind {
+                        protocol: "TCP",
+                        addr: local_addr,
+                        source,
                     });
+                    continue;
                 }
-                Err(error) => last_error = Some(error),
+            };
+            if config.upstreams.is_empty() {
+                tracing::warn!(%local_addr, "DNS server has no upstreams: names outside the mesh get SERVFAIL");
             }
+            let context = Context {
+                observer: None,
+                zone: ZoneSettings {
+                    ttl: config.ttl,
+                    negative_ttl: config.negative_ttl,
+                    nameserver: config.nameserver,
+                },
+                forwarder: Forwarder::new(&config, metrics.clone()),
+                forwards: ForwardBudget::new(config.forwards, config.forwards_per_source),
+                tcp: TcpBudget::new(
+                    config.tcp_connections,
+                    config.tcp_connections_per_source,
+                    metrics.clone(),
+                ),
+                tcp_limits: TcpLimits {
+                    idle_timeout: config.tcp_idle_timeout,
+                    lifetime: config.tcp_lifetime,
+                    pipeline: config.tcp_pipeline.max(1),
+                },
+                refusals: RefusalLog::default(),
+                metrics,
+            };
+            tracing::info!(%local_addr, upstreams = ?config.upstreams, ttl = config.ttl, cache = config.cache, udp_sockets = config.udp_sockets.max(1), beside, "DNS server bound");
+            return Ok(DnsServer {
+                udp,
+                tcp,
+                local_addr,
+                beside,
+                names,
+                context,
+                on_open: None,
+            });
         }
         Err(last_error.unwrap_or(DnsError::Bind {
-            protocol: "UDP",
+            protocol: "TCP",
             addr: config.listen,
             source: std::io::ErrorKind::AddrInUse.into(),
         }))
@@ -170,239 +257,79 @@ impl DnsServer {
         self
     }
 
+    /// Calls `opened` once the server takes traffic (see [`DnsServer::run`]).
+    pub fn on_open(mut self, opened: impl FnOnce() + Send + 'static) -> Self {
+        self.on_open = Some(Box::new(opened));
+        self
+    }
+
     /// The bound address (UDP and TCP share the port).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
 
-    /// Serves until `shutdown` is cancelled, or returns the error that stopped a socket.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), DnsError> {
-        let context = Arc::new(self.context);
-        let mut tasks = JoinSet::new();
-        for socket in self.udp {
-            tasks.spawn(serve_udp(
-                Arc::new(socket),
-                context.clone(),
-                self.names.clone(),
-                shutdown.clone(),
-            ));
-        }
-        tasks.spawn(serve_tcp(
-            self.tcp,
-            context,
-            self.names.clone(),
-            shutdown.clone(),
-        ));
-        let result = tokio::select! {
-            () = shutdown.cancelled() => Ok(()),
-            Some(ended) = tasks.join_next() => match ended {
-                Ok(result) => result,
-                Err(error) => Err(DnsError::Task(error.to_string())),
-            },
-        };
-        tasks.shutdown().await;
-        result
-    }
-}
-
-fn bind_sockets(
-    listen: SocketAddr,
-    udp_sockets: usize,
-) -> Result<(Vec<UdpSocket>, TcpListener, SocketAddr), DnsError> {
-    let first = reuseport_udp(listen)?;
-    let local_addr = first.local_addr().map_err(|source| DnsError::Bind {
-        protocol: "UDP",
-        addr: listen,
-        source,
-    })?;
-    let mut udp = vec![first];
-    for _ in 1..udp_sockets {
-        udp.push(reuseport_udp(local_addr)?);
-    }
-    let bind_error = |source| DnsError::Bind {
-        protocol: "TCP",
-        addr: local_addr,
-        source,
-    };
-    let tcp = std::net::TcpListener::bind(local_addr).map_err(bind_error)?;
-    tcp.set_nonblocking(true).map_err(bind_error)?;
-    let tcp = TcpListener::from_std(tcp).map_err(bind_error)?;
-    Ok((udp, tcp, local_addr))
-}
-
-/// A non-blocking UDP socket with SO_REUSEPORT, so several sockets share `addr` and the kernel
-/// spreads datagrams across them.
-fn reuseport_udp(addr: SocketAddr) -> Result<UdpSocket, DnsError> {
-    let error = |source: std::io::Error| DnsError::Bind {
-        protocol: "UDP",
-        addr,
-        source,
-    };
-    let family = if addr.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = nix::sys::socket::socket(
-        family,
-        SockType::Datagram,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .map_err(|e| error(e.into()))?;
-    setsockopt(&fd, sockopt::ReusePort, &true).map_err(|e| error(e.into()))?;
-    // Bursts from many clients queue here instead of being dropped; a failure only costs capacity.
-    if let Err(e) = setsockopt(&fd, sockopt::RcvBuf, &(4 << 20)) {
-        tracing::debug!(%addr, error = %e, "cannot enlarge the DNS socket's receive buffer");
-    }
-    nix::sys::socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
-        .map_err(|e| error(e.into()))?;
-    UdpSocket::from_std(std::net::UdpSocket::from(fd)).map_err(error)
-}
-
-async fn serve_udp(
-    socket: Arc<UdpSocket>,
-    context: Arc<Context>,
-    mut names: watch::Receiver<Arc<NameTable>>,
-    shutdown: CancellationToken,
-) -> Result<(), DnsError> {
-    let mut table = names.borrow_and_update().clone();
-    let (mut inbox, mut outbox) = (Inbox::new(), Outbox::new());
-    let mut forwards = JoinSet::new();
-    let ttl = context.zone.ttl;
-    loop {
-        tokio::select! {
-            biased;
-            () = shutdown.cancelled() => return Ok(()),
-            ready = socket.readable() => ready.map_err(|source| DnsError::Socket { protocol: "UDP", addr: socket_addr(&socket), source })?,
-        }
-        let mut fast_replies = 0;
-        for _ in 0..UDP_BATCH / batch::BATCH {
-            let received = match inbox.receive(&socket) {
-                Ok(received) => received,
-                Err(e) => {
-                    // ICMP errors from earlier sends surface here; they concern that client only.
-                    tracing::debug!(error = %e, "DNS UDP receive error");
+    /// Serves until `drain` is cancelled, then drains and returns; or returns the error that
+    /// stopped a socket.
+    ///
+    /// It takes traffic at once, answering names of the zone SERVFAIL until the first table is
+    /// published (after a crash, forwarded names work meanwhile); or, when it was bound beside
+    /// another server (the agent it replaces), only once that first table is there, so it never
+    /// takes a query the other could answer better. Draining: the UDP sockets leave the port's
+    /// selection and every datagram queued on them is answered; the listeners stop taking
+    /// connections and hand over their accept queue; every TCP connection has what it sent
+    /// answered and is then closed with a FIN, never a reset.
+    pub async fn run(self, drain: CancellationToken) -> Result<(), DnsError> {
+        let mut names = self.names;
+        if self.beside {
+            tracing::info!(addr = %self.local_addr, "another DNS server (the agent this one replaces) holds the address: taking traffic once the first name table is published");
+            loop {
+                if !names.borrow_and_update().is_pending() {
                     break;
                 }
+                tokio::select! {
+                    changed = names.changed() => if changed.is_err() { return Ok(()) },
+                    () = drain.cancelled() => return Ok(()),
+                }
+            }
+        }
+        let socket_error = |protocol| {
+            let addr = self.local_addr;
+            move |source| DnsError::Socket {
+                protocol,
+                addr,
+                source,
+            }
+        };
+        let cpus = handoff::online_cpus();
+        let udp = self.udp.open(&cpus).map_err(socket_error("UDP"))?;
+        let listeners = self.tcp.listen().map_err(socket_error("TCP"))?;
+        tracing::info!(addr = %self.local_addr, "DNS server taking queries");
+        if let Some(opened) = self.on_open {
+            opened();
+        }
+        let context = Arc::new(self.context);
+        let mut tasks = JoinSet::new();
+        for socket in udp {
+            tasks.spawn(udp::serve(
+                Arc::new(socket),
+                context.clone(),
+                names.clone(),
+                drain.clone(),
+            ));
+        }
+        tasks.spawn(tcp::serve(listeners, context, names, drain));
+        while let Some(ended) = tasks.join_next().await {
+            let error = match ended {
+                Ok(Ok(())) => continue,
+                Ok(Err(error)) => error,
+                Err(error) => DnsError::Task(error.to_string()),
             };
-            if received == 0 {
-                break;
-            }
-            if names.has_changed().unwrap_or(false) {
-                table = names.borrow_and_update().clone();
-            }
-            for i in 0..received {
-                let Some((query, peer)) = inbox.query(i) else {
-                    context.metrics.dropped();
-                    continue;
-                };
-                if let Some((n, scope)) =
-                    fast::answer(&table, ttl, query, Transport::Udp, outbox.slot())
-                {
-                    fast_replies += 1;
-                    match context.hold(peer, scope) {
-                        None => outbox.push(n, peer),
-                        Some(hold) => {
-                            let (socket, bytes) = (socket.clone(), outbox.slot()[..n].to_vec());
-                            forwards.spawn(send_after(hold, socket, bytes, peer));
-                        }
-                    }
-                    continue;
-                }
-                answer_slowly(&socket, &context, &table, query, peer, &mut forwards);
-            }
-            outbox.flush(&socket);
-            if received < batch::BATCH {
-                break;
-            }
+            tasks.shutdown().await;
+            return Err(error);
         }
-        context.metrics.fast_replies(fast_replies);
-        while forwards.try_join_next().is_some() {}
+        tracing::info!(addr = %self.local_addr, "DNS server drained");
+        Ok(())
     }
-}
-
-/// A query the fast path does not answer: the general path, the forwarding cache, or an
-/// upstream (in a task of its own); its reply is sent alone.
-fn answer_slowly(
-    socket: &Arc<UdpSocket>,
-    context: &Arc<Context>,
-    table: &NameTable,
-    query: &[u8],
-    peer: SocketAddr,
-    forwards: &mut JoinSet<()>,
-) {
-    match query::handle(table, context.zone, query, Transport::Udp) {
-        Outcome::Reply {
-            bytes,
-            rcode,
-            scope,
-        } => {
-            context.metrics.reply(rcode, Served::Local);
-            match context.hold(peer, scope.as_ref()) {
-                None => send_udp(socket, &bytes, peer),
-                Some(hold) => {
-                    forwards.spawn(send_after(hold, socket.clone(), bytes, peer));
-                }
-            }
-        }
-        Outcome::Drop => context.metrics.dropped(),
-        Outcome::Forward(request) => {
-            if let Some(hit) = context.forwarder.cached(&request, Transport::Udp) {
-                context.metrics.reply(hit.rcode, hit.served);
-                send_udp(socket, &hit.bytes, peer);
-                return;
-            }
-            let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
-                context
-                    .metrics
-                    .reply(ResponseCode::ServFail, Served::Forwarded);
-                send_udp(
-                    socket,
-                    &query::server_failure(&request, Transport::Udp),
-                    peer,
-                );
-                return;
-            };
-            let (socket, context) = (socket.clone(), context.clone());
-            forwards.spawn(async move {
-                let bytes = forward(&context, &request, peer.ip(), Transport::Udp).await;
-                drop(permit);
-                if let Err(e) = socket.send_to(&bytes, peer).await {
-                    tracing::debug!(%peer, error = %e, "cannot send a forwarded DNS answer");
-                }
-            });
-        }
-    }
-}
-
-impl Context {
-    /// What an answer for a name of `scope` to `peer` must wait for, if anything.
-    fn hold(&self, peer: SocketAddr, scope: Option<&Arc<str>>) -> Option<Hold> {
-        let (observer, scope) = (self.observer.as_ref()?, scope?);
-        observer.looked_up(peer.ip().to_canonical(), scope)
-    }
-}
-
-/// Sends a held answer once its hold ends; the socket task goes on meanwhile.
-async fn send_after(hold: Hold, socket: Arc<UdpSocket>, bytes: Vec<u8>, peer: SocketAddr) {
-    hold.await;
-    if let Err(e) = socket.send_to(&bytes, peer).await {
-        tracing::debug!(%peer, error = %e, "cannot send a held DNS answer");
-    }
-}
-
-/// UDP replies are best effort: a full socket buffer drops the reply and the client retries.
-fn send_udp(socket: &UdpSocket, bytes: &[u8], peer: SocketAddr) {
-    if let Err(e) = socket.try_send_to(bytes, peer) {
-        tracing::debug!(%peer, error = %e, "cannot send a DNS reply");
-    }
-}
-
-fn socket_addr(socket: &UdpSocket) -> SocketAddr {
-    socket
-        .local_addr()
-        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
 }
 
 /// The client's answer to a query that is not the zone's: from the cache or an upstream, or
@@ -427,98 +354,83 @@ async fn forward(
     }
 }
 
-async fn serve_tcp(
-    listener: TcpListener,
-    context: Arc<Context>,
-    names: watch::Receiver<Arc<NameTable>>,
-    shutdown: CancellationToken,
-) -> Result<(), DnsError> {
-    let mut connections = JoinSet::new();
-    loop {
-        let accepted = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted,
-        };
-        while connections.try_join_next().is_some() {}
-        match accepted {
-            Ok((stream, peer)) => {
-                let Ok(permit) = context.in_flight.clone().try_acquire_owned() else {
-                    tracing::debug!(%peer, "too many DNS requests in flight; closing TCP connection");
-                    continue;
-                };
-                let (context, names) = (context.clone(), names.clone());
-                connections.spawn(async move {
-                    if let Err(e) = serve_tcp_connection(stream, peer, &context, names).await {
-                        tracing::debug!(%peer, error = %e, "DNS TCP connection ended");
-                    }
-                    drop(permit);
-                });
-            }
-            Err(e) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "DNS TCP accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+/// How long the server that holds the address has to say who it is.
+const PREDECESSOR_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Checks that the server holding `addr` is a Lattice agent (it answers the zone's SOA
+/// authoritatively), so this one never shares the port with, say, NodeLocal DNSCache on the
+/// same address. A server that does not answer (an agent draining, whose sockets have left
+/// the port) is taken for the agent it is most likely to be.
+async fn check_predecessor(addr: SocketAddr) -> Result<(), DnsError> {
+    let target = match addr {
+        SocketAddr::V4(v4) if v4.ip().is_unspecified() => {
+            SocketAddr::from((Ipv4Addr::LOCALHOST, v4.port()))
+        }
+        SocketAddr::V6(v6) if v6.ip().is_unspecified() => {
+            SocketAddr::from((Ipv6Addr::LOCALHOST, v6.port()))
+        }
+        other => other,
+    };
+    match tokio::time::timeout(PREDECESSOR_TIMEOUT, ask_zone_soa(target)).await {
+        Ok(Ok(answer)) if answers_the_zone(&answer) => Ok(()),
+        // An agent that has no table yet fails the zone: not proof either way.
+        Ok(Ok(answer)) if answer.metadata.response_code == ResponseCode::ServFail => {
+            tracing::info!(%addr, "the server holding the DNS address fails the zone (an agent starting?); serving beside it");
+            Ok(())
+        }
+        Ok(Ok(answer)) => Err(DnsError::Foreign {
+            addr,
+            rcode: answer.metadata.response_code.to_string(),
+        }),
+        Ok(Err(error)) => {
+            tracing::info!(%addr, %error, "the server holding the DNS address does not answer; serving beside it");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::info!(%addr, "the server holding the DNS address does not answer; serving beside it");
+            Ok(())
         }
     }
 }
 
-async fn serve_tcp_connection(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    context: &Context,
-    names: watch::Receiver<Arc<NameTable>>,
-) -> std::io::Result<()> {
-    let mut out = vec![0u8; usize::from(u16::MAX)];
+fn zone_apex() -> Option<Name> {
+    let mut apex = Name::from_ascii(ZONE).ok()?;
+    apex.set_fqdn(true);
+    Some(apex)
+}
+
+async fn ask_zone_soa(target: SocketAddr) -> std::io::Result<Message> {
+    let local: SocketAddr = match target.ip() {
+        IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(local).await?;
+    socket.connect(target).await?;
+    let mut query = Message::new(rand::random(), MessageType::Query, OpCode::Query);
+    query.add_query(Query::query(
+        zone_apex().ok_or_else(|| std::io::Error::other("invalid zone"))?,
+        RecordType::SOA,
+    ));
+    socket
+        .send(&query.to_vec().map_err(std::io::Error::other)?)
+        .await?;
+    let mut buf = vec![0; 4096];
     loop {
-        let Ok(len) = tokio::time::timeout(context.tcp_idle_timeout, stream.read_u16()).await
-        else {
-            return Ok(());
-        };
-        let len = match len {
-            Ok(len) => usize::from(len),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        };
-        let mut query = vec![0; len];
-        tokio::time::timeout(context.tcp_idle_timeout, stream.read_exact(&mut query))
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-        let table = names.borrow().clone();
-        let (reply, hold) = if let Some((n, scope)) =
-            fast::answer(&table, context.zone.ttl, &query, Transport::Tcp, &mut out)
+        let len = socket.recv(&mut buf).await?;
+        if let Ok(answer) = Message::from_vec(&buf[..len])
+            && answer.metadata.id == query.metadata.id
         {
-            context.metrics.fast_replies(1);
-            (out[..n].to_vec(), context.hold(peer, scope))
-        } else {
-            match query::handle(&table, context.zone, &query, Transport::Tcp) {
-                Outcome::Reply {
-                    bytes,
-                    rcode,
-                    scope,
-                } => {
-                    context.metrics.reply(rcode, Served::Local);
-                    (bytes, context.hold(peer, scope.as_ref()))
-                }
-                Outcome::Forward(request) => (
-                    forward(context, &request, peer.ip(), Transport::Tcp).await,
-                    None,
-                ),
-                Outcome::Drop => {
-                    context.metrics.dropped();
-                    return Ok(());
-                }
-            }
-        };
-        if let Some(hold) = hold {
-            hold.await;
+            return Ok(answer);
         }
-        let Ok(reply_len) = u16::try_from(reply.len()) else {
-            return Ok(());
-        };
-        let mut framed = Vec::with_capacity(reply.len() + 2);
-        framed.extend_from_slice(&reply_len.to_be_bytes());
-        framed.extend_from_slice(&reply);
-        stream.write_all(&framed).await?;
     }
+}
+
+/// An authoritative answer with the zone's SOA: what a Lattice agent says.
+fn answers_the_zone(answer: &Message) -> bool {
+    answer.metadata.response_code == ResponseCode::NoError
+        && answer.metadata.authoritative
+        && answer.answers.iter().any(|record| {
+            record.record_type() == RecordType::SOA
+                && zone_apex().is_some_and(|apex| record.name.eq_ignore_root(&apex))
+        })
 }

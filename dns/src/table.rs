@@ -76,9 +76,27 @@ pub struct NameTable {
     names: HashMap<Box<[u8]>, NameEntry>,
     empty_non_terminals: HashSet<Box<[u8]>>,
     serial: u32,
+    /// Not the mesh's yet (see [`NameTable::pending`]).
+    pending: bool,
 }
 
 impl NameTable {
+    /// The table before the mesh is known: it holds no name, and every name of the zone is
+    /// answered SERVFAIL (retryable) rather than NXDOMAIN, which resolvers would cache as the
+    /// name's absence. A server given it also waits for the first real table before it
+    /// takes traffic from a predecessor (see `DnsServer::run`).
+    pub fn pending() -> Self {
+        Self {
+            pending: true,
+            ..Self::new(Vec::new())
+        }
+    }
+
+    /// Whether this is the table before the mesh is known ([`NameTable::pending`]).
+    pub fn is_pending(&self) -> bool {
+        self.pending
+    }
+
     /// `entries`: fully qualified names without the trailing dot (`buzz.bar.foo.system.internal`)
     /// and their addresses. A name may appear several times (several addresses, IPv4 and IPv6).
     /// Names outside `system.internal`, the apex itself, the name server's name
@@ -163,6 +181,7 @@ impl NameTable {
             names,
             empty_non_terminals,
             serial,
+            pending: false,
         }
     }
 

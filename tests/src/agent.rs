@@ -1,9 +1,12 @@
 //! The real `lattice-agent` binary as a child process: free ports, log capture, readiness,
-//! admin queries, restart, and a kill on drop.
+//! admin queries, restart, a successor beside it (an upgrade), and a kill on drop. Admin
+//! queries go to the agent's own admin socket (`--admin-socket`), so two agents sharing their
+//! ports in an upgrade are each asked about themselves.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -46,6 +49,8 @@ pub struct Agent {
     args: Vec<String>,
     envs: Vec<(String, String)>,
     log: tempfile::NamedTempFile,
+    /// Holds the agent's admin socket.
+    run_dir: tempfile::TempDir,
     pub xds: SocketAddr,
     pub dns: SocketAddr,
     pub admin: SocketAddr,
@@ -95,6 +100,7 @@ impl Agent {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             log: tempfile::NamedTempFile::new().expect("temp file for the agent log"),
+            run_dir: tempfile::tempdir().expect("temp dir for the agent's admin socket"),
             xds: addrs.xds,
             dns: addrs.dns,
             admin: addrs.admin,
@@ -122,6 +128,7 @@ impl Agent {
             .arg(format!("--xds-addr={}", self.xds))
             .arg(format!("--dns-addr={}", self.dns))
             .arg(format!("--admin-addr={}", self.admin))
+            .arg(format!("--admin-socket={}", self.admin_socket().display()))
             .args(&self.args)
             .env("RUST_LOG", "info,lattice_agent=debug")
             .stdout(Stdio::null())
@@ -147,12 +154,41 @@ impl Agent {
         })
     }
 
-    /// A GET on the admin server: (status, body).
+    /// A GET on this agent's admin server (its own socket): (status, body).
     pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        unix_http_get(&self.admin_socket(), path)
+    }
+
+    /// A GET on the shared admin address, which either of two agents in an upgrade may answer.
+    pub fn get_over_tcp(&self, path: &str) -> anyhow::Result<(u16, String)> {
         match &self.netns {
             Some(netns) => enter_path(netns, || http_get(self.admin, path))?,
             None => http_get(self.admin, path),
         }
+    }
+
+    /// The agent's admin socket (`--admin-socket`).
+    pub fn admin_socket(&self) -> PathBuf {
+        self.run_dir.path().join("admin.sock")
+    }
+
+    /// Starts a second agent beside this one, as the new pod of a rolling upgrade: the same
+    /// arguments, environment, addresses and network namespace. It is not waited on: see
+    /// [`Agent::wait_ready`].
+    pub fn successor(&self) -> Agent {
+        let mut next = Agent {
+            child: None,
+            netns: self.netns.clone(),
+            args: self.args.clone(),
+            envs: self.envs.clone(),
+            log: tempfile::NamedTempFile::new().expect("temp file for the agent log"),
+            run_dir: tempfile::tempdir().expect("temp dir for the agent's admin socket"),
+            xds: self.xds,
+            dns: self.dns,
+            admin: self.admin,
+        };
+        next.spawn();
+        next
     }
 
     /// `/debug/mesh` as JSON.
@@ -224,11 +260,26 @@ impl Drop for Agent {
 /// Minimal blocking HTTP/1.1 GET with `Connection: close`: (status, body). Envoy's admin
 /// refuses HTTP/1.0, and may answer chunked.
 pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    exchange_get(stream, &addr.to_string(), path)
+}
+
+/// [`http_get`] over a Unix socket.
+pub fn unix_http_get(socket: &Path, path: &str) -> anyhow::Result<(u16, String)> {
+    let stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    exchange_get(stream, "localhost", path)
+}
+
+fn exchange_get(
+    mut stream: impl Read + Write,
+    host: &str,
+    path: &str,
+) -> anyhow::Result<(u16, String)> {
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
     )?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;

@@ -6,6 +6,7 @@ pub mod ads_client;
 pub mod ads_tap;
 pub mod agent;
 pub mod bins;
+pub mod dns_load;
 pub mod envoy;
 pub mod fake_apiserver;
 pub mod iptables;

@@ -800,27 +800,36 @@ impl ClientPod {
     /// Sends `payload` over one TCP connection from the pod to `addr` and returns what comes
     /// back before the peer closes.
     pub fn tcp_exchange(&self, addr: SocketAddr, payload: &[u8]) -> Result<Vec<u8>, String> {
-        enter_path(&self.pod.netns.path(), || {
-            let mut stream =
-                TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| e.to_string())?;
-            stream
-                .set_read_timeout(Some(IO_TIMEOUT))
-                .map_err(|e| e.to_string())?;
-            stream.write_all(payload).map_err(|e| e.to_string())?;
-            stream
-                .shutdown(Shutdown::Write)
-                .map_err(|e| e.to_string())?;
-            let mut back = Vec::new();
-            stream.read_to_end(&mut back).map_err(|e| e.to_string())?;
-            Ok(back)
-        })
-        .map_err(|e| e.to_string())?
+        enter_path(&self.pod.netns.path(), || echo(addr, payload)).map_err(|e| e.to_string())?
     }
 
     /// A steady stream of GETs from the pod to `addr` with `Host: host`, one connection each,
     /// about every `interval`, until [`Load::stop`].
     pub fn load(&self, addr: SocketAddr, host: &str, interval: Duration) -> Load {
-        Load::start(self.pod.netns.path(), addr, host.to_string(), interval)
+        let host = host.to_string();
+        Load::start(self.pod.netns.path(), interval, move || {
+            one_request(addr, &host)
+        })
+    }
+
+    /// A steady stream of TCP exchanges from the pod to `addr` (an echo), one connection each,
+    /// about every `interval`, until [`Load::stop`]: each sends a numbered line and must get it
+    /// back whole.
+    pub fn tcp_load(&self, addr: SocketAddr, interval: Duration) -> Load {
+        let mut n = 0u64;
+        Load::start(self.pod.netns.path(), interval, move || {
+            n += 1;
+            let sent = format!("ping {n}\n");
+            let back = echo(addr, sent.as_bytes())?;
+            if back == sent.as_bytes() {
+                Ok(sent.trim().to_string())
+            } else {
+                Err(format!(
+                    "sent {sent:?}, got {:?}",
+                    String::from_utf8_lossy(&back)
+                ))
+            }
+        })
     }
 }
 
@@ -887,6 +896,23 @@ fn exchange(addr: SocketAddr, host: &str, request: &Request) -> Result<Reply, St
     })
 }
 
+/// Sends `payload` over a new connection to `addr`, shuts down writing, and returns what
+/// comes back before the peer closes.
+fn echo(addr: SocketAddr, payload: &[u8]) -> Result<Vec<u8>, String> {
+    let mut stream =
+        TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    stream.write_all(payload).map_err(|e| e.to_string())?;
+    stream
+        .shutdown(Shutdown::Write)
+        .map_err(|e| e.to_string())?;
+    let mut back = Vec::new();
+    stream.read_to_end(&mut back).map_err(|e| e.to_string())?;
+    Ok(back)
+}
+
 /// One GET of `/`: the body on 200, an error otherwise.
 fn one_request(addr: SocketAddr, host: &str) -> Result<String, String> {
     let reply = exchange(addr, host, &Request::get("/"))?;
@@ -931,7 +957,11 @@ pub struct Load {
 }
 
 impl Load {
-    fn start(netns: PathBuf, addr: SocketAddr, host: String, interval: Duration) -> Load {
+    fn start(
+        netns: PathBuf,
+        interval: Duration,
+        mut request: impl FnMut() -> Result<String, String> + Send + 'static,
+    ) -> Load {
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = stopping.clone();
         let thread = std::thread::spawn(move || {
@@ -945,7 +975,7 @@ impl Load {
             }
             while !stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
-                let result = one_request(addr, &host);
+                let result = request();
                 outcomes.push(Outcome {
                     at: started,
                     result,

@@ -179,6 +179,15 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
             .and_then(|s| s.type_.as_deref()),
         Some("RollingUpdate")
     );
+    // An upgrade starts the new agent beside the old and never leaves a node without one.
+    let rolling = spec
+        .update_strategy
+        .as_ref()
+        .and_then(|s| s.rolling_update.as_ref())
+        .context("no rollingUpdate")?;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+    assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
     let pod = pod_spec_of(&spec.template.spec)?;
     assert_eq!(pod.host_network, Some(true));
     assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
@@ -772,46 +781,88 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
             .parse()
             .with_context(|| format!("{flag} is not an address"))
     };
-    let port = |name: &str, protocol: &str| -> Option<i32> {
-        agent.ports.iter().flatten().find_map(|p| {
-            (p.name.as_deref() == Some(name) && p.protocol.as_deref().unwrap_or("TCP") == protocol)
-                .then_some(p.container_port)
-        })
-    };
+    // No declared ports: with hostNetwork they are host ports, and the scheduler would never
+    // place an upgrade's new agent beside the old one (docs/install.md).
+    assert_eq!(agent.ports, None, "the agent declares host ports");
 
-    // xDS: the declared port is where the agent serves, and the agent's default.
+    // xDS: the agent's default port.
     let xds = addr("--xds-addr")?;
     let default_xds: std::net::SocketAddr = agent_defaults["--xds-addr"].parse()?;
     assert_eq!(xds.port(), default_xds.port());
-    assert_eq!(port("xds", "TCP"), Some(i32::from(xds.port())));
 
     // DNS: port 53 in a cluster (docs/architecture.md), UDP and TCP, on the node-local address.
     let dns = addr("--dns-addr")?;
     assert_eq!(dns.port(), 53);
-    assert_eq!(port("dns", "UDP"), Some(53));
-    assert_eq!(port("dns-tcp", "TCP"), Some(53));
     let node_local = effective(&args, "--node-local-dns", &agent_defaults)
         .context("the DaemonSet does not set --node-local-dns")?;
     assert_eq!(dns.ip().to_string(), node_local);
     assert_eq!(node_local, "169.254.20.10");
 
-    // Admin: the probes reach the admin server where it listens (loopback by default).
+    // Admin on loopback; the probes ask this pod's agent on its own socket, which lies in a
+    // volume of the pod's own, and the real binary answers them.
     let admin = addr("--admin-addr")?;
     assert_eq!(admin.to_string(), agent_defaults["--admin-addr"]);
+    let socket = effective(&args, "--admin-socket", &agent_defaults)
+        .context("the DaemonSet does not set --admin-socket")?;
+    let mount = agent
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&socket).parent() == Some(Path::new(&m.mount_path)))
+        .context("the admin socket's directory is not a volume")?;
+    let volume = node
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .context("no volume for the admin socket")?;
+    assert!(
+        volume.empty_dir.is_some(),
+        "the admin socket's volume is the pod's own"
+    );
+    // The agent drains within the grace period the kubelet gives it before SIGKILL.
+    let drain: i64 = effective(&args, "--drain-timeout-secs", &agent_defaults)
+        .context("--drain-timeout-secs")?
+        .parse()?;
+    assert!(node.termination_grace_period_seconds.unwrap_or(30) > drain);
+    let running = Agent::start(&[
+        "--mesh-file",
+        &root().join("examples/mesh.yaml").to_string_lossy(),
+    ]);
+    running.wait_ready()?;
     for (probe, path) in [
         (&agent.liveness_probe, "/healthz"),
         (&agent.readiness_probe, "/readyz"),
     ] {
-        let get = probe
+        let command = probe
             .as_ref()
-            .and_then(|p| p.http_get.as_ref())
-            .context("probe without httpGet")?;
-        assert_eq!(get.path.as_deref(), Some(path));
-        assert_eq!(get.host.as_deref(), Some(admin.ip().to_string().as_str()));
+            .and_then(|p| p.exec.as_ref())
+            .and_then(|e| e.command.clone())
+            .context("probe without exec")?;
+        assert_eq!(command[0], "lattice-agent");
         assert_eq!(
-            get.port,
-            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(admin.port()))
+            effective(&command, "--admin-socket", &BTreeMap::new()).as_deref(),
+            Some(socket.as_str()),
+            "{command:?}"
         );
+        assert_eq!(
+            effective(&command, "--probe", &BTreeMap::new()).as_deref(),
+            Some(path)
+        );
+        // The same command, on a running agent's socket.
+        let output = run({
+            let mut c = Command::new(bins::path("lattice-agent"));
+            c.args(
+                command[1..]
+                    .iter()
+                    .map(|w| match w.strip_prefix("--admin-socket=") {
+                        Some(_) => format!("--admin-socket={}", running.admin_socket().display()),
+                        None => w.clone(),
+                    }),
+            );
+            c
+        })?;
+        assert!(output.status.success(), "{command:?}: {}", show(&output));
     }
 
     // The mesh pod: init's xDS port is the agent's; Envoy runs as the UID init exempts; the

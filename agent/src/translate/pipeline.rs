@@ -50,7 +50,7 @@ impl Pipeline {
         readiness: &Readiness,
     ) -> (Pipeline, Published) {
         let (xds, xds_rx) = xds::snapshot::channel();
-        let (names, names_rx) = watch::channel(Arc::new(NameTable::new(Vec::new())));
+        let (names, names_rx) = watch::channel(Arc::new(NameTable::pending()));
         let pipeline = Pipeline {
             mesh,
             locality,

@@ -11,9 +11,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_stream::{Stream, StreamExt};
-use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming};
+use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// A proxy's connection: reads through a buffer, writes straight through.
 pub struct ReadAhead(BufReader<TcpStream>);
@@ -27,13 +27,17 @@ impl ReadAhead {
     }
 }
 
-/// The connections accepted on `listener`, without Nagle's delay (a small push, one endpoint
-/// change, would otherwise wait for the proxy's delayed ACK of the previous segment, tens of
-/// milliseconds).
-pub fn incoming(listener: TcpListener) -> impl Stream<Item = io::Result<ReadAhead>> {
-    TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .map(|accepted| accepted.map(ReadAhead::new))
+/// The `accepted` connections (from the agent's listeners, `lattice_dns::handoff::incoming`),
+/// without Nagle's delay (a small push, one endpoint change, would otherwise wait for the
+/// proxy's delayed ACK of the previous segment, tens of milliseconds).
+pub fn incoming(
+    accepted: impl Stream<Item = io::Result<TcpStream>>,
+) -> impl Stream<Item = io::Result<ReadAhead>> {
+    accepted.map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(ReadAhead::new(stream))
+    })
 }
 
 impl AsyncRead for ReadAhead {
@@ -93,9 +97,11 @@ mod tests {
 
     #[tokio::test]
     async fn reads_through_its_buffer_and_writes_straight_through() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut accepted = Box::pin(incoming(listener));
+        let mut accepted = Box::pin(incoming(tokio_stream::wrappers::TcpListenerStream::new(
+            listener,
+        )));
         let mut client = TcpStream::connect(addr).await.unwrap();
         let mut server = accepted.next().await.unwrap().unwrap();
         assert_eq!(

@@ -26,6 +26,8 @@ pub fn table(entries: &[(&str, &str)]) -> Arc<NameTable> {
 pub struct Server {
     pub addr: SocketAddr,
     pub names: watch::Sender<Arc<NameTable>>,
+    /// Set once the server takes traffic (`DnsServer::on_open`).
+    pub opened: Arc<std::sync::atomic::AtomicBool>,
     registry: Arc<Registry>,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<()>,
@@ -42,11 +44,25 @@ impl Server {
         configure: impl FnOnce(&mut DnsConfig),
         observer: Option<Arc<dyn LookupObserver>>,
     ) -> Self {
+        let server =
+            Self::start_on("127.0.0.1:0".parse().unwrap(), names, configure, observer).await;
+        // On a port of its own, a server takes traffic at once.
+        eventually(Duration::from_secs(5), || async { server.is_open() }).await;
+        server
+    }
+
+    /// A server on `listen` (which another may hold already: it then serves beside it).
+    pub async fn start_on(
+        listen: SocketAddr,
+        names: Arc<NameTable>,
+        configure: impl FnOnce(&mut DnsConfig),
+        observer: Option<Arc<dyn LookupObserver>>,
+    ) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("lattice_dns=debug")
             .with_test_writer()
             .try_init();
-        let mut config = DnsConfig::new("127.0.0.1:0".parse().unwrap(), Vec::new());
+        let mut config = DnsConfig::new(listen, Vec::new());
         config.udp_sockets = 2;
         configure(&mut config);
         let mut registry = Registry::default();
@@ -57,12 +73,16 @@ impl Server {
             server = server.with_observer(observer);
         }
         let addr = server.local_addr();
+        let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = opened.clone();
+        let server = server.on_open(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
         let task = tokio::spawn(async move { server.run(token).await.unwrap() });
         Self {
             addr,
             names,
+            opened,
             registry: Arc::new(registry),
             shutdown,
             task,
@@ -84,12 +104,17 @@ impl Server {
             .map_or(0.0, |v| v.parse().unwrap())
     }
 
+    /// Drains the server (as on SIGTERM) and waits for it to finish.
     pub async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(5), self.task)
             .await
             .unwrap()
             .unwrap();
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.opened.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -201,7 +226,7 @@ where
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
