@@ -20,18 +20,15 @@ impl ScaleTest<'_> {
         envs: impl IntoIterator<Item = (String, String)>,
     ) -> anyhow::Result<serde_json::Value> {
         let profile: &[&str] = if smoke { &[] } else { &["--release"] };
-        // `--workspace`, as `cargo xtask test` builds: selecting one package changes how
-        // cargo unifies the dependencies' features, which rebuilds them.
-        let status = crate::cargo()
-            .args(["build", "--workspace", "--bins"])
-            .args(profile)
-            .status()
-            .context("running cargo build for the agent")?;
-        if !status.success() {
-            bail!("cargo build --workspace --bins failed: {status}");
-        }
+        // The same build as `cargo xtask test`'s (debug) or as every release measurement's,
+        // whose features are the tests' own: the test below compiles nothing more.
+        xtask::run(xtask::cargo().args(if smoke {
+            xtask::DEBUG_BUILD
+        } else {
+            xtask::RELEASE_BUILD
+        }))?;
         // `cargo test --release` runs from target/release, so the test finds the release agent.
-        let output = crate::cargo()
+        let output = xtask::cargo()
             .args(["test", "--workspace", "--test", self.file])
             .args(profile)
             .args(["--", "--ignored", "--exact", "--nocapture", self.test])

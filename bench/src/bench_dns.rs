@@ -27,11 +27,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let dir = work.path();
     write_files(dir)?;
     // Release for a measurement; debug for a smoke run, which only checks the bench works.
-    let bench_server = crate::built_executable(
-        &["--workspace", "--example", "bench_server"],
-        !smoke,
-        "bench_server",
-    )?;
+    let bench_server = xtask::built_executable("bench_server", !smoke)?;
 
     let knot_port = free_port()?;
     let knot = Server::start(
@@ -197,9 +193,9 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
             "unbound": "num-threads 1, module-config iterator, local-data for the mesh, forward-zone to knot",
             "knot": "udp-workers 1, zone files for the mesh and the forwarded zone",
             "versions": {
-                "unbound": crate::version_of("unbound", &["-V"]),
-                "knot": crate::version_of("knotd", &["-V"]),
-                "dnsperf": crate::version_of("dnsperf", &["-h"]),
+                "unbound": xtask::version_of("unbound", &["-V"]),
+                "knot": xtask::version_of("knotd", &["-V"]),
+                "dnsperf": xtask::version_of("dnsperf", &["-h"]),
             },
         }),
     );
