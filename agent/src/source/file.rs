@@ -587,7 +587,8 @@ impl FileSource {
             };
             last_outcome = outcome.clone();
             match (&outcome, &following) {
-                (Outcome::Stale(reason), _) => tx.stale(reason.clone()),
+                (Outcome::Stale(reason), Err(problem)) => tx.stale(format!("{problem}; {reason}")),
+                (Outcome::Stale(reason), Ok(())) => tx.stale(reason.clone()),
                 (Outcome::Fresh, Err(problem)) => {
                     tx.stale(format!("edits may be missed: {problem}"))
                 }
