@@ -943,7 +943,11 @@ fn without_gateway_api_crds_the_agent_is_ready_and_reads_routes_once_they_appear
 /// The changes a restore undoes: a Service added, one deleted, endpoints moved.
 fn changes_after_backup(server: &FakeApiServer) {
     server
-        .apply_json(service("shop", "cart", json!([{"name": "http", "port": 80}])))
+        .apply_json(service(
+            "shop",
+            "cart",
+            json!([{"name": "http", "port": 80}]),
+        ))
         .unwrap();
     server.delete::<Service>("shop", "db").unwrap();
     server
@@ -972,9 +976,18 @@ fn a_restore_from_backup_is_followed_to_the_restored_state() {
     // of the server, which sends them nothing; a change after the restore reuses versions.
     server.restore(&backup);
     server
-        .apply_json(service("shop", "after", json!([{"name": "http", "port": 80}])))
+        .apply_json(service(
+            "shop",
+            "after",
+            json!([{"name": "http", "port": 80}]),
+        ))
         .unwrap();
-    let took = converge(agent, server, RECOVER, "the restored state and the change after it");
+    let took = converge(
+        agent,
+        server,
+        RECOVER,
+        "the restored state and the change after it",
+    );
     println!("converged {took:?} after a restore without the revision bump");
     assert!(
         agent.log().contains("went back in time"),
@@ -1013,7 +1026,10 @@ fn annotated_service(namespace: &str, name: &str, path: &str, created: &str) -> 
 fn payments_api(agent: &Agent) -> Result<(Option<Value>, Vec<Value>), String> {
     let mesh = agent.mesh().map_err(|e| e.to_string())?;
     let holder = mesh["services"].get("/payments/api").cloned();
-    let refused = mesh["refused_paths"].as_array().cloned().unwrap_or_default();
+    let refused = mesh["refused_paths"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     Ok((holder, refused))
 }
 
@@ -1048,22 +1064,26 @@ fn a_tenant_cannot_take_a_path_outside_its_grant() {
         .unwrap();
     let cluster = Cluster::start(server, true);
     let (server, agent) = (&cluster.server, &cluster.agent);
-    wait::until("the payments team's Service at /payments/api", FOLLOW * 10, || {
-        let (holder, refused) = payments_api(agent)?;
-        let endpoints = holder.map(|h| h["ports"][0]["endpoints"].to_string());
-        let tenant = refused.iter().find(|r| r["service"] == "tenant/grab");
-        match (endpoints, tenant) {
-            (Some(e), Some(r))
-                if e.contains(&ip(7))
-                    && r["reason"]
-                        .as_str()
-                        .is_some_and(|r| r.contains("may claim paths under /tenant only")) =>
-            {
-                Ok(())
+    wait::until(
+        "the payments team's Service at /payments/api",
+        FOLLOW * 10,
+        || {
+            let (holder, refused) = payments_api(agent)?;
+            let endpoints = holder.map(|h| h["ports"][0]["endpoints"].to_string());
+            let tenant = refused.iter().find(|r| r["service"] == "tenant/grab");
+            match (endpoints, tenant) {
+                (Some(e), Some(r))
+                    if e.contains(&ip(7))
+                        && r["reason"]
+                            .as_str()
+                            .is_some_and(|r| r.contains("may claim paths under /tenant only")) =>
+                {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
             }
-            other => Err(format!("{other:?}")),
-        }
-    })
+        },
+    )
     .unwrap_or_else(|e| panic!("{e}\n{}", tail(&agent.log())));
     let (_, metrics) = agent.get("/metrics").unwrap();
     assert!(
@@ -1083,7 +1103,9 @@ fn a_tenant_cannot_take_a_path_outside_its_grant() {
         let (_, refused) = payments_api(agent)?;
         match refused.as_slice() {
             [r] if r["service"] == "payments/gateway"
-                && r["reason"].as_str().is_some_and(|r| r.contains("held by Service tenant/grab")) =>
+                && r["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("held by Service tenant/grab")) =>
             {
                 Ok(())
             }

@@ -3,6 +3,7 @@
 //! benchmarks at smoke size; `bench` runs the benchmarks side by side with their peers.
 
 mod bench_dns;
+mod bench_hostile_file;
 mod bench_init;
 mod bench_kube;
 mod bench_xds;
@@ -356,17 +357,20 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 4] = [
+    let runners: [(&str, BenchPart); 5] = [
         ("dns", bench_dns::run),
         ("kube", bench_kube::run),
         ("xds", bench_xds::run),
         ("init", bench_init::run),
+        ("hostile-file", bench_hostile_file::run),
     ];
     if let Some(unknown) = only
         .iter()
         .find(|o| !runners.iter().any(|(part, _)| part == o))
     {
-        bail!("unknown benchmark part {unknown:?}; the parts are dns, kube, xds, init");
+        bail!(
+            "unknown benchmark part {unknown:?}; the parts are dns, kube, xds, init, hostile-file"
+        );
     }
     let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     let mut results = serde_json::Map::new();

@@ -317,12 +317,11 @@ fn http_rule(namespace: &str, rule: &HttpRouteRules) -> Result<RuleEntry, String
         .retry
         .as_ref()
         .map(|r| -> Result<RetryPolicy, String> {
-            let codes: Vec<i64> = r.codes.iter().flatten().map(|&c| i64::from(c)).collect();
+            let codes: Vec<i64> = r.codes.iter().flatten().copied().collect();
             let backoff = duration("retry.backoff", r.backoff.as_deref())?;
             // The Gateway API asks for connection errors to be retried with any retry: the
             // default conditions.
-            RetryPolicy::new(r.attempts.map(i64::from), None, &codes, backoff)
-                .map_err(|e| format!("retry.{e}"))
+            RetryPolicy::new(r.attempts, None, &codes, backoff).map_err(|e| format!("retry.{e}"))
         })
         .transpose()?;
     Ok(rule_entry(
