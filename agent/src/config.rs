@@ -18,6 +18,18 @@ pub enum LogFormat {
     Json,
 }
 
+/// Who may claim a mesh path with the lattice.mlab.com/path annotation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathClaimRule {
+    /// A Service under its namespace's prefix (/<namespace>/…) or a prefix granted to its
+    /// namespace in the --path-grants ConfigMap; its own path /<namespace>/<name> always.
+    #[default]
+    Granted,
+    /// Any Service, any path; the oldest claim wins (for installs that rely on it).
+    Any,
+}
+
 /// What a verified proxy (a pod of this node, identity checking on) is served.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -47,6 +59,35 @@ pub struct AgentConfig {
     #[arg(long = "mesh-file", env = "LATTICE_MESH_FILE", value_name = "PATH")]
     pub mesh_files: Vec<PathBuf>,
 
+    /// The largest mesh file read, in MiB; a larger one is refused (at start, or as an edit).
+    #[arg(
+        long,
+        env = "LATTICE_MESH_FILE_MAX_MIB",
+        default_value_t = 16,
+        value_name = "MIB"
+    )]
+    pub mesh_file_max_mib: u64,
+
+    /// How deep a mesh file's YAML may nest (collections in collections); a deeper one is
+    /// refused. The parser's time grows with it, for every token.
+    #[arg(
+        long,
+        env = "LATTICE_MESH_FILE_MAX_DEPTH",
+        default_value_t = 64,
+        value_name = "LEVELS"
+    )]
+    pub mesh_file_max_depth: usize,
+
+    /// How many YAML nodes (scalars and collections) a mesh file may hold, each alias counting
+    /// the nodes of its anchor; past it the file is refused, whatever its size.
+    #[arg(
+        long,
+        env = "LATTICE_MESH_FILE_MAX_NODES",
+        default_value_t = 2_000_000,
+        value_name = "NODES"
+    )]
+    pub mesh_file_max_nodes: u64,
+
     /// Watch Kubernetes beside the mesh files (on by itself when no --mesh-file is given).
     #[arg(long, env = "LATTICE_KUBERNETES")]
     pub kubernetes: bool,
@@ -59,6 +100,34 @@ pub struct AgentConfig {
         value_name = "NS"
     )]
     pub namespaces: Vec<String>,
+
+    /// Who may claim a mesh path by annotation: `granted`, a Service under its namespace's
+    /// prefix or a prefix the --path-grants ConfigMap grants its namespace; `any`, every
+    /// Service anywhere, the oldest claim winning.
+    #[arg(long, env = "LATTICE_PATH_CLAIMS", value_enum, default_value_t = PathClaimRule::Granted)]
+    pub path_claims: PathClaimRule,
+
+    /// The ConfigMap (namespace/name) whose keys are namespaces and values the mesh path
+    /// prefixes granted to each; read with --path-claims granted.
+    #[arg(
+        long,
+        env = "LATTICE_PATH_GRANTS",
+        default_value = "lattice-system/lattice-path-grants",
+        value_name = "NAMESPACE/NAME",
+        value_parser = parse_object_ref
+    )]
+    pub path_grants: (String, String),
+
+    /// How often, in seconds, the agent compares the API server's current resourceVersion
+    /// with the highest its watches have seen; one below it means the API server was restored
+    /// from a backup, and every resource is listed again. 0: never.
+    #[arg(
+        long,
+        env = "LATTICE_KUBE_ROLLBACK_CHECK_SECS",
+        default_value_t = 60,
+        value_name = "SECS"
+    )]
+    pub kube_rollback_check_secs: u64,
 
     /// Address of the gRPC ADS server the node's Envoys connect to. Loopback by default, for
     /// local runs; in a cluster the manifests use the node-local address (--node-local-dns),
@@ -290,6 +359,17 @@ impl AgentConfig {
     }
 }
 
+fn parse_object_ref(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((namespace, name))
+            if !namespace.is_empty() && !name.is_empty() && !name.contains('/') =>
+        {
+            Ok((namespace.to_string(), name.to_string()))
+        }
+        _ => Err(format!("{s:?} is not namespace/name")),
+    }
+}
+
 fn parse_trap(s: &str) -> Result<TrapCidrs, String> {
     s.parse()
         .map_err(|e: lattice_contract::TrapCidrError| e.to_string())
@@ -338,6 +418,19 @@ mod tests {
         assert_eq!(config.dns_tcp_pipeline, 16);
         assert_eq!(config.drain_timeout_secs, 20);
         assert_eq!(config.admin_socket, None);
+        // The flags' defaults are the mesh file reader's own.
+        assert_eq!(
+            config.mesh_file_max_mib,
+            crate::source::file::DEFAULT_MAX_MIB
+        );
+        assert_eq!(
+            config.mesh_file_max_depth,
+            crate::source::file::DEFAULT_MAX_DEPTH
+        );
+        assert_eq!(
+            config.mesh_file_max_nodes,
+            crate::source::file::DEFAULT_MAX_NODES
+        );
     }
 
     #[test]

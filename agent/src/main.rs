@@ -21,7 +21,7 @@ use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{self, AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
-use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope};
+use lattice_agent::config::{AgentConfig, LogFormat, PathClaimRule, ProxyScope};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
@@ -158,7 +158,11 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         if config.mesh_files[..i].contains(path) {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
-        files.push(FileSource::load(path, config.trap_cidr.clone())?);
+        files.push(FileSource::load(
+            path,
+            config.trap_cidr.clone(),
+            mesh_file_limits(&config),
+        )?);
     }
     node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {
@@ -382,6 +386,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         let kube_config = KubeSourceConfig {
             namespaces: config.namespaces.clone(),
             trap: config.trap_cidr.clone(),
+            path_claims: match config.path_claims {
+                PathClaimRule::Granted => source::kube::PathClaims::Granted,
+                PathClaimRule::Any => source::kube::PathClaims::Any,
+            },
+            path_grants: config.path_grants.clone(),
+            rollback_check: (config.kube_rollback_check_secs > 0)
+                .then(|| Duration::from_secs(config.kube_rollback_check_secs)),
         };
         let token = shutdown.clone();
         tasks.spawn(async move {
@@ -563,5 +574,14 @@ impl lattice_dns::LookupObserver for ScopeObserver {
         self.0
             .resolved(client, scope)
             .map(|wait| Box::pin(wait) as lattice_dns::Hold)
+    }
+}
+
+/// The mesh file reader's bounds, from the flags.
+fn mesh_file_limits(config: &AgentConfig) -> lattice_agent::source::file::Limits {
+    lattice_agent::source::file::Limits {
+        max_bytes: config.mesh_file_max_mib.saturating_mul(1 << 20),
+        max_depth: config.mesh_file_max_depth,
+        max_nodes: config.mesh_file_max_nodes,
     }
 }

@@ -584,6 +584,8 @@ pub struct MeshSnapshot {
     pub services: ServiceMap,
     /// Routes the sources refused, and why: shown to operators, served to no proxy.
     pub rejected_routes: Arc<[RejectedRoute]>,
+    /// Services a source left out of the mesh because of the path they claim, and why.
+    pub refused_paths: Arc<[RefusedPath]>,
     /// When the source took this snapshot: where the push latency of what it changed starts.
     #[serde(skip)]
     pub taken_at: Instant,
@@ -602,6 +604,16 @@ impl MeshSnapshot {
     pub fn route_rule_count(&self) -> usize {
         self.totals.route_rules
     }
+}
+
+/// A service a source left out of the mesh for the path it claims: one its namespace may not
+/// claim, or one another service holds.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct RefusedPath {
+    /// The service that claimed it: `namespace/name` for Kubernetes.
+    pub service: String,
+    pub path: String,
+    pub reason: String,
 }
 
 /// Counts over every service, kept as services change: every snapshot is logged and measured
@@ -651,6 +663,7 @@ pub struct MeshState {
     /// Persistent, as the address book is, so that copying the state is cheap.
     instance_of: imbl::HashMap<MeshPath, MeshPath>,
     rejected_routes: Arc<[RejectedRoute]>,
+    refused_paths: Arc<[RefusedPath]>,
     totals: Totals,
     version: u64,
     shape_version: u64,
@@ -667,6 +680,7 @@ impl MeshState {
             services: ServiceMap::new(),
             instance_of: imbl::HashMap::new(),
             rejected_routes: Arc::from([]),
+            refused_paths: Arc::from([]),
             totals: Totals::default(),
             version: 0,
             shape_version: 0,
@@ -862,6 +876,15 @@ impl MeshState {
         }
     }
 
+    /// Sets the services the source left out for the paths they claim (sorted, as above).
+    pub fn set_refused_paths(&mut self, mut refused: Vec<RefusedPath>) {
+        refused.sort();
+        if *self.refused_paths != *refused {
+            self.refused_paths = refused.into();
+            self.changed = true;
+        }
+    }
+
     /// A snapshot of the current state, with a new version if anything changed since the last.
     pub fn snapshot(&mut self) -> Arc<MeshSnapshot> {
         if self.changed {
@@ -878,6 +901,7 @@ impl MeshState {
             trap: self.addresses.trap().clone(),
             services: self.services.clone(),
             rejected_routes: self.rejected_routes.clone(),
+            refused_paths: self.refused_paths.clone(),
             taken_at: Instant::now(),
             totals: self.totals,
         })

@@ -36,3 +36,15 @@ pub const LOCAL_DNS_PORT: u16 = 15053;
 /// nameserver, and their Envoys reach the agent's xDS server on it (lattice-init's default).
 /// Link-local, so no router forwards it: only this node's pods reach it.
 pub const NODE_LOCAL_DNS: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
+
+/// The largest program a route's regular expression may compile to in RE2, Envoy's regex
+/// engine, as the agent bounds it from above. The agent refuses a rule past it, and Envoy
+/// counts one past it (`re2.max_program_size.warn_level`, stat `re2.exceeded_warn_level`):
+/// a count there means the agent's bound was not one.
+pub const REGEX_PROGRAM_SIZE: u64 = 1000;
+
+/// The program size past which Envoy refuses a regular expression
+/// (`re2.max_program_size.error_level`; Envoy's default, 100, is smaller than many path
+/// patterns, and a refusal fails the whole route configuration it is in). Far above
+/// [`REGEX_PROGRAM_SIZE`]: a backstop that no pattern the agent accepts comes near.
+pub const ENVOY_REGEX_PROGRAM_SIZE_ERROR: u64 = 32 * REGEX_PROGRAM_SIZE;

@@ -17,7 +17,7 @@
 //! cluster's copy on each worker thread waits for its first request too (2–3 % of the sync
 //! and 11 MiB with one worker, more with more).
 
-use lattice_contract::ENVOY_ADMIN_PORT;
+use lattice_contract::{ENVOY_ADMIN_PORT, ENVOY_REGEX_PROGRAM_SIZE_ERROR, REGEX_PROGRAM_SIZE};
 use serde_json::{Value, json};
 
 use crate::config::{BootstrapConfig, EnvoyStats, XdsHost, XdsMode};
@@ -95,7 +95,23 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
     if config.stats == EnvoyStats::Mesh {
         value["stats_config"] = mesh_stats();
     }
+    value["layered_runtime"] = regex_runtime();
     value
+}
+
+/// Envoy refuses a route regex whose RE2 program is larger than 100 by default, and the
+/// refusal fails the whole route configuration it is in. The agent refuses a rule whose
+/// pattern may compile past [`REGEX_PROGRAM_SIZE`]; Envoy's own refusal is set far above it,
+/// and its warning (counted in `re2.exceeded_warn_level`) at it: a count there means the
+/// agent let through a pattern larger than it meant to.
+fn regex_runtime() -> Value {
+    json!({ "layers": [{
+        "name": "lattice",
+        "static_layer": {
+            "re2.max_program_size.error_level": ENVOY_REGEX_PROGRAM_SIZE_ERROR,
+            "re2.max_program_size.warn_level": REGEX_PROGRAM_SIZE,
+        },
+    }] })
 }
 
 /// The statistics `--envoy-stats mesh` keeps: those that do not grow with the mesh, and two
@@ -108,6 +124,7 @@ fn mesh_stats() -> Value {
         "control_plane.",
         "listener.",
         "http.",
+        "re2.",
     ];
     let mut patterns: Vec<Value> = prefixes.iter().map(|p| json!({ "prefix": p })).collect();
     patterns.push(json!({ "prefix": format!("cluster.{XDS_CLUSTER}.") }));
@@ -169,6 +186,10 @@ mod tests {
             }] },
             "deferred_stat_options": { "enable_deferred_creation_stats": true },
             "cluster_manager": { "enable_deferred_cluster_creation": true },
+            "layered_runtime": { "layers": [{ "name": "lattice", "static_layer": {
+                "re2.max_program_size.error_level": 32000,
+                "re2.max_program_size.warn_level": 1000
+            } }] },
             "stats_config": { "stats_matcher": { "inclusion_list": { "patterns": [
                 { "prefix": "server." },
                 { "prefix": "cluster_manager." },
@@ -176,6 +197,7 @@ mod tests {
                 { "prefix": "control_plane." },
                 { "prefix": "listener." },
                 { "prefix": "http." },
+                { "prefix": "re2." },
                 { "prefix": "cluster.lattice-xds." },
                 { "suffix": ".membership_total" },
                 { "suffix": ".membership_healthy" }

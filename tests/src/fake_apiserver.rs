@@ -1,6 +1,6 @@
 //! A fake Kubernetes API server that owns the wire protocol of a table of resources — core/v1
 //! Services, discovery.k8s.io/v1 EndpointSlices, the Gateway API's HTTPRoutes, GRPCRoutes and
-//! ReferenceGrants, core/v1 Pods and Nodes (see [`KINDS`]) — over real HTTP on loopback, so the
+//! ReferenceGrants, core/v1 Pods, ConfigMaps and Nodes (see [`KINDS`]) — over real HTTP on loopback, so the
 //! agent under test talks to it through its real kube client and a kubeconfig.
 //!
 //! It keeps what an API server backed by etcd keeps: one global, monotonically increasing
@@ -11,6 +11,9 @@
 //! events as chunked JSON lines, send BOOKMARKs when asked, end after `timeoutSeconds`, and answer
 //! a version older than the compaction with an in-stream ERROR event carrying a 410 Status, as a
 //! real API server does.
+//!
+//! The store can be backed up and restored ([`FakeApiServer::restore`]), as etcd is, with or
+//! without the revision bump that makes every watch re-list.
 //!
 //! A kind can be uninstalled and installed again ([`FakeApiServer::uninstall`]), as the Gateway
 //! API's CRDs are on a real cluster: while absent its paths answer 404 as unknown paths do.
@@ -54,6 +57,7 @@ pub static KINDS: &[Kind] = &[
     Kind::namespaced(GATEWAY_API, "v1", "GRPCRoute", "grpcroutes"),
     Kind::namespaced(GATEWAY_API, "v1", "ReferenceGrant", "referencegrants"),
     Kind::namespaced("", "v1", "Pod", "pods"),
+    Kind::namespaced("", "v1", "ConfigMap", "configmaps"),
     Kind::cluster_scoped("", "v1", "Node", "nodes"),
 ];
 
@@ -150,12 +154,14 @@ impl Kind {
 /// kinds. Ordered like etcd keys, so lists and continue tokens are stable.
 type Key = (&'static Kind, String, String);
 
+#[derive(Clone)]
 struct Stored {
     json: Bytes,
 }
 
 /// One change, serialized once as the watch line every watcher in scope receives; a watcher
 /// with a field selector gets the line its selector makes of it ([`Change::line_for`]).
+#[derive(Clone)]
 struct Change {
     rv: u64,
     kind: &'static Kind,
@@ -242,6 +248,9 @@ struct Watcher {
     namespace: Option<String>,
     selector: FieldSelector,
     bookmarks: bool,
+    /// The version the watch started from: as a real API server's watch cache, it sends only
+    /// changes after it, and bookmarks once the store has reached it.
+    from: u64,
     tx: mpsc::UnboundedSender<Bytes>,
 }
 
@@ -280,7 +289,7 @@ struct Store {
 impl Store {
     fn push(&mut self, change: Change) {
         self.watchers.retain(|w| {
-            if !w.sees(change.kind, &change.namespace) {
+            if !w.sees(change.kind, &change.namespace) || change.rv <= w.from {
                 return true;
             }
             match change.line_for(&w.selector) {
@@ -515,6 +524,14 @@ fn rfc3339(secs: u64) -> String {
     )
 }
 
+/// A copy of the store, as an etcd snapshot: [`FakeApiServer::backup`].
+pub struct Backup {
+    rv: u64,
+    compacted: u64,
+    objects: BTreeMap<Key, Stored>,
+    history: Vec<Change>,
+}
+
 /// The fake API server. Dropping it stops it.
 pub struct FakeApiServer {
     runtime: Option<tokio::runtime::Runtime>,
@@ -618,6 +635,44 @@ impl FakeApiServer {
         for watcher in store.watchers.drain(..) {
             let _ = watcher.tx.send(line.clone());
         }
+    }
+
+    /// What etcd holds now, to [`FakeApiServer::restore`] later.
+    pub fn backup(&self) -> Backup {
+        let store = lock(&self.store);
+        Backup {
+            rv: store.rv,
+            compacted: store.compacted,
+            objects: store.objects.clone(),
+            history: store.history.clone(),
+        }
+    }
+
+    /// An API server restored from `backup`, as after `etcdutl snapshot restore` and a restart
+    /// of the API server: the objects and resourceVersions of the backup (every version since
+    /// it handed out again, for other changes), open watches and paged lists ended. A watch
+    /// that resumes from a version the restored store has not reached is served as a real
+    /// API server's watch cache serves it: accepted, and sent nothing until the store passes
+    /// that version, then only what comes after it.
+    pub fn restore(&self, backup: &Backup) {
+        let mut store = lock(&self.store);
+        store.rv = backup.rv;
+        store.compacted = backup.compacted;
+        store.objects = backup.objects.clone();
+        store.history = backup.history.clone();
+        store.pages.clear();
+        store.watchers.clear();
+    }
+
+    /// [`FakeApiServer::restore`] as etcd's documented procedure does it
+    /// (`--bump-revision <bump> --mark-compacted`): versions go on from `bump` past the
+    /// backup's, and every earlier one is compacted, so a watch resuming from one gets 410.
+    pub fn restore_bumped(&self, backup: &Backup, bump: u64) {
+        self.restore(backup);
+        let mut store = lock(&self.store);
+        store.rv = backup.rv + bump;
+        store.compacted = store.rv;
+        store.history.clear();
     }
 
     /// How many watches are open now.
@@ -775,8 +830,9 @@ async fn send_bookmarks(store: Arc<Mutex<Store>>) {
         tick.tick().await;
         let mut store = lock(&store);
         let rv = store.rv.to_string();
+        let now = store.rv;
         store.watchers.retain(|w| {
-            if !w.bookmarks {
+            if !w.bookmarks || now < w.from {
                 return !w.tx.is_closed();
             }
             let object = json!({
@@ -1105,6 +1161,7 @@ fn watch(
             namespace: target.namespace.clone(),
             selector,
             bookmarks,
+            from: from.unwrap_or(0),
             tx,
         });
     }
@@ -1358,6 +1415,41 @@ mod tests {
     }
 
     #[test]
+    fn a_restore_serves_watches_from_the_future_as_a_watch_cache_does() {
+        let server = FakeApiServer::start().unwrap();
+        server.apply_json(service("a", "one", 80)).unwrap();
+        let backup = server.backup();
+        server.apply_json(service("a", "two", 80)).unwrap();
+        let ahead = server.apply_json(service("a", "three", 80)).unwrap();
+        server.restore(&backup);
+        assert_eq!(server.resource_version(), backup.rv);
+        let (_, list) = get(&server, "/api/v1/services");
+        assert_eq!(names(&list), ["one"]);
+        // A watch resuming from the version the store has not reached yet: nothing until the
+        // store passes it, changes after it only; the restored state never.
+        let mut resumed = watch(
+            &server,
+            &format!("/api/v1/services?watch=1&resourceVersion={ahead}"),
+        );
+        for name in ["four", "five"] {
+            server.apply_json(service("a", name, 80)).unwrap();
+        }
+        assert!(server.resource_version() == ahead);
+        server.apply_json(service("a", "six", 80)).unwrap();
+        let seen = events(&mut resumed, 1);
+        assert_eq!(seen[0]["object"]["metadata"]["name"], "six", "{seen:?}");
+
+        // With the revision bump, every earlier version is compacted: 410.
+        server.restore_bumped(&backup, 1000);
+        assert_eq!(server.resource_version(), backup.rv + 1000);
+        let mut old = watch(
+            &server,
+            &format!("/api/v1/services?watch=1&resourceVersion={ahead}"),
+        );
+        assert_eq!(events(&mut old, 1)[0]["object"]["code"], 410);
+    }
+
+    #[test]
     fn watch_ends_after_timeout_seconds() {
         let server = FakeApiServer::start().unwrap();
         let mut reader = watch(
@@ -1415,7 +1507,7 @@ mod tests {
             .0,
             404
         );
-        assert_eq!(get(&server, "/api/v1/configmaps").0, 404);
+        assert_eq!(get(&server, "/api/v1/secrets").0, 404);
     }
 
     const GATEWAY: &str = "/apis/gateway.networking.k8s.io/v1";
@@ -1577,7 +1669,7 @@ mod tests {
             format!("{GATEWAY}/namespaces/shop/httproutes"),
             format!("{GATEWAY}/httproutes?watch=1"),
             format!("{GATEWAY}/namespaces/shop/httproutes/web"),
-            "/api/v1/configmaps".to_string(),
+            "/api/v1/secrets".to_string(),
         ] {
             assert_eq!(get(&server, &path), (404, unknown.clone()), "{path}");
         }

@@ -77,11 +77,12 @@ impl Source {
             Source::Kube { server, .. } => {
                 server.apply_json(json!({
                     "apiVersion": "v1", "kind": "Service",
-                    "metadata": {"namespace": "bar", "name": "buzz",
+                    // Under its namespace's prefix, as the default path ownership asks.
+                    "metadata": {"namespace": "foo", "name": "buzz",
                                  "annotations": {"lattice.mlab.com/path": "/foo/bar/buzz"}},
                     "spec": {"ports": [{"name": "http", "port": BUZZ_PORT, "protocol": "TCP"}]},
                 }))?;
-                server.apply_json(slice("bar", "buzz", "http", BUZZ_PORT, &addresses(buzz)))?;
+                server.apply_json(slice("foo", "buzz", "http", BUZZ_PORT, &addresses(buzz)))?;
                 server.apply_json(json!({
                     "apiVersion": "v1", "kind": "Service",
                     "metadata": {"namespace": "foo", "name": "db"},

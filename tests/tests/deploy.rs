@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use lattice_e2e::agent::Agent;
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
@@ -149,6 +149,8 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
             "ServiceAccount" => round_trip::<ServiceAccount>(object)?,
             "ClusterRole" => round_trip::<ClusterRole>(object)?,
             "ClusterRoleBinding" => round_trip::<ClusterRoleBinding>(object)?,
+            "Role" => round_trip::<Role>(object)?,
+            "RoleBinding" => round_trip::<RoleBinding>(object)?,
             "DaemonSet" => round_trip::<DaemonSet>(object)?,
             "Deployment" => round_trip::<Deployment>(object)?,
             "Service" => round_trip::<Service>(object)?,
@@ -159,6 +161,8 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     let expected: BTreeMap<String, i32> = [
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
+        ("Role", 1),
+        ("RoleBinding", 1),
         ("DaemonSet", 1),
         ("Deployment", 1),
         ("Namespace", 2),
@@ -617,8 +621,20 @@ fn rbac_of(request: &str) -> anyhow::Result<(String, String, String)> {
 fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Result<()> {
     let objects = rendered()?;
     let role: ClusterRole = only(&objects, "ClusterRole");
+    // The Role grants what the agent reads in its own namespace (the path grants ConfigMap).
+    let own: Role = only(&objects, "Role");
+    let own_binding: RoleBinding = only(&objects, "RoleBinding");
+    assert_eq!(own_binding.role_ref.kind, "Role");
+    assert_eq!(Some(own_binding.role_ref.name.clone()), own.metadata.name);
+    assert_eq!(own.metadata.namespace.as_deref(), Some("lattice-system"));
+    assert_eq!(own_binding.metadata.namespace, own.metadata.namespace);
     let mut granted = BTreeSet::new();
-    for rule in role.rules.iter().flatten() {
+    for rule in role
+        .rules
+        .iter()
+        .flatten()
+        .chain(own.rules.iter().flatten())
+    {
         assert!(rule.non_resource_urls.is_none(), "{rule:?}");
         assert!(rule.resource_names.is_none(), "{rule:?}");
         for group in rule.api_groups.iter().flatten() {

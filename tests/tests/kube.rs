@@ -23,7 +23,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 /// The watches the agent keeps open on a cluster-wide source: one per kind it reads.
-const WATCHES: usize = 5;
+/// Services, EndpointSlices, HTTPRoutes, GRPCRoutes, ReferenceGrants, and the path grants
+/// ConfigMap.
+const WATCHES: usize = 6;
 /// How long a change may take to show up in normal operation: the same bar as the data path's.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.
@@ -341,7 +343,7 @@ fn services_and_slices_appear_and_changes_follow_within_a_second() {
             "annotation moves a service",
             Box::new(|s| {
                 let mut db = service("shop", "db", json!([{"name": "tcp-pg", "port": 5432}]));
-                db["metadata"]["annotations"] = json!({PATH_ANNOTATION: "/data/postgres/main"});
+                db["metadata"]["annotations"] = json!({PATH_ANNOTATION: "/shop/postgres/main"});
                 s.apply_json(db).unwrap();
             }),
         ),
@@ -740,7 +742,8 @@ fn random_update(server: &FakeApiServer, rng: &mut StdRng, services: usize, next
         // Moved to an annotated path.
         _ => {
             let mut svc = service(&namespace, &name, json!([{"name": "http", "port": 80}]));
-            svc["metadata"]["annotations"] = json!({PATH_ANNOTATION: format!("/moved/{name}")});
+            svc["metadata"]["annotations"] =
+                json!({PATH_ANNOTATION: format!("/{namespace}/moved/{name}")});
             server.apply_json(svc).unwrap();
         }
     }
@@ -933,6 +936,211 @@ fn without_gateway_api_crds_the_agent_is_ready_and_reads_routes_once_they_appear
             .is_some_and(Vec::is_empty)
             .then_some(())
             .ok_or(routes.to_string())
+    })
+    .unwrap();
+}
+
+/// The changes a restore undoes: a Service added, one deleted, endpoints moved.
+fn changes_after_backup(server: &FakeApiServer) {
+    server
+        .apply_json(service(
+            "shop",
+            "cart",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+    server.delete::<Service>("shop", "db").unwrap();
+    server
+        .apply_json(slice(
+            "shop",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": 8080}]),
+            ready(&[ip(3)]),
+        ))
+        .unwrap();
+}
+
+#[test]
+fn a_restore_from_backup_is_followed_to_the_restored_state() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let cluster = Cluster::start_with(server, true, &["--kube-rollback-check-secs", "1"]);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    converge(agent, server, FOLLOW, "initial mesh");
+    let backup = server.backup();
+    changes_after_backup(server);
+    converge(agent, server, FOLLOW, "the changes after the backup");
+
+    // Restored without etcd's revision bump: every version the watches resume from is ahead
+    // of the server, which sends them nothing; a change after the restore reuses versions.
+    server.restore(&backup);
+    server
+        .apply_json(service(
+            "shop",
+            "after",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+    let took = converge(
+        agent,
+        server,
+        RECOVER,
+        "the restored state and the change after it",
+    );
+    println!("converged {took:?} after a restore without the revision bump");
+    assert!(
+        agent.log().contains("went back in time"),
+        "{}",
+        tail(&agent.log())
+    );
+
+    // Restored with it: every watch gets 410 and re-lists.
+    let backup = server.backup();
+    changes_after_backup(server);
+    converge(agent, server, FOLLOW, "the changes after the second backup");
+    server.restore_bumped(&backup, 1_000_000);
+    let took = converge(agent, server, RECOVER, "the state restored with the bump");
+    println!("converged {took:?} after a restore with the revision bump");
+    // Each watch is fresh again once it has listed (after its backoff).
+    wait::until("the provider fresh", RECOVER, || {
+        let mesh = agent.mesh().map_err(|e| e.to_string())?;
+        let stale = &mesh["providers"][0]["stale"];
+        if stale.is_null() {
+            Ok(())
+        } else {
+            Err(stale.to_string())
+        }
+    })
+    .unwrap();
+}
+
+fn annotated_service(namespace: &str, name: &str, path: &str, created: &str) -> Value {
+    let mut svc = service(namespace, name, json!([{"name": "http", "port": 80}]));
+    svc["metadata"]["annotations"] = json!({PATH_ANNOTATION: path});
+    svc["metadata"]["creationTimestamp"] = created.into();
+    svc
+}
+
+/// Who holds `/payments/api`, and the refusals `/debug/mesh` lists.
+fn payments_api(agent: &Agent) -> Result<(Option<Value>, Vec<Value>), String> {
+    let mesh = agent.mesh().map_err(|e| e.to_string())?;
+    let holder = mesh["services"].get("/payments/api").cloned();
+    let refused = mesh["refused_paths"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    Ok((holder, refused))
+}
+
+#[test]
+fn a_tenant_cannot_take_a_path_outside_its_grant() {
+    let server = FakeApiServer::start().unwrap();
+    // The tenant's claim is the older one.
+    server
+        .apply_json(annotated_service(
+            "tenant",
+            "grab",
+            "/payments/api",
+            "2020-01-01T00:00:00Z",
+        ))
+        .unwrap();
+    server
+        .apply_json(annotated_service(
+            "payments",
+            "gateway",
+            "/payments/api",
+            "2024-01-01T00:00:00Z",
+        ))
+        .unwrap();
+    server
+        .apply_json(slice(
+            "payments",
+            "gateway-1",
+            "gateway",
+            json!([{"name": "http", "port": 80}]),
+            ready(&[ip(7)]),
+        ))
+        .unwrap();
+    let cluster = Cluster::start(server, true);
+    let (server, agent) = (&cluster.server, &cluster.agent);
+    wait::until(
+        "the payments team's Service at /payments/api",
+        FOLLOW * 10,
+        || {
+            let (holder, refused) = payments_api(agent)?;
+            let endpoints = holder.map(|h| h["ports"][0]["endpoints"].to_string());
+            let tenant = refused.iter().find(|r| r["service"] == "tenant/grab");
+            match (endpoints, tenant) {
+                (Some(e), Some(r))
+                    if e.contains(&ip(7))
+                        && r["reason"]
+                            .as_str()
+                            .is_some_and(|r| r.contains("may claim paths under /tenant only")) =>
+                {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", tail(&agent.log())));
+    let (_, metrics) = agent.get("/metrics").unwrap();
+    assert!(
+        metrics.lines().any(|l| l == "lattice_mesh_refused_paths 1"),
+        "{metrics}"
+    );
+
+    // A cluster admin grants the tenant /payments: its older claim now wins.
+    server
+        .apply_json(json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"namespace": "lattice-system", "name": "lattice-path-grants"},
+            "data": {"tenant": "/payments"},
+        }))
+        .unwrap();
+    wait::until("the granted tenant at /payments/api", FOLLOW * 10, || {
+        let (_, refused) = payments_api(agent)?;
+        match refused.as_slice() {
+            [r] if r["service"] == "payments/gateway"
+                && r["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("held by Service tenant/grab")) =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .unwrap();
+}
+
+#[test]
+fn with_any_path_claims_the_oldest_claim_wins() {
+    let server = FakeApiServer::start().unwrap();
+    server
+        .apply_json(annotated_service(
+            "tenant",
+            "grab",
+            "/payments/api",
+            "2020-01-01T00:00:00Z",
+        ))
+        .unwrap();
+    server
+        .apply_json(annotated_service(
+            "payments",
+            "gateway",
+            "/payments/api",
+            "2024-01-01T00:00:00Z",
+        ))
+        .unwrap();
+    let cluster = Cluster::start_with(server, true, &["--path-claims", "any"]);
+    wait::until("the tenant holds /payments/api", FOLLOW * 10, || {
+        let (_, refused) = payments_api(&cluster.agent)?;
+        match refused.as_slice() {
+            [r] if r["service"] == "payments/gateway" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
     })
     .unwrap();
 }

@@ -167,7 +167,9 @@ impl Merger {
         for path in &touched {
             self.merge_path(path);
         }
-        if !Arc::ptr_eq(&old.rejected_routes, &new.rejected_routes) {
+        if !Arc::ptr_eq(&old.rejected_routes, &new.rejected_routes)
+            || !Arc::ptr_eq(&old.refused_paths, &new.refused_paths)
+        {
             self.update_rejected_routes();
         }
         true
@@ -202,6 +204,13 @@ impl Merger {
             .flat_map(|v| v.rejected_routes.iter().cloned())
             .collect();
         self.state.set_rejected_routes(rejected);
+        let refused = self
+            .slots
+            .iter()
+            .filter_map(|s| s.report.view.as_ref())
+            .flat_map(|v| v.refused_paths.iter().cloned())
+            .collect();
+        self.state.set_refused_paths(refused);
     }
 
     /// Recomputes one path from every provider's current definition of it.

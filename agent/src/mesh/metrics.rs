@@ -11,6 +11,7 @@ pub struct MeshMetrics {
     endpoints: Gauge,
     route_rules: Gauge,
     rejected_routes: Gauge,
+    refused_paths: Gauge,
     conflicts: Gauge,
     stale_providers: Gauge,
 }
@@ -41,6 +42,11 @@ impl MeshMetrics {
             metrics.rejected_routes.clone(),
         );
         mesh.register(
+            "refused_paths",
+            "Services left out of the mesh for the path they claim; /debug/mesh says why",
+            metrics.refused_paths.clone(),
+        );
+        mesh.register(
             "conflicts",
             "Service paths on which providers disagree; /debug/mesh says how",
             metrics.conflicts.clone(),
@@ -67,5 +73,6 @@ impl MeshMetrics {
         self.endpoints.set(count(mesh.endpoint_count()));
         self.route_rules.set(count(mesh.route_rule_count()));
         self.rejected_routes.set(count(mesh.rejected_routes.len()));
+        self.refused_paths.set(count(mesh.refused_paths.len()));
     }
 }

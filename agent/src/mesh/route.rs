@@ -18,6 +18,43 @@ use serde::Serialize;
 
 use super::MeshPath;
 
+mod re2;
+
+/// Why a rule's part is not one the mesh can serve; the sources prefix the field it came from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    #[error("{0:?} must start with '/'")]
+    NotAbsolute(String),
+    #[error("{pattern:?} is not a regular expression Envoy's RE2 reads: {reason}")]
+    Regex { pattern: String, reason: String },
+    #[error(
+        "{pattern:?} compiles to an RE2 program of up to {size} instructions; the mesh takes \
+         at most {limit} (a shorter pattern, fewer or smaller repetitions)"
+    )]
+    RegexTooLarge {
+        pattern: String,
+        size: u64,
+        limit: u64,
+    },
+    #[error("attempts: {0} is out of range 0-{MAX_RETRY_ATTEMPTS}")]
+    RetryAttempts(i64),
+    #[error("codes[{index}]: {code} is not an HTTP status 400-599")]
+    RetryCode { index: usize, code: i64 },
+    #[error("give at least one condition (on) or status (codes) to retry")]
+    RetryNothing,
+}
+
+/// The most of a pattern an error quotes: patterns come from tenants, and a log line or a
+/// `/debug` view must not grow with them.
+const QUOTED_PATTERN: usize = 120;
+
+fn quoted(pattern: &str) -> String {
+    match pattern.char_indices().nth(QUOTED_PATTERN) {
+        Some((end, _)) => format!("{}…", &pattern[..end]),
+        None => pattern.to_string(),
+    }
+}
+
 /// Where a rule was written.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(tag = "source", rename_all = "lowercase")]
@@ -69,6 +106,35 @@ impl PathMatch {
     pub fn any() -> PathMatch {
         PathMatch::Prefix("/".to_string())
     }
+
+    pub fn exact(path: &str) -> Result<PathMatch, RuleError> {
+        absolute(path)?;
+        Ok(PathMatch::Exact(path.to_string()))
+    }
+
+    /// A prefix, without the trailing `/`s that do not change what it matches.
+    pub fn prefix(prefix: &str) -> Result<PathMatch, RuleError> {
+        absolute(prefix)?;
+        let trimmed = prefix.trim_end_matches('/');
+        Ok(PathMatch::Prefix(if trimmed.is_empty() {
+            "/".to_string()
+        } else {
+            trimmed.to_string()
+        }))
+    }
+
+    pub fn regex(pattern: &str) -> Result<PathMatch, RuleError> {
+        check_regex(pattern)?;
+        Ok(PathMatch::Regex(pattern.to_string()))
+    }
+}
+
+fn absolute(path: &str) -> Result<(), RuleError> {
+    if path.starts_with('/') {
+        Ok(())
+    } else {
+        Err(RuleError::NotAbsolute(quoted(path)))
+    }
 }
 
 /// How a header or query parameter value must look.
@@ -80,6 +146,13 @@ pub enum ValueMatch {
     Regex(String),
     /// Present, whatever its value.
     Present,
+}
+
+impl ValueMatch {
+    pub fn regex(pattern: &str) -> Result<ValueMatch, RuleError> {
+        check_regex(pattern)?;
+        Ok(ValueMatch::Regex(pattern.to_string()))
+    }
 }
 
 /// A condition on one header (name case-insensitive) or query parameter (name exact).
@@ -153,6 +226,9 @@ pub const MAX_WEIGHT: u32 = 1_000_000;
 /// Tries after the first when a rule asks for retries but not how many.
 pub const DEFAULT_RETRY_ATTEMPTS: u32 = 2;
 
+/// The most tries after the first a rule may ask for.
+pub const MAX_RETRY_ATTEMPTS: u32 = 100;
+
 /// What is retried when a rule asks for retries but not on what: failures of the connection,
 /// which the Gateway API asks every retry to cover.
 pub const DEFAULT_RETRY_ON: [RetryOn; 3] = [
@@ -210,6 +286,47 @@ pub struct RetryPolicy {
     /// this before the n-th retry, at most ten times this.
     #[serde(with = "millis_opt")]
     pub backoff: Option<Duration>,
+}
+
+impl RetryPolicy {
+    /// A rule's retries: `attempts` defaults to [`DEFAULT_RETRY_ATTEMPTS`], `on` to
+    /// [`DEFAULT_RETRY_ON`]; `codes` are statuses 400-599. Conditions are kept sorted, once each.
+    pub fn new(
+        attempts: Option<i64>,
+        on: Option<Vec<RetryOn>>,
+        codes: &[i64],
+        backoff: Option<Duration>,
+    ) -> Result<RetryPolicy, RuleError> {
+        let attempts = match attempts {
+            None => DEFAULT_RETRY_ATTEMPTS,
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|n| *n <= MAX_RETRY_ATTEMPTS)
+                .ok_or(RuleError::RetryAttempts(n))?,
+        };
+        let mut on = on.unwrap_or_else(|| DEFAULT_RETRY_ON.to_vec());
+        on.sort();
+        on.dedup();
+        let codes = codes
+            .iter()
+            .enumerate()
+            .map(|(index, &code)| {
+                u16::try_from(code)
+                    .ok()
+                    .filter(|c| (400..=599).contains(c))
+                    .ok_or(RuleError::RetryCode { index, code })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if on.is_empty() && codes.is_empty() {
+            return Err(RuleError::RetryNothing);
+        }
+        Ok(RetryPolicy {
+            attempts,
+            on,
+            codes,
+            backoff,
+        })
+    }
 }
 
 /// Edits to the request's headers before it is sent to a backend.
@@ -300,11 +417,24 @@ impl<'a> RouteTable<'a> {
     }
 }
 
-/// A regular expression a proxy can run: RE2 syntax, which the `regex` crate shares.
-pub fn check_regex(pattern: &str) -> Result<(), String> {
-    regex::Regex::new(pattern)
-        .map(drop)
-        .map_err(|e| format!("{pattern:?} is not a valid regular expression: {e}"))
+/// A regular expression every proxy runs: RE2's syntax, and a program no larger than
+/// [`lattice_contract::REGEX_PROGRAM_SIZE`] (bounded from above: [`re2`]). Refused here, a
+/// pattern refuses its rule; sent to Envoy, it would have refused the whole route
+/// configuration of its port, for every service on it.
+pub fn check_regex(pattern: &str) -> Result<(), RuleError> {
+    let size = re2::program_size(pattern).map_err(|reason| RuleError::Regex {
+        pattern: quoted(pattern),
+        reason,
+    })?;
+    let limit = lattice_contract::REGEX_PROGRAM_SIZE;
+    if size > limit {
+        return Err(RuleError::RegexTooLarge {
+            pattern: quoted(pattern),
+            size,
+            limit,
+        });
+    }
+    Ok(())
 }
 
 /// A service's rule, or a whole route, that a source refused, and why.
@@ -440,8 +570,74 @@ mod tests {
     }
 
     #[test]
-    fn regexes_are_checked() {
+    fn regexes_are_checked_against_re2_and_the_size_limit() {
         assert!(check_regex("/v[0-9]+").is_ok());
-        assert!(check_regex("/v[0-9").unwrap_err().contains("/v[0-9"));
+        let err = check_regex("/v[0-9").unwrap_err().to_string();
+        assert!(err.contains("\"/v[0-9\""), "{err}");
+        let err = check_regex("[a&&b]").unwrap_err().to_string();
+        assert!(err.contains("RE2 has no class set operations"), "{err}");
+        // The limit: [a-z]{0,n} costs 2n instructions, doubled, and 8 more.
+        let limit = lattice_contract::REGEX_PROGRAM_SIZE;
+        let largest = (limit - 8) / 4;
+        assert!(check_regex(&format!("[a-z]{{0,{largest}}}")).is_ok());
+        let err = check_regex(&format!("[a-z]{{0,{}}}", largest + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("at most {limit}")), "{err}");
+        // A tenant-sized pattern is quoted in part.
+        let long = "a".repeat(10_000) + "[";
+        let err = check_regex(&long).unwrap_err().to_string();
+        assert!(err.len() < 400, "{err}");
+    }
+
+    #[test]
+    fn prefixes_lose_their_trailing_slashes_and_paths_must_be_absolute() {
+        assert_eq!(
+            PathMatch::prefix("/api/").unwrap(),
+            PathMatch::Prefix("/api".into())
+        );
+        assert_eq!(PathMatch::prefix("///").unwrap(), PathMatch::any());
+        assert_eq!(
+            PathMatch::exact("api"),
+            Err(RuleError::NotAbsolute("api".into()))
+        );
+        assert!(PathMatch::prefix("api").is_err());
+    }
+
+    #[test]
+    fn retry_policies_default_and_check_their_parts() {
+        let policy = RetryPolicy::new(None, None, &[503], None).unwrap();
+        assert_eq!(policy.attempts, DEFAULT_RETRY_ATTEMPTS);
+        let mut defaults = DEFAULT_RETRY_ON.to_vec();
+        defaults.sort();
+        assert_eq!(policy.on, defaults);
+        assert_eq!(policy.codes, [503]);
+        assert_eq!(
+            RetryPolicy::new(Some(101), None, &[], None),
+            Err(RuleError::RetryAttempts(101))
+        );
+        assert_eq!(
+            RetryPolicy::new(Some(-1), None, &[], None),
+            Err(RuleError::RetryAttempts(-1))
+        );
+        assert_eq!(
+            RetryPolicy::new(None, None, &[200], None),
+            Err(RuleError::RetryCode {
+                index: 0,
+                code: 200
+            })
+        );
+        assert_eq!(
+            RetryPolicy::new(None, Some(Vec::new()), &[], None),
+            Err(RuleError::RetryNothing)
+        );
+        let on = RetryPolicy::new(
+            Some(0),
+            Some(vec![RetryOn::Reset, RetryOn::ServerError, RetryOn::Reset]),
+            &[],
+            None,
+        )
+        .unwrap();
+        assert_eq!(on.on, [RetryOn::ServerError, RetryOn::Reset]);
     }
 }

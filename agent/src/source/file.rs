@@ -6,20 +6,24 @@
 //! mesh keeps serving. Changes are seen through inotify on the file's directory, so editors
 //! that replace the file and Kubernetes ConfigMap symlink swaps are both caught.
 
+mod follow;
 mod items;
+mod limits;
 mod reader;
 mod routes;
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use lattice_contract::TrapCidrs;
-use notify::{RecursiveMode, Watcher};
 use serde::Deserialize;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+pub use limits::{DEFAULT_MAX_DEPTH, DEFAULT_MAX_MIB, DEFAULT_MAX_NODES, LimitError, Limits};
 
 use crate::identity::PodPattern;
 use crate::mesh::locality::place_name;
@@ -41,6 +45,8 @@ pub enum MeshFileError {
     },
     #[error("mesh file {path} is not valid: {message}")]
     Syntax { path: PathBuf, message: String },
+    #[error("mesh file {path} is refused: {source}")]
+    Limit { path: PathBuf, source: LimitError },
     #[error("mesh file {path}: {source}")]
     Addresses { path: PathBuf, source: AddressError },
     #[error("cannot watch mesh file {path} for changes: {source}")]
@@ -118,8 +124,10 @@ fn ready_by_default() -> bool {
     true
 }
 
-/// Parses and validates mesh-file text as a whole. Errors name the service and the field.
-pub fn parse(text: &str, provider: &Provider) -> Result<Vec<ServiceSpec>, String> {
+/// Parses and validates mesh-file text as a whole, within `limits`. Errors name the service
+/// and the field (or the line past a limit).
+pub fn parse(text: &str, provider: &Provider, limits: &Limits) -> Result<Vec<ServiceSpec>, String> {
+    limits::check(text, limits, 0).map_err(|e| e.to_string())?;
     let file: MeshFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
     let services = file
         .services
@@ -401,22 +409,50 @@ fn port_number(value: i64) -> Option<u16> {
 /// The mesh-file source, loaded once (so a bad file fails start-up) and then followed.
 pub struct FileSource {
     path: PathBuf,
+    limits: Limits,
     reader: Reader,
     state: MeshState,
     /// The text the state was built from.
     text: String,
 }
 
+/// How long a file that cannot be followed (a watch failed) waits before trying again, beside
+/// the events of the directories that are watched.
+const RETRY_FOLLOW: Duration = Duration::from_secs(2);
+
+/// What the follower thread is told.
+enum Wake {
+    /// Something the file reads may have changed.
+    Look,
+    /// The agent is stopping.
+    Stop,
+}
+
+/// Where a look at the file left things, as the provider reports it.
+#[derive(Clone, PartialEq, Eq)]
+enum Outcome {
+    Fresh,
+    Stale(String),
+}
+
 impl FileSource {
     /// Loads the file and builds the first mesh. Fails on any error, naming the file.
-    pub fn load(path: &Path, trap: TrapCidrs) -> Result<FileSource, MeshFileError> {
-        let text = std::fs::read_to_string(path).map_err(|source| MeshFileError::Read {
-            path: path.to_path_buf(),
-            source,
+    pub fn load(path: &Path, trap: TrapCidrs, limits: Limits) -> Result<FileSource, MeshFileError> {
+        let mut text = String::new();
+        read_file(path, &limits, &mut text).map_err(|source| match source {
+            ReadError::Io(source) => MeshFileError::Read {
+                path: path.to_path_buf(),
+                source,
+            },
+            ReadError::Limit(source) => MeshFileError::Limit {
+                path: path.to_path_buf(),
+                source,
+            },
         })?;
         let mut source = FileSource {
             path: path.to_path_buf(),
-            reader: Reader::new(Provider::file(path)),
+            limits,
+            reader: Reader::new(Provider::file(path), limits),
             state: MeshState::new(trap),
             text: String::new(),
         };
@@ -430,7 +466,9 @@ impl FileSource {
         Provider::file(&self.path)
     }
 
-    /// Publishes the loaded mesh, then every good edit, until shutdown.
+    /// Publishes the loaded mesh, then every good edit, until shutdown. Reading and parsing
+    /// run on a thread of their own, which shutdown does not wait for: a file that takes long
+    /// to parse never holds up the runtime's other tasks, nor the agent's exit.
     pub async fn run(
         mut self,
         tx: ProviderTx,
@@ -445,86 +483,116 @@ impl FileSource {
         );
         tx.view(snapshot);
 
-        let (events_tx, mut events) = mpsc::channel::<()>(1);
-        let file_name = self.path.file_name().map(|n| n.to_os_string());
-        let mut watcher =
-            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                let relevant = match &event {
-                    // ConfigMaps swap a `..data` symlink, so any change in the directory may be ours.
-                    Ok(event) => {
-                        is_complete_change(&event.kind)
-                            && (event.paths.is_empty()
-                                || event.paths.iter().any(|p| {
-                                    p.file_name().map(|n| n.to_os_string()) == file_name
-                                        || p.file_name()
-                                            .is_some_and(|n| n.to_string_lossy().starts_with(".."))
-                                }))
-                    }
-                    Err(_) => true,
-                };
-                if relevant {
-                    // A full channel already holds a wake-up; one is enough.
-                    let _ = events_tx.try_send(());
+        let (wake_tx, wake_rx) = std::sync::mpsc::channel::<Wake>();
+        let interest = Arc::new(RwLock::new(follow::Interest::default()));
+        let events_tx = wake_tx.clone();
+        let matters = interest.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let relevant = match &event {
+                Ok(event) => {
+                    is_complete_change(&event.kind)
+                        && (event.paths.is_empty()
+                            || matters
+                                .read()
+                                .is_ok_and(|m| event.paths.iter().any(|p| m.matters(p))))
                 }
-            })
-            .map_err(|source| self.watch_error(source))?;
-        let dir = match self.path.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        watcher
-            .watch(&dir, RecursiveMode::NonRecursive)
-            .map_err(|source| self.watch_error(source))?;
+                // Overflow or a failing watch: look again, which re-arms the watches.
+                Err(_) => true,
+            };
+            if relevant {
+                let _ = events_tx.send(Wake::Look);
+            }
+        })
+        .map_err(|source| MeshFileError::Watch {
+            path: self.path.clone(),
+            source,
+        })?;
+        let follow = follow::Follow::new(&self.path, Box::new(watcher), interest);
+        let path = self.path.clone();
+        std::thread::Builder::new()
+            .name("mesh-file".into())
+            .spawn(move || self.follow(follow, tx, wake_rx))
+            .map_err(|source| MeshFileError::Read { path, source })?;
+        shutdown.cancelled().await;
+        let _ = wake_tx.send(Wake::Stop);
+        Ok(())
+    }
 
+    /// The follower thread: looks at the file after each relevant event (and once at start),
+    /// applies what changed, and says whether the view is current.
+    fn follow(mut self, mut follow: follow::Follow, tx: ProviderTx, wake: Receiver<Wake>) {
         // Compared with what was loaded, not with what the file holds now: an edit made between
         // the load and the start of the watch raised no event, so the file is read once more
         // right away and such an edit is applied.
         let mut last_text = std::mem::take(&mut self.text);
+        let mut last_outcome = Outcome::Fresh;
         // The file is read into the buffer of the text before the last (swapped below): at
         // 10k services a fresh 4 MB string per edit cost a page fault per 4 KiB page, 8 % of
         // the agent's CPU per edit (perf).
         let mut text = String::new();
+        let mut following = Ok(());
         let mut look_now = true;
         loop {
             if !std::mem::take(&mut look_now) {
-                tokio::select! {
-                    () = shutdown.cancelled() => return Ok(()),
-                    event = events.recv() => if event.is_none() { return Ok(()) },
+                let next = if following.is_ok() {
+                    wake.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                } else {
+                    wake.recv_timeout(RETRY_FOLLOW)
+                };
+                match next {
+                    Ok(Wake::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                    Ok(Wake::Look) | Err(RecvTimeoutError::Timeout) => {}
+                }
+                // Events that came meanwhile are answered by this one look.
+                for queued in wake.try_iter() {
+                    if matches!(queued, Wake::Stop) {
+                        return;
+                    }
                 }
             }
-            text.clear();
-            let read = std::fs::File::open(&self.path)
-                .and_then(|mut file| std::io::Read::read_to_string(&mut file, &mut text));
-            if let Err(error) = read {
-                tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
-                tx.stale(format!("cannot read the file: {error}"));
-                // Read again when it is back, even with the same text as the last good.
-                last_text.clear();
-                continue;
+            following = follow.update();
+            if let Err(problem) = &following {
+                tracing::warn!(file = %self.path.display(), %problem, "mesh file cannot be followed; keeping the last good mesh");
             }
-            if text == last_text {
-                tx.fresh();
-                continue;
-            }
-            std::mem::swap(&mut last_text, &mut text);
-            match self.apply(&last_text) {
-                Ok(snapshot) => {
-                    tracing::info!(
-                        file = %self.path.display(),
-                        version = snapshot.version,
-                        services = snapshot.services.len(),
-                        endpoints = snapshot.endpoint_count(),
-                        "mesh file changed"
-                    );
-                    tx.view(snapshot);
-                    tx.fresh();
-                }
+            let outcome = match read_file(&self.path, &self.limits, &mut text) {
                 Err(error) => {
-                    tracing::warn!(%error, "mesh file edit rejected; keeping the last good mesh");
-                    tx.stale(format!(
-                        "edit rejected, the last good version serves: {error}"
-                    ));
+                    tracing::warn!(file = %self.path.display(), %error, "cannot read mesh file; keeping the last good mesh");
+                    // Read again when it is back, even with the same text as the last good.
+                    last_text.clear();
+                    Outcome::Stale(format!("cannot read the file: {error}"))
                 }
+                Ok(()) if text == last_text => last_outcome.clone(),
+                Ok(()) => {
+                    std::mem::swap(&mut last_text, &mut text);
+                    match self.apply(&last_text) {
+                        Ok(snapshot) => {
+                            tracing::info!(
+                                file = %self.path.display(),
+                                version = snapshot.version,
+                                services = snapshot.services.len(),
+                                endpoints = snapshot.endpoint_count(),
+                                "mesh file changed"
+                            );
+                            tx.view(snapshot);
+                            Outcome::Fresh
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "mesh file edit rejected; keeping the last good mesh");
+                            Outcome::Stale(format!(
+                                "edit rejected, the last good version serves: {error}"
+                            ))
+                        }
+                    }
+                }
+            };
+            last_outcome = outcome.clone();
+            match (&outcome, &following) {
+                (Outcome::Stale(reason), Err(problem)) => tx.stale(format!("{problem}; {reason}")),
+                (Outcome::Stale(reason), Ok(())) => tx.stale(reason.clone()),
+                (Outcome::Fresh, Err(problem)) => {
+                    tx.stale(format!("edits may be missed: {problem}"))
+                }
+                (Outcome::Fresh, Ok(())) => tx.fresh(),
             }
         }
     }
@@ -549,13 +617,38 @@ impl FileSource {
         self.reader.commit();
         Ok(self.state.snapshot())
     }
+}
 
-    fn watch_error(&self, source: notify::Error) -> MeshFileError {
-        MeshFileError::Watch {
-            path: self.path.clone(),
-            source,
-        }
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error("{0}")]
+    Io(std::io::Error),
+    #[error("{0}")]
+    Limit(LimitError),
+}
+
+/// Reads the file into `text`, refusing one larger than the limit before reading it whole.
+fn read_file(path: &Path, limits: &Limits, text: &mut String) -> Result<(), ReadError> {
+    use std::io::Read as _;
+    text.clear();
+    let file = std::fs::File::open(path).map_err(ReadError::Io)?;
+    let too_large = || {
+        ReadError::Limit(LimitError::TooLarge {
+            limit: limits.max_bytes,
+        })
+    };
+    if file.metadata().map_err(ReadError::Io)?.len() > limits.max_bytes {
+        return Err(too_large());
     }
+    // The length can grow between the look and the read: never read past the limit.
+    file.take(limits.max_bytes.saturating_add(1))
+        .read_to_string(text)
+        .map_err(ReadError::Io)?;
+    if text.len() as u64 > limits.max_bytes {
+        text.clear();
+        return Err(too_large());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -563,7 +656,7 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
-        super::parse(text, &Provider::new("file:test"))
+        super::parse(text, &Provider::new("file:test"), &Limits::default())
     }
 
     pub(super) const GOOD: &str = r#"
@@ -894,7 +987,8 @@ services:
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mesh.yaml");
         std::fs::write(&path, GOOD).unwrap();
-        let source = FileSource::load(&path, "240.240.0.0/16".parse().unwrap()).unwrap();
+        let source =
+            FileSource::load(&path, "240.240.0.0/16".parse().unwrap(), Limits::default()).unwrap();
         std::fs::write(&path, GOOD.replace("10.200.0.9", "10.200.0.10")).unwrap();
         let (tx, mut rx) = crate::mesh::provider::channel();
         let shutdown = CancellationToken::new();

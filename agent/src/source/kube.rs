@@ -11,10 +11,19 @@
 //! only the Services it touches and publishes one new snapshot. Re-lists (after a 410, or a
 //! restart of the API server) replace the re-listed scope at once: nothing lost, nothing kept
 //! that vanished. Watch failures are retried by the watcher with client-go's backoff.
+//!
+//! An API server restored from a backup hands out resourceVersions below those the watches
+//! resume from. Restored with etcd's `--bump-revision --mark-compacted`, every watch gets 410
+//! and re-lists. Without it, a watch cache serves a watch from a version it has not reached
+//! by sending nothing until it does, and the changes the restore made are never sent: the
+//! source compares the server's current version (a consistent list of one object, every
+//! `--kube-rollback-check`) and every change's version with the highest seen, and on a step
+//! back lists every resource again and publishes what they give, at once.
 
 mod index;
 mod mapping;
 pub mod node;
+mod ownership;
 pub mod pods;
 mod routes;
 
@@ -25,7 +34,7 @@ use futures::{Stream, StreamExt};
 use gateway_api::experimental::httproutes::HttpRoute;
 use gateway_api::grpcroutes::GrpcRoute;
 use gateway_api::referencegrants::ReferenceGrant;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -36,8 +45,9 @@ use tracing::{info, warn};
 use crate::mesh::provider::Report as _;
 use crate::mesh::{AddressError, MeshSnapshot, PathError, ProviderTx};
 
-pub use index::MeshIndex;
+pub use index::{MeshIndex, Ownership};
 pub use mapping::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
+pub use ownership::{PathClaims, PathGrants};
 
 use mapping::{MappedService, MappedSlice, ObjectKey};
 use routes::{GrantEntry, RouteEntry, RouteKey, RouteKind};
@@ -46,6 +56,14 @@ pub struct KubeSourceConfig {
     /// Namespaces to watch; empty means the whole cluster.
     pub namespaces: Vec<String>,
     pub trap: TrapCidrs,
+    /// Who may claim which mesh path.
+    pub path_claims: PathClaims,
+    /// The ConfigMap that grants namespaces path prefixes (`namespace`, `name`), read with
+    /// `PathClaims::Granted`.
+    pub path_grants: (String, String),
+    /// How often the API server's current resourceVersion is compared with the highest the
+    /// watches have seen ([`probe_revisions`]); `None`: never.
+    pub rollback_check: Option<std::time::Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +118,7 @@ enum Resource {
     HttpRoutes,
     GrpcRoutes,
     ReferenceGrants,
+    PathGrants,
 }
 
 impl Resource {
@@ -110,10 +129,12 @@ impl Resource {
             Resource::HttpRoutes => "httproutes.gateway.networking.k8s.io",
             Resource::GrpcRoutes => "grpcroutes.gateway.networking.k8s.io",
             Resource::ReferenceGrants => "referencegrants.gateway.networking.k8s.io",
+            Resource::PathGrants => "configmaps (path grants)",
         }
     }
 
     /// A resource whose CRD may not be installed: its absence is an empty list, not an error.
+    /// The path grants may also be forbidden, to an agent whose role predates them.
     fn is_optional(self) -> bool {
         !matches!(self, Resource::Services | Resource::EndpointSlices)
     }
@@ -133,6 +154,7 @@ enum Object {
     Slice(ObjectKey, MappedSlice),
     Route(RouteKey, RouteEntry),
     Grant(ObjectKey, GrantEntry),
+    PathGrants(PathGrants),
 }
 
 impl Object {
@@ -160,25 +182,37 @@ impl Object {
         let (key, entry) = routes::grant_entry(grant);
         Object::Grant(key, entry)
     }
+
+    fn path_grants(config_map: &ConfigMap) -> Object {
+        Object::PathGrants(PathGrants::from_config_map(config_map))
+    }
 }
 
-/// One watch event, mapped.
+/// One watch event, mapped, with the object's resourceVersion where it is a number (as every
+/// etcd-backed API server's is; an opaque one is not compared).
 enum Change {
     Init,
-    InitApply(Object),
+    InitApply(Object, Option<u64>),
     InitDone,
-    Apply(Object),
-    Delete(Object),
+    Apply(Object, Option<u64>),
+    Delete(Object, Option<u64>),
 }
 
 impl Change {
-    fn of<K>(event: watcher::Event<K>, map: fn(&K) -> Object) -> Change {
+    fn of<K: kube::Resource>(event: watcher::Event<K>, map: fn(&K) -> Object) -> Change {
+        let version = |object: &K| {
+            object
+                .meta()
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse().ok())
+        };
         match event {
             watcher::Event::Init => Change::Init,
-            watcher::Event::InitApply(object) => Change::InitApply(map(&object)),
+            watcher::Event::InitApply(object) => Change::InitApply(map(&object), version(&object)),
             watcher::Event::InitDone => Change::InitDone,
-            watcher::Event::Apply(object) => Change::Apply(map(&object)),
-            watcher::Event::Delete(object) => Change::Delete(map(&object)),
+            watcher::Event::Apply(object) => Change::Apply(map(&object), version(&object)),
+            watcher::Event::Delete(object) => Change::Delete(map(&object), version(&object)),
         }
     }
 }
@@ -202,28 +236,91 @@ pub async fn run(
     // One watch per namespace: a namespace named twice must not be listed twice.
     namespaces.sort();
     namespaces.dedup();
-    let mut watches = Watches::default();
-    for namespace in &namespaces {
-        watches.add(&client, namespace, Resource::Services, Object::service);
-        watches.add(&client, namespace, Resource::EndpointSlices, Object::slice);
-        watches.add(&client, namespace, Resource::HttpRoutes, Object::http_route);
-        watches.add(&client, namespace, Resource::GrpcRoutes, Object::grpc_route);
-        watches.add(&client, namespace, Resource::ReferenceGrants, Object::grant);
-    }
     info!(
         namespaces = ?config.namespaces,
         "watching Kubernetes services, endpointslices, httproutes, grpcroutes and \
          referencegrants{}",
         if config.namespaces.is_empty() { " cluster-wide" } else { "" }
     );
-    let set = WatchSet::new(config.trap, watches.scopes);
-    follow(
-        futures::stream::select_all(watches.streams),
-        set,
-        &tx,
-        &shutdown,
-    )
-    .await
+    let grants = (config.path_claims == PathClaims::Granted).then_some(&config.path_grants);
+    let watches = Watches::new(&client, &namespaces, grants);
+    let ownership = Ownership {
+        claims: config.path_claims,
+        grants: PathGrants::default(),
+        grants_from: format!("{}/{}", config.path_grants.0, config.path_grants.1),
+    };
+    let mut set = WatchSet::new(config.trap, ownership, watches.scopes);
+    let mut streams = watches.streams;
+    let (probe, mut revisions) = match config.rollback_check {
+        Some(every) => {
+            let (task, revisions) = probe_revisions(&client, &namespaces[0], every);
+            (Some(task), Some(revisions))
+        }
+        None => (None, None),
+    };
+    let result = loop {
+        let events = futures::stream::select_all(std::mem::take(&mut streams));
+        match follow(events, &mut set, &tx, &shutdown, &mut revisions).await {
+            Ok(Followed::Shutdown) => break Ok(()),
+            // Every watch starts over, from a list: a watcher only re-lists by itself on 410.
+            Ok(Followed::Relist) => streams = Watches::new(&client, &namespaces, grants).streams,
+            Err(error) => break Err(error),
+        }
+    };
+    if let Some(probe) = probe {
+        probe.abort();
+    }
+    result
+}
+
+/// Reads the API server's current resourceVersion every `every`: the list of at most one
+/// Service, read consistently (from etcd's quorum, or a watch cache that waited to be as
+/// fresh), whose version no object's seen before can exceed on a healthy server.
+fn probe_revisions(
+    client: &kube::Client,
+    namespace: &Option<String>,
+    every: std::time::Duration,
+) -> (
+    tokio::task::JoinHandle<()>,
+    tokio::sync::mpsc::Receiver<u64>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let services: Api<Service> = api(client, namespace);
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            match services
+                .list_metadata(&kube::api::ListParams::default().limit(1))
+                .await
+            {
+                Ok(list) => {
+                    let current = list.metadata.resource_version.and_then(|v| v.parse().ok());
+                    if let Some(current) = current
+                        && tx.send(current).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                // A failing API server is the watches' to report.
+                Err(error) => tracing::debug!(%error, "resourceVersion probe failed"),
+            }
+        }
+    });
+    (task, rx)
+}
+
+/// The next version the probe read; never, without a probe.
+async fn next_revision(revisions: &mut Option<tokio::sync::mpsc::Receiver<u64>>) -> u64 {
+    match revisions {
+        Some(rx) => match rx.recv().await {
+            Some(version) => version,
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
+    }
 }
 
 /// The watches being set up: their scopes, and their event streams tagged with their index.
@@ -234,12 +331,67 @@ struct Watches {
 }
 
 impl Watches {
+    /// Every watch of every namespace, each starting with a list, and the path grants'
+    /// ConfigMap (`namespace`, `name`) when given.
+    fn new(
+        client: &kube::Client,
+        namespaces: &[Option<String>],
+        grants: Option<&(String, String)>,
+    ) -> Watches {
+        let mut watches = Watches::default();
+        let all = watcher::Config::default();
+        for namespace in namespaces {
+            watches.add(client, namespace, Resource::Services, Object::service, &all);
+            watches.add(
+                client,
+                namespace,
+                Resource::EndpointSlices,
+                Object::slice,
+                &all,
+            );
+            watches.add(
+                client,
+                namespace,
+                Resource::HttpRoutes,
+                Object::http_route,
+                &all,
+            );
+            watches.add(
+                client,
+                namespace,
+                Resource::GrpcRoutes,
+                Object::grpc_route,
+                &all,
+            );
+            watches.add(
+                client,
+                namespace,
+                Resource::ReferenceGrants,
+                Object::grant,
+                &all,
+            );
+        }
+        if let Some((namespace, name)) = grants {
+            let one = watcher::Config::default().fields(&format!("metadata.name={name}"));
+            let namespace = Some(namespace.clone());
+            watches.add(
+                client,
+                &namespace,
+                Resource::PathGrants,
+                Object::path_grants,
+                &one,
+            );
+        }
+        watches
+    }
+
     fn add<K>(
         &mut self,
         client: &kube::Client,
         namespace: &Option<String>,
         resource: Resource,
         map: fn(&K) -> Object,
+        config: &watcher::Config,
     ) where
         K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
             + Clone
@@ -255,7 +407,7 @@ impl Watches {
             namespace: namespace.clone(),
         });
         self.streams.push(
-            watcher(api::<K>(client, namespace), watcher::Config::default())
+            watcher(api::<K>(client, namespace), config.clone())
                 .default_backoff()
                 .map(move |event| (id, event.map(|e| Change::of(e, map))))
                 .boxed(),
@@ -274,24 +426,43 @@ where
     }
 }
 
+/// Why [`follow`] returned.
+#[derive(Debug, PartialEq, Eq)]
+enum Followed {
+    Shutdown,
+    /// The API server went back in time: every watch must list again.
+    Relist,
+}
+
 /// Applies events as they come, a ready batch at a time, and publishes after each batch.
 async fn follow(
     events: impl Stream<Item = WatchEvent> + Unpin,
-    mut watches: WatchSet,
+    watches: &mut WatchSet,
     tx: &ProviderTx,
     shutdown: &CancellationToken,
-) -> Result<(), KubeSourceError> {
+    revisions: &mut Option<tokio::sync::mpsc::Receiver<u64>>,
+) -> Result<Followed, KubeSourceError> {
     let mut batches = events.ready_chunks(1024);
     loop {
         let batch = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            batch = batches.next() => batch,
+            () = shutdown.cancelled() => return Ok(Followed::Shutdown),
+            current = next_revision(revisions) => {
+                watches.observe_revision(current);
+                None
+            }
+            batch = batches.next() => match batch {
+                Some(batch) => Some(batch),
+                None => return Err(KubeSourceError::WatchEnded),
+            },
         };
-        let Some(batch) = batch else {
-            return Err(KubeSourceError::WatchEnded);
-        };
-        for (watch, result) in batch {
+        for (watch, result) in batch.into_iter().flatten() {
             watches.handle(watch, result);
+        }
+        if let Some(reason) = watches.take_rollback() {
+            warn!("{reason}; listing every resource again");
+            watches.relist_all(reason);
+            tx.stale(watches.failing().unwrap_or_default());
+            return Ok(Followed::Relist);
         }
         if let Some(snapshot) = watches.publishable() {
             tx.view(snapshot);
@@ -316,20 +487,31 @@ struct WatchSet {
     missing: Vec<bool>,
     /// Per watch: why it is failing, until it delivers an event again.
     failing: Vec<Option<String>>,
+    /// Per watch: the highest resourceVersion of the objects it delivered since its list
+    /// began (0: none yet). A change must come after all of them.
+    versions: Vec<u64>,
+    /// A sign that the API server went back in time, not yet acted on.
+    rollback: Option<String>,
+    /// Why every watch is listing again, until all have: nothing is published meanwhile, so
+    /// the view moves from the old state to the restored one at once.
+    relisting: Option<String>,
     started: Instant,
     ready: bool,
 }
 
 impl WatchSet {
-    fn new(trap: TrapCidrs, scopes: Vec<WatchScope>) -> Self {
+    fn new(trap: TrapCidrs, ownership: Ownership, scopes: Vec<WatchScope>) -> Self {
         let n = scopes.len();
         WatchSet {
-            index: MeshIndex::new(trap),
+            index: MeshIndex::new(trap, ownership),
             scopes,
             pending: (0..n).map(|_| None).collect(),
             listed: vec![false; n],
             missing: vec![false; n],
             failing: vec![None; n],
+            versions: vec![0; n],
+            rollback: None,
+            relisting: None,
             started: Instant::now(),
             ready: false,
         }
@@ -348,6 +530,11 @@ impl WatchSet {
             Err(err) if scope.resource.is_optional() && is_not_found(&err) => {
                 self.absent(watch, &scope)
             }
+            Err(err)
+                if scope.resource == Resource::PathGrants && status_code(&err) == Some(403) =>
+            {
+                self.absent(watch, &scope)
+            }
             Err(err) => {
                 let reason = error_chain(&err);
                 warn!(
@@ -357,8 +544,12 @@ impl WatchSet {
                 );
                 self.failing[watch] = Some(format!("{} watch: {reason}", scope.resource.as_str()));
             }
-            Ok(Change::Init) => self.pending[watch] = Some(Vec::new()),
-            Ok(Change::InitApply(object)) => {
+            Ok(Change::Init) => {
+                self.pending[watch] = Some(Vec::new());
+                self.versions[watch] = 0;
+            }
+            Ok(Change::InitApply(object, version)) => {
+                self.versions[watch] = self.versions[watch].max(version.unwrap_or(0));
                 if let Some(pending) = &mut self.pending[watch] {
                     pending.push(object);
                 }
@@ -375,21 +566,80 @@ impl WatchSet {
                 self.replace(&scope, listed);
                 self.listed[watch] = true;
             }
-            Ok(Change::Apply(object)) => self.apply(object),
-            Ok(Change::Delete(object)) => self.delete(object),
+            Ok(Change::Apply(object, version)) => {
+                self.check_order(watch, &scope, version);
+                self.apply(object)
+            }
+            Ok(Change::Delete(object, version)) => {
+                self.check_order(watch, &scope, version);
+                self.delete(object)
+            }
         }
+    }
+
+    /// A change at `version` after the watch delivered a higher or equal one: on a healthy
+    /// API server every change has a resourceVersion above all before it, so this one was
+    /// restored from a backup (or is another server's).
+    fn check_order(&mut self, watch: usize, scope: &WatchScope, version: Option<u64>) {
+        let Some(version) = version else { return };
+        let high = self.versions[watch];
+        if high != 0 && version <= high && self.rollback.is_none() {
+            self.rollback = Some(format!(
+                "the {} watch delivered a change at resourceVersion {version} after one at \
+                 {high}: the API server went back in time (restored from a backup?)",
+                scope.resource.as_str()
+            ));
+        }
+        self.versions[watch] = high.max(version);
+    }
+
+    /// The API server's current resourceVersion, read apart from the watches: below one a
+    /// watch delivered, it was restored from a backup. Its watches then deliver nothing until
+    /// the restored server's versions pass the old ones (a watch cache sends only changes
+    /// newer than the version a watch resumes from), and miss whatever the restore changed.
+    fn observe_revision(&mut self, current: u64) {
+        let high = self.versions.iter().copied().max().unwrap_or(0);
+        if current < high && self.rollback.is_none() && self.relisting.is_none() {
+            self.rollback = Some(format!(
+                "the API server is at resourceVersion {current}, below {high} that a watch \
+                 delivered: it went back in time (restored from a backup?)"
+            ));
+        }
+    }
+
+    fn take_rollback(&mut self) -> Option<String> {
+        self.rollback.take()
+    }
+
+    /// Every watch starts over with a list; what it lists replaces what it had.
+    fn relist_all(&mut self, reason: String) {
+        for watch in 0..self.scopes.len() {
+            self.pending[watch] = None;
+            self.listed[watch] = false;
+            self.versions[watch] = 0;
+        }
+        self.relisting = Some(format!("re-listing every resource: {reason}"));
     }
 
     /// An optional resource the API server does not know (its CRD is not installed): an empty,
     /// complete list, said once; the watcher keeps trying, so a CRD installed later is read.
     fn absent(&mut self, watch: usize, scope: &WatchScope) {
         if !self.missing[watch] {
-            warn!(
-                resource = scope.resource.as_str(),
-                namespace = scope.namespace.as_deref().unwrap_or("*"),
-                "Gateway API resource not installed (404); routing rules from it are ignored \
-                 until its CRD appears"
-            );
+            if scope.resource == Resource::PathGrants {
+                warn!(
+                    namespace = scope.namespace.as_deref().unwrap_or("*"),
+                    "the path grants ConfigMap may not be read (403): each namespace claims \
+                     paths under its own prefix only, until the agent's role grants get, list \
+                     and watch on configmaps in its namespace (deploy/rbac.yaml)"
+                );
+            } else {
+                warn!(
+                    resource = scope.resource.as_str(),
+                    namespace = scope.namespace.as_deref().unwrap_or("*"),
+                    "Gateway API resource not installed (404); routing rules from it are \
+                     ignored until its CRD appears"
+                );
+            }
             self.missing[watch] = true;
             self.pending[watch] = None;
             self.replace(scope, Vec::new());
@@ -446,6 +696,13 @@ impl WatchSet {
                     .collect();
                 self.index.replace_grants(namespace, grants);
             }
+            Resource::PathGrants => {
+                let grants = listed.into_iter().find_map(|o| match o {
+                    Object::PathGrants(grants) => Some(grants),
+                    _ => None,
+                });
+                self.index.set_grants(grants.unwrap_or_default());
+            }
         }
     }
 
@@ -455,6 +712,7 @@ impl WatchSet {
             Object::Slice(key, mapped) => self.index.apply_mapped_slice(key, mapped),
             Object::Route(key, entry) => self.index.apply_route(key, entry),
             Object::Grant(key, entry) => self.index.apply_grant(key, entry),
+            Object::PathGrants(grants) => self.index.set_grants(grants),
         }
     }
 
@@ -464,17 +722,32 @@ impl WatchSet {
             Object::Slice(key, _) => self.index.delete_slice(key),
             Object::Route(key, _) => self.index.delete_route(key),
             Object::Grant(key, _) => self.index.delete_grant(key),
+            Object::PathGrants(_) => self.index.set_grants(PathGrants::default()),
         }
     }
 
-    /// Why the view may be out of date: the first failing watch's error, if any.
+    /// Why the view may be out of date: a re-list in progress, else the first failing
+    /// watch's error, if any.
     fn failing(&self) -> Option<String> {
-        self.failing.iter().flatten().next().cloned()
+        self.relisting
+            .clone()
+            .or_else(|| self.failing.iter().flatten().next().cloned())
     }
 
     /// The snapshot to publish now: none before every initial list is complete, and none
     /// when nothing changed.
     fn publishable(&mut self) -> Option<std::sync::Arc<MeshSnapshot>> {
+        if self.relisting.is_some() {
+            if !self.listed.iter().all(|l| *l) {
+                return None;
+            }
+            info!(
+                services = self.index.service_count(),
+                endpoints = self.index.endpoint_count(),
+                "Kubernetes re-list complete; publishing the mesh as the API server has it"
+            );
+            self.relisting = None;
+        }
         if !self.ready {
             if !self.listed.iter().all(|l| *l) {
                 return None;
@@ -493,12 +766,17 @@ impl WatchSet {
 
 /// Whether the API server answered 404: the resource (a CRD) is not installed.
 fn is_not_found(err: &watcher::Error) -> bool {
+    status_code(err) == Some(404)
+}
+
+/// The HTTP status the API server answered with, if it did.
+fn status_code(err: &watcher::Error) -> Option<u16> {
     match err {
         watcher::Error::InitialListFailed(kube::Error::Api(status))
         | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
-        watcher::Error::WatchError(status) => status.code == 404,
-        _ => false,
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
+        watcher::Error::WatchError(status) => Some(status.code),
+        _ => None,
     }
 }
 

@@ -17,6 +17,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use super::limits::{self, Limits};
 use super::{FileService, ReadService, assemble, items, parse, read_service};
 use crate::mesh::{MeshPath, Provider, ServiceSpec};
 use crate::parallel;
@@ -37,6 +38,7 @@ pub(super) enum Read {
 /// Reads the file's text into services; see the module's documentation.
 pub(super) struct Reader {
     provider: Provider,
+    limits: Limits,
     /// The last read the mesh state took, if its layout was one that is cut into items.
     last: Option<LastRead>,
     /// The last read, until the mesh state takes it ([`Self::commit`]): an edit the state
@@ -74,9 +76,10 @@ enum Pending {
 }
 
 impl Reader {
-    pub(super) fn new(provider: Provider) -> Self {
+    pub(super) fn new(provider: Provider, limits: Limits) -> Self {
         Reader {
             provider,
+            limits,
             last: None,
             pending: None,
             spare: String::new(),
@@ -95,7 +98,7 @@ impl Reader {
         {
             return Ok(Read::Whole(specs));
         }
-        let specs = parse(text, &self.provider)?;
+        let specs = parse(text, &self.provider, &self.limits)?;
         self.pending = Some(Pending::Whole(None));
         tracing::debug!(
             "mesh file read as a whole: its layout is not one whose items are read one by one"
@@ -152,7 +155,7 @@ impl Reader {
             let service = match old_texts.get(item) {
                 Some(&service) => service.clone(),
                 None => {
-                    let service = read_item(edit.first + k, item, &self.provider)?;
+                    let service = read_item(edit.first + k, item, &self.provider, &self.limits)?;
                     if !service.routes.is_empty() {
                         return None;
                     }
@@ -218,9 +221,10 @@ impl Reader {
             .enumerate()
             .filter(|(_, item)| !known.contains_key(item))
             .collect();
-        let provider = &self.provider;
-        let mut read = parallel::map_on_every_core(&new, |&(i, item)| read_item(i, item, provider))
-            .into_iter();
+        let (provider, limits) = (&self.provider, &self.limits);
+        let mut read =
+            parallel::map_on_every_core(&new, |&(i, item)| read_item(i, item, provider, limits))
+                .into_iter();
         let services = texts
             .iter()
             .map(|item| match known.get(item) {
@@ -241,8 +245,11 @@ impl Reader {
     }
 }
 
-/// One item's text (a YAML block sequence of one entry) as the `i`th service of the file.
-fn read_item(i: usize, item: &str, provider: &Provider) -> Option<ReadService> {
+/// One item's text (a YAML block sequence of one entry) as the `i`th service of the file;
+/// `None` for one past a limit too, which the whole-file reading then names.
+fn read_item(i: usize, item: &str, provider: &Provider, limits: &Limits) -> Option<ReadService> {
+    // The item is an entry of the `services` list, two levels down.
+    limits::check(item, limits, 2).ok()?;
     let mut list: Vec<FileService> = serde_norway::from_str(item).ok()?;
     let service = list.pop().filter(|_| list.is_empty())?;
     read_service(i, service, provider).ok()
@@ -255,7 +262,7 @@ mod tests {
     use crate::source::file::tests::GOOD;
 
     fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
-        super::parse(text, &Provider::new("file:test"))
+        super::parse(text, &Provider::new("file:test"), &Limits::default())
     }
 
     /// A file with every kind of item the reader splits: rules naming other services, a
@@ -288,7 +295,7 @@ mod tests {
     }
 
     fn reader() -> Reader {
-        Reader::new(Provider::new("file:test"))
+        Reader::new(Provider::new("file:test"), Limits::default())
     }
 
     /// A reader and the mesh state it feeds, beside a state that takes every text whole.

@@ -9,9 +9,8 @@ use serde::Deserialize;
 
 use super::port_number;
 use crate::mesh::route::{
-    Backend, BackendTarget, DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_ON, HeaderEdits, MAX_WEIGHT,
-    PathMatch, RequestMatch, RetryOn, RetryPolicy, RouteRule, RuleSource, ValueCondition,
-    ValueMatch, check_regex,
+    Backend, BackendTarget, HeaderEdits, MAX_WEIGHT, PathMatch, RequestMatch, RetryOn, RetryPolicy,
+    RouteRule, RuleError, RuleSource, ValueCondition, ValueMatch,
 };
 use crate::mesh::{MeshPath, Protocol};
 
@@ -225,31 +224,12 @@ fn request_match(m: FileMatch) -> Result<RequestMatch, String> {
 }
 
 fn path_match(path: FilePath) -> Result<PathMatch, String> {
-    let absolute = |value: &str| {
-        if value.starts_with('/') {
-            Ok(())
-        } else {
-            Err(format!(": {value:?} must start with '/'"))
-        }
-    };
     match (path.exact, path.prefix, path.regex) {
-        (Some(exact), None, None) => {
-            absolute(&exact).map_err(|e| format!(".exact{e}"))?;
-            Ok(PathMatch::Exact(exact))
-        }
+        (Some(exact), None, None) => PathMatch::exact(&exact).map_err(|e| format!(".exact: {e}")),
         (None, Some(prefix), None) => {
-            absolute(&prefix).map_err(|e| format!(".prefix{e}"))?;
-            let trimmed = prefix.trim_end_matches('/');
-            Ok(PathMatch::Prefix(if trimmed.is_empty() {
-                "/".to_string()
-            } else {
-                trimmed.to_string()
-            }))
+            PathMatch::prefix(&prefix).map_err(|e| format!(".prefix: {e}"))
         }
-        (None, None, Some(regex)) => {
-            check_regex(&regex).map_err(|e| format!(".regex: {e}"))?;
-            Ok(PathMatch::Regex(regex))
-        }
+        (None, None, Some(regex)) => PathMatch::regex(&regex).map_err(|e| format!(".regex: {e}")),
         _ => Err(": give exactly one of exact, prefix, regex".to_string()),
     }
 }
@@ -275,8 +255,7 @@ fn conditions(list: Vec<FileCondition>, headers: bool) -> Result<Vec<ValueCondit
             let value = match (c.exact, c.regex, c.present) {
                 (Some(exact), None, None) => ValueMatch::Exact(exact),
                 (None, Some(regex), None) => {
-                    check_regex(&regex).map_err(|e| at(format!(".regex: {e}")))?;
-                    ValueMatch::Regex(regex)
+                    ValueMatch::regex(&regex).map_err(|e| at(format!(".regex: {e}")))?
                 }
                 (None, None, Some(true)) => ValueMatch::Present,
                 _ => {
@@ -329,17 +308,9 @@ fn backend(b: FileBackend, ports: &PortIndex) -> Result<Backend, String> {
 }
 
 fn retry(r: FileRetry) -> Result<RetryPolicy, String> {
-    let attempts = match r.attempts {
-        None => DEFAULT_RETRY_ATTEMPTS,
-        Some(n) => u32::try_from(n)
-            .ok()
-            .filter(|n| (1..=100).contains(n))
-            .ok_or_else(|| format!(".attempts: {n} is out of range 1-100"))?,
-    };
-    let on = match r.on {
-        None => DEFAULT_RETRY_ON.to_vec(),
-        Some(names) => {
-            let mut on = names
+    let on =
+        r.on.map(|names| {
+            names
                 .iter()
                 .enumerate()
                 .map(|(i, name)| {
@@ -353,32 +324,13 @@ fn retry(r: FileRetry) -> Result<RetryPolicy, String> {
                             )
                         })
                 })
-                .collect::<Result<Vec<_>, _>>()?;
-            on.sort();
-            on.dedup();
-            on
-        }
-    };
-    let codes = r
-        .codes
-        .iter()
-        .enumerate()
-        .map(|(i, &code)| {
-            u16::try_from(code)
-                .ok()
-                .filter(|c| (400..=599).contains(c))
-                .ok_or_else(|| format!(".codes[{i}]: {code} is not an HTTP status 400-599"))
+                .collect::<Result<Vec<_>, _>>()
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    if on.is_empty() && codes.is_empty() {
-        return Err(": give at least one condition (on) or status (codes) to retry".to_string());
-    }
+        .transpose()?;
     let backoff = duration(r.backoff.as_deref()).map_err(|e| format!(".backoff: {e}"))?;
-    Ok(RetryPolicy {
-        attempts,
-        on,
-        codes,
-        backoff,
+    RetryPolicy::new(r.attempts, on, &r.codes, backoff).map_err(|e| match e {
+        RuleError::RetryNothing => format!(": {e}"),
+        e => format!(".{e}"),
     })
 }
 
@@ -437,7 +389,11 @@ mod tests {
     use crate::mesh::{Provider, ServiceSpec};
 
     fn parse(text: &str) -> Result<Vec<ServiceSpec>, String> {
-        super::super::parse(text, &Provider::new("file:test"))
+        super::super::parse(
+            text,
+            &Provider::new("file:test"),
+            &super::super::Limits::default(),
+        )
     }
 
     const MESH: &str = r#"
@@ -596,7 +552,7 @@ services:
             (
                 r#"regex: "[0-9]+""#,
                 r#"regex: "[0-9+""#,
-                "routes[0].matches[1].query[0].regex: \"[0-9+\" is not a valid regular expression",
+                "routes[0].matches[1].query[0].regex: \"[0-9+\" is not a regular expression Envoy's RE2 reads",
             ),
             (
                 "{prefix: /green/}",

@@ -12,14 +12,26 @@ use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
+use super::ownership::{self, PathClaims, PathGrants};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use crate::mesh::{
     Endpoint, EndpointSet, HostEndpoint, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Provider,
-    RejectedRoute, ServicePort, ServiceSpec,
+    RefusedPath, RejectedRoute, ServicePort, ServiceSpec,
 };
 
-/// A Service's claim on a path; the smallest claim (oldest, then by namespace/name) holds it.
-type Claim = (Option<Timestamp>, ObjectKey);
+/// A Service's claim on a path; the smallest claim holds it: a Service's own path before a
+/// path claimed by annotation (with `--path-claims granted`), then the oldest, then by
+/// namespace/name.
+type Claim = (bool, Option<Timestamp>, ObjectKey);
+
+/// Who may claim which path ([`ownership`]), and where the grants come from.
+#[derive(Debug, Clone, Default)]
+pub struct Ownership {
+    pub claims: PathClaims,
+    pub grants: PathGrants,
+    /// The grants ConfigMap, `namespace/name`, as refusals name it.
+    pub grants_from: String,
+}
 
 #[derive(Debug)]
 pub struct MeshIndex {
@@ -28,6 +40,13 @@ pub struct MeshIndex {
     /// Service → names of its slices (same namespace).
     slices_of: HashMap<ObjectKey, BTreeSet<String>>,
     claims: HashMap<MeshPath, BTreeSet<Claim>>,
+    ownership: Ownership,
+    /// Services whose path their namespace may not claim, and why.
+    refused: BTreeMap<ObjectKey, (MeshPath, String)>,
+    /// Paths more than one Service claims.
+    contested: BTreeSet<MeshPath>,
+    /// The claims changed since the refusals were last worked out.
+    claims_changed: bool,
     /// Slices skipped as not IPv4, so each is logged once.
     skipped: HashSet<ObjectKey>,
     routes: RouteIndex,
@@ -38,12 +57,16 @@ pub struct MeshIndex {
 }
 
 impl MeshIndex {
-    pub fn new(trap: TrapCidrs) -> Self {
+    pub fn new(trap: TrapCidrs, ownership: Ownership) -> Self {
         MeshIndex {
             services: HashMap::new(),
             slices: HashMap::new(),
             slices_of: HashMap::new(),
             claims: HashMap::new(),
+            ownership,
+            refused: BTreeMap::new(),
+            contested: BTreeSet::new(),
+            claims_changed: false,
             skipped: HashSet::new(),
             routes: RouteIndex::default(),
             rejected: Vec::new(),
@@ -200,9 +223,32 @@ impl MeshIndex {
         }
     }
 
+    /// Sets the path grants (none when their ConfigMap is absent): every Service's claim is
+    /// judged again.
+    pub fn set_grants(&mut self, grants: PathGrants) {
+        if self.ownership.grants == grants {
+            return;
+        }
+        self.ownership.grants = grants;
+        if self.ownership.claims == PathClaims::Any {
+            return;
+        }
+        let services: Vec<(ObjectKey, ServiceEntry)> = self
+            .services
+            .iter()
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
+        for (key, entry) in services {
+            self.unclaim(&key, &entry);
+            self.claim(&key, &entry);
+            self.refresh(&entry.path);
+        }
+    }
+
     /// A snapshot to publish, if anything changed since the last one taken.
     pub fn take_snapshot(&mut self) -> Option<Arc<MeshSnapshot>> {
         self.update_rejections();
+        self.update_refused_paths();
         if !self.changed {
             return None;
         }
@@ -233,14 +279,101 @@ impl MeshIndex {
         self.changed = true;
     }
 
+    /// Works out which Services are left out for their path, when a claim changed.
+    fn update_refused_paths(&mut self) {
+        if !std::mem::take(&mut self.claims_changed) {
+            return;
+        }
+        let mut refused: Vec<RefusedPath> = self
+            .refused
+            .iter()
+            .map(|(key, (path, reason))| RefusedPath {
+                service: key.to_string(),
+                path: path.to_string(),
+                reason: reason.clone(),
+            })
+            .collect();
+        for path in &self.contested {
+            let Some(claims) = self.claims.get(path) else {
+                continue;
+            };
+            let mut claims = claims.iter();
+            let Some((_, _, owner)) = claims.next() else {
+                continue;
+            };
+            for (_, _, loser) in claims {
+                refused.push(RefusedPath {
+                    service: loser.to_string(),
+                    path: path.to_string(),
+                    reason: format!(
+                        "held by Service {owner} (its own path, or else the oldest claim wins)"
+                    ),
+                });
+            }
+        }
+        self.mesh.set_refused_paths(refused);
+        self.changed = true;
+    }
+
+    /// Puts the Service's claim on its path, or records why it may not have it.
+    fn claim(&mut self, key: &ObjectKey, entry: &ServiceEntry) {
+        self.claims_changed = true;
+        let Ownership {
+            claims,
+            grants,
+            grants_from,
+        } = &self.ownership;
+        if let Err(reason) = ownership::may_claim(*claims, grants, grants_from, key, &entry.path) {
+            warn!(service = %key, path = %entry.path, "mesh path refused: {reason}");
+            self.refused
+                .insert(key.clone(), (entry.path.clone(), reason));
+            return;
+        }
+        let annotated =
+            *claims == PathClaims::Granted && entry.path.as_str() != ownership::own_path(key);
+        let held = self.claims.entry(entry.path.clone()).or_default();
+        held.insert((annotated, entry.created, key.clone()));
+        if held.len() > 1 {
+            self.contested.insert(entry.path.clone());
+            let mut claimants = held.iter().map(|(_, _, k)| k);
+            if let Some(owner) = claimants.next() {
+                for loser in claimants {
+                    warn!(
+                        "{}",
+                        KubeSourceError::PathTaken {
+                            path: entry.path.to_string(),
+                            service: loser.to_string(),
+                            owner: owner.to_string(),
+                        }
+                    );
+                }
+            }
+        }
+    }
+
+    /// Takes the Service's claim (or its refusal) back.
+    fn unclaim(&mut self, key: &ObjectKey, entry: &ServiceEntry) {
+        self.claims_changed = true;
+        self.refused.remove(key);
+        if let Some(claims) = self.claims.get_mut(&entry.path) {
+            claims.retain(|(_, _, k)| k != key);
+            if claims.len() < 2 {
+                self.contested.remove(&entry.path);
+            }
+            if claims.is_empty() {
+                self.claims.remove(&entry.path);
+            }
+        }
+    }
+
     /// A Service and whether it holds its mesh path.
-    fn lookup(&self, key: &ObjectKey) -> Option<(&ServiceEntry, bool)> {
+    pub(super) fn lookup(&self, key: &ObjectKey) -> Option<(&ServiceEntry, bool)> {
         let entry = self.services.get(key)?;
         let holds = self
             .claims
             .get(&entry.path)
             .and_then(|claims| claims.first())
-            .is_some_and(|(_, owner)| owner == key);
+            .is_some_and(|(_, _, owner)| owner == key);
         Some((entry, holds))
     }
 
@@ -269,34 +402,13 @@ impl MeshIndex {
             return;
         }
         if let Some(old) = &old {
-            if let Some(claims) = self.claims.get_mut(&old.path) {
-                claims.remove(&(old.created, key.clone()));
-                if claims.is_empty() {
-                    self.claims.remove(&old.path);
-                }
-            }
+            self.unclaim(&key, old);
             if entry.as_ref().is_none_or(|e| e.path != old.path) {
                 self.refresh(&old.path);
             }
         }
         if let Some(entry) = &entry {
-            let claims = self.claims.entry(entry.path.clone()).or_default();
-            claims.insert((entry.created, key.clone()));
-            if claims.len() > 1 {
-                let mut claimants = claims.iter().map(|(_, k)| k);
-                if let Some(owner) = claimants.next() {
-                    for loser in claimants {
-                        warn!(
-                            "{}",
-                            KubeSourceError::PathTaken {
-                                path: entry.path.to_string(),
-                                service: loser.to_string(),
-                                owner: owner.to_string(),
-                            }
-                        );
-                    }
-                }
-            }
+            self.claim(&key, entry);
             self.refresh(&entry.path);
         }
         // Routes that send to this Service resolve it anew.
@@ -348,7 +460,7 @@ impl MeshIndex {
             .claims
             .get(path)
             .and_then(|claims| claims.first())
-            .map(|(_, key)| key.clone());
+            .map(|(_, _, key)| key.clone());
         let changed = match owner.and_then(|key| self.spec(&key)) {
             Some(spec) => match self.mesh.upsert(spec) {
                 Ok(changed) => changed,

@@ -15,7 +15,10 @@ use crate::mesh::route::{BackendTarget, PathMatch, RouteRule, RuleSource, ValueM
 use crate::mesh::{MeshPath, MeshSnapshot};
 
 fn index() -> MeshIndex {
-    MeshIndex::new("240.240.0.0/16".parse::<TrapCidrs>().unwrap())
+    MeshIndex::new(
+        "240.240.0.0/16".parse::<TrapCidrs>().unwrap(),
+        super::Ownership::default(),
+    )
 }
 
 fn service(index: &mut MeshIndex, namespace: &str, name: &str, ports: Value) {
@@ -413,7 +416,9 @@ fn what_a_route_may_not_bind_to_is_refused_with_the_reason() {
     assert!(reason("HTTPRoute shop/tcp-parent").contains("has a tcp port (5432)"));
     assert!(reason("HTTPRoute other/consumer").contains("consumer routes"));
     assert!(reason("HTTPRoute shop/bad-port").contains("has no port 9"));
-    assert!(reason("HTTPRoute shop/bad-regex").contains("not a valid regular expression"));
+    assert!(
+        reason("HTTPRoute shop/bad-regex").contains("not a regular expression Envoy's RE2 reads")
+    );
     assert!(reason("HTTPRoute shop/redirect").contains("filter RequestRedirect is not supported"));
     assert!(reason("HTTPRoute shop/loses").contains("GRPCRoute shop/grpc"));
     assert_eq!(reasons.len(), 6, "{reasons:?}");

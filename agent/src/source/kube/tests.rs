@@ -28,6 +28,14 @@ impl ApplyObjects for MeshIndex {
     }
 }
 
+/// The older rule, under which these tests' Services claim paths outside their namespace.
+fn any_claims() -> Ownership {
+    Ownership {
+        claims: PathClaims::Any,
+        ..Ownership::default()
+    }
+}
+
 fn trap() -> TrapCidrs {
     "240.240.0.0/16".parse().unwrap()
 }
@@ -119,7 +127,7 @@ fn protocol_comes_from_app_protocol_then_name_prefix_then_tcp() {
 
 #[test]
 fn service_and_slices_map_to_ports_with_target_ports_by_name() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service(
         "shop",
         "web",
@@ -175,7 +183,7 @@ fn service_and_slices_map_to_ports_with_target_ports_by_name() {
 
 #[test]
 fn unnamed_single_port_matches_the_unnamed_slice_port() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service(
         "a",
         "one",
@@ -199,7 +207,7 @@ fn unnamed_single_port_matches_the_unnamed_slice_port() {
 
 #[test]
 fn only_ready_and_not_terminating_endpoints_serve() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service("a", "web", json!([{"name": "http", "port": 80}])));
     index.apply_slice(&slice(
         "a",
@@ -225,7 +233,7 @@ fn only_ready_and_not_terminating_endpoints_serve() {
 
 #[test]
 fn ipv6_slices_are_ignored_not_mixed() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service("a", "web", json!([{"name": "http", "port": 80}])));
     index.apply_slice(&slice(
         "a",
@@ -277,7 +285,7 @@ fn hosts(snapshot: &MeshSnapshot, path: &str) -> Vec<(u16, Vec<String>)> {
 
 #[test]
 fn headless_included_external_name_without_ports_skipped() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     let mut headless = service("a", "db", json!([{"name": "tcp", "port": 5432}]));
     headless.spec.as_mut().unwrap().cluster_ip = Some("None".into());
     index.apply_service(&headless);
@@ -291,7 +299,7 @@ fn headless_included_external_name_without_ports_skipped() {
 
 #[test]
 fn an_external_name_service_is_served_by_its_external_name_on_each_port() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), any_claims());
     let external = external_name(
         "ext",
         "payments",
@@ -379,7 +387,7 @@ fn instances(snapshot: &MeshSnapshot, path: &str) -> Vec<(String, bool, Vec<Stri
 
 #[test]
 fn a_headless_services_hostnames_are_its_instances_ready_or_not() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     let mut db = service("data", "db", json!([{"name": "cql", "port": 9042}]));
     db.spec.as_mut().unwrap().cluster_ip = Some("None".into());
     index.apply_service(&db);
@@ -453,7 +461,7 @@ fn a_headless_services_hostnames_are_its_instances_ready_or_not() {
     );
 
     // The same hostnames behind a Service with a cluster IP are not instances.
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service_with_ip());
     index.apply_slice(&slice(
         "data",
@@ -473,7 +481,7 @@ fn service_with_ip() -> Service {
 
 #[test]
 fn the_health_annotation_sets_the_policy_and_a_bad_one_skips_the_service() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     let mut web = service("a", "web", json!([{"name": "http", "port": 80}]));
     web.metadata.annotations = Some(
         [(
@@ -505,7 +513,7 @@ fn the_health_annotation_sets_the_policy_and_a_bad_one_skips_the_service() {
 
 #[test]
 fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), any_claims());
     let svc = service("a", "web", json!([{"name": "http", "port": 80}]));
     index.apply_service(&annotated(svc.clone(), "/foo/bar/buzz"));
     assert_eq!(view(&snapshot(&mut index))[0].0, "/foo/bar/buzz");
@@ -519,7 +527,7 @@ fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
 
 #[test]
 fn colliding_paths_go_to_the_oldest_service_and_pass_on_when_it_leaves() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), any_claims());
     let mut young = annotated(
         service("b", "young", json!([{"name": "http", "port": 81}])),
         "/shared/name",
@@ -553,7 +561,7 @@ fn colliding_paths_go_to_the_oldest_service_and_pass_on_when_it_leaves() {
 
 #[test]
 fn slices_follow_their_service_label_and_deletes() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     index.apply_service(&service("a", "one", json!([{"name": "http", "port": 80}])));
     index.apply_service(&service("a", "two", json!([{"name": "http", "port": 80}])));
     let ports = json!([{"name": "http", "port": 80}]);
@@ -593,7 +601,7 @@ fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher:
 
 #[test]
 fn nothing_is_published_until_both_initial_lists_complete() {
-    let mut watches = WatchSet::new(trap(), scopes(&[None]));
+    let mut watches = WatchSet::new(trap(), Ownership::default(), scopes(&[None]));
     watches.handle(0, svc_change(watcher::Event::Init));
     watches.handle(
         0,
@@ -630,7 +638,7 @@ fn nothing_is_published_until_both_initial_lists_complete() {
         )]
     );
     // An empty cluster is ready too.
-    let mut empty = WatchSet::new(trap(), scopes(&[None]));
+    let mut empty = WatchSet::new(trap(), Ownership::default(), scopes(&[None]));
     for watch in [0, 1] {
         empty.handle(
             watch,
@@ -654,7 +662,11 @@ fn nothing_is_published_until_both_initial_lists_complete() {
 
 #[test]
 fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
-    let mut watches = WatchSet::new(trap(), scopes(&[Some("a"), Some("b")]));
+    let mut watches = WatchSet::new(
+        trap(),
+        Ownership::default(),
+        scopes(&[Some("a"), Some("b")]),
+    );
     let http = json!([{"name": "http", "port": 80}]);
     for (watch, ns) in [(0, "a"), (2, "b")] {
         watches.handle(watch, svc_change(watcher::Event::Init));
@@ -715,7 +727,7 @@ fn a_relist_replaces_its_scope_and_keeps_the_old_state_until_done() {
 
 #[test]
 fn trafficdistribution_and_each_endpoints_zone_node_and_hints_reach_the_mesh() {
-    let mut index = MeshIndex::new(trap());
+    let mut index = MeshIndex::new(trap(), Ownership::default());
     let mut svc = service(
         "shop",
         "web",
@@ -778,4 +790,201 @@ fn trafficdistribution_and_each_endpoints_zone_node_and_hints_reach_the_mesh() {
         let web = &snap.services[&"/shop/web".parse::<crate::mesh::MeshPath>().unwrap()];
         assert_eq!(web.traffic_distribution, expected, "{value:?}");
     }
+}
+
+fn versioned(mut svc: Service, version: u64) -> Service {
+    svc.metadata.resource_version = Some(version.to_string());
+    svc
+}
+
+/// Both watches of one namespace listed: Services `listed` (with their versions), no slices.
+fn listed(listed: &[(&str, u64)]) -> WatchSet {
+    let mut watches = WatchSet::new(trap(), Ownership::default(), scopes(&[None]));
+    watches.handle(0, svc_change(watcher::Event::Init));
+    for (name, version) in listed {
+        let svc = versioned(service("a", name, json!([{"port": 80}])), *version);
+        watches.handle(0, svc_change(watcher::Event::InitApply(svc)));
+    }
+    watches.handle(0, svc_change(watcher::Event::InitDone));
+    watches.handle(1, slice_change(watcher::Event::Init));
+    watches.handle(1, slice_change(watcher::Event::InitDone));
+    assert!(watches.publishable().is_some());
+    watches
+}
+
+#[test]
+fn a_change_older_than_one_seen_before_means_the_server_went_back() {
+    let mut watches = listed(&[("one", 5), ("two", 9)]);
+    let later = versioned(service("a", "three", json!([{"port": 80}])), 10);
+    watches.handle(0, svc_change(watcher::Event::Apply(later)));
+    assert_eq!(
+        watches.take_rollback(),
+        None,
+        "a change after the list is in order"
+    );
+    let older = versioned(service("a", "four", json!([{"port": 80}])), 7);
+    watches.handle(0, svc_change(watcher::Event::Apply(older)));
+    let reason = watches.take_rollback().expect("a step back");
+    assert!(
+        reason.contains("resourceVersion 7 after one at 10"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn a_server_behind_what_the_watches_saw_means_a_rollback_and_a_relist_published_whole() {
+    let mut watches = listed(&[("one", 5), ("two", 9)]);
+    watches.observe_revision(12);
+    assert_eq!(watches.take_rollback(), None);
+    watches.observe_revision(8);
+    let reason = watches.take_rollback().expect("below 9");
+    assert!(reason.contains("resourceVersion 8, below 9"), "{reason}");
+
+    // Every watch lists again; nothing is published until all have, then the new state.
+    watches.relist_all(reason);
+    assert!(
+        watches
+            .failing()
+            .unwrap()
+            .starts_with("re-listing every resource")
+    );
+    watches.handle(0, svc_change(watcher::Event::Init));
+    let restored = versioned(service("a", "one", json!([{"port": 81}])), 4);
+    watches.handle(0, svc_change(watcher::Event::InitApply(restored)));
+    watches.handle(0, svc_change(watcher::Event::InitDone));
+    assert!(
+        watches.publishable().is_none(),
+        "the slices are not listed yet"
+    );
+    watches.handle(1, slice_change(watcher::Event::Init));
+    watches.handle(1, slice_change(watcher::Event::InitDone));
+    let snapshot = watches.publishable().expect("the restored state");
+    let names: Vec<&str> = snapshot.services.keys().map(|p| p.as_str()).collect();
+    assert_eq!(names, ["/a/one"]);
+    assert_eq!(snapshot.services.values().next().unwrap().ports[0].port, 81);
+    assert_eq!(watches.failing(), None);
+    // Versions start again from the restored ones: a change at 5 is in order now.
+    let next = versioned(service("a", "two", json!([{"port": 80}])), 5);
+    watches.handle(0, svc_change(watcher::Event::Apply(next)));
+    assert_eq!(watches.take_rollback(), None);
+    watches.observe_revision(6);
+    assert_eq!(watches.take_rollback(), None);
+}
+
+fn dated(svc: Service, created: &str) -> Service {
+    let mut svc = svc;
+    svc.metadata.creation_timestamp = Some(serde_json::from_value(json!(created)).unwrap());
+    svc
+}
+
+fn ownership(claims: PathClaims, grants: &[(&str, &str)]) -> Ownership {
+    let config_map: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "lattice-path-grants", "namespace": "lattice-system"},
+        "data": grants.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+    }))
+    .unwrap();
+    Ownership {
+        claims,
+        grants: PathGrants::from_config_map(&config_map),
+        grants_from: "lattice-system/lattice-path-grants".into(),
+    }
+}
+
+/// The tenant's Service, older, and the payments team's, both claiming `/payments/api` by
+/// annotation.
+fn claimants(index: &mut MeshIndex) {
+    let ports = json!([{"port": 80, "name": "http"}]);
+    let tenant = dated(
+        annotated(service("tenant", "grab", ports.clone()), "/payments/api"),
+        "2020-01-01T00:00:00Z",
+    );
+    let payments = dated(
+        annotated(service("payments", "gateway", ports), "/payments/api"),
+        "2024-01-01T00:00:00Z",
+    );
+    index.apply_service(&tenant);
+    index.apply_service(&payments);
+}
+
+fn holder(snapshot: &MeshSnapshot) -> Vec<(String, Vec<String>)> {
+    let refused = snapshot
+        .refused_paths
+        .iter()
+        .map(|r| format!("{} {}: {}", r.service, r.path, r.reason))
+        .collect();
+    let paths = snapshot.services.keys().map(|p| p.to_string()).collect();
+    vec![("services".into(), paths), ("refused".into(), refused)]
+}
+
+#[test]
+fn a_tenant_cannot_claim_a_path_outside_its_namespace_and_the_owner_gets_it() {
+    let mut index = MeshIndex::new(trap(), ownership(PathClaims::Granted, &[]));
+    claimants(&mut index);
+    let seen = holder(&snapshot(&mut index));
+    assert_eq!(seen[0].1, ["/payments/api"]);
+    assert_eq!(seen[1].1.len(), 1, "{seen:?}");
+    assert!(
+        seen[1].1[0].starts_with(
+            "tenant/grab /payments/api: namespace tenant may claim paths \
+                                  under /tenant only"
+        ),
+        "{seen:?}"
+    );
+    // Which Service holds the path: the payments team's.
+    let mut probe = MeshIndex::new(trap(), ownership(PathClaims::Granted, &[]));
+    claimants(&mut probe);
+    assert!(
+        probe
+            .lookup(&ObjectKey::new("payments", "gateway"))
+            .unwrap()
+            .1
+    );
+
+    // A grant makes the tenant's claim allowed; among allowed claims the oldest wins.
+    index.set_grants(ownership(PathClaims::Granted, &[("tenant", "/payments")]).grants);
+    let seen = holder(&snapshot(&mut index));
+    assert!(index.lookup(&ObjectKey::new("tenant", "grab")).unwrap().1);
+    assert_eq!(seen[1].1.len(), 1, "{seen:?}");
+    assert!(
+        seen[1].1[0].starts_with("payments/gateway /payments/api: held by Service tenant/grab")
+    );
+    // The grant revoked: back to the payments team.
+    index.set_grants(PathGrants::default());
+    snapshot(&mut index);
+    assert!(
+        index
+            .lookup(&ObjectKey::new("payments", "gateway"))
+            .unwrap()
+            .1
+    );
+}
+
+#[test]
+fn a_services_own_path_beats_an_annotated_claim_on_it() {
+    let mut index = MeshIndex::new(
+        trap(),
+        ownership(PathClaims::Granted, &[("shop", "/other")]),
+    );
+    let ports = json!([{"port": 80, "name": "http"}]);
+    index.apply_service(&dated(
+        annotated(service("other", "squatter", ports.clone()), "/other/web"),
+        "2020-01-01T00:00:00Z",
+    ));
+    index.apply_service(&dated(
+        service("other", "web", ports),
+        "2024-01-01T00:00:00Z",
+    ));
+    snapshot(&mut index);
+    assert!(index.lookup(&ObjectKey::new("other", "web")).unwrap().1);
+}
+
+#[test]
+fn with_any_claims_the_oldest_wins_as_before() {
+    let mut index = MeshIndex::new(trap(), ownership(PathClaims::Any, &[]));
+    claimants(&mut index);
+    let seen = holder(&snapshot(&mut index));
+    assert!(index.lookup(&ObjectKey::new("tenant", "grab")).unwrap().1);
+    assert!(
+        seen[1].1[0].starts_with("payments/gateway /payments/api: held by Service tenant/grab")
+    );
 }
