@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
-use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope};
+use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope, RequestBytes, XdsLimitFlags};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
@@ -23,7 +23,7 @@ use lattice_agent::scope::{ScopeRegistry, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::xds::{AdsService, ProxyRegistry, XdsServer};
+use lattice_agent::xds::{AdsService, Caps, ProxyRegistry, RequestBound, XdsLimits, XdsServer};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -365,7 +365,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         proxies,
         shutdown.clone(),
     )
-    .with_identity(identity);
+    .with_identity(identity)
+    .with_limits(xds_limits(&config.xds_limits));
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
         None => xds,
@@ -373,13 +374,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let token = shutdown.clone();
     tasks.spawn(async move {
         drop(xds_ready);
-        tonic::transport::Server::builder()
-            .add_service(AdsService::new(xds))
-            .serve_with_incoming_shutdown(
-                lattice_agent::xds::connection::incoming(xds_listener),
-                token.cancelled_owned(),
-            )
-            .await?;
+        lattice_agent::xds::connection::serve(xds_listener, AdsService::new(xds), token).await?;
         Ok("xds server")
     });
 
@@ -411,6 +406,34 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             tracing::info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// The xDS server's bounds, as the flags give them.
+fn xds_limits(flags: &XdsLimitFlags) -> XdsLimits {
+    let count = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
+    let bytes = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    XdsLimits {
+        caps: Caps {
+            connections: count(flags.xds_max_connections),
+            connections_per_peer: count(flags.xds_max_connections_per_peer),
+            streams: count(flags.xds_max_streams),
+            streams_per_peer: count(flags.xds_max_streams_per_peer),
+        },
+        streams_per_connection: flags.xds_max_streams_per_connection,
+        request: match flags.xds_max_request_bytes {
+            RequestBytes::Auto => RequestBound::Auto,
+            RequestBytes::Bytes(n) => RequestBound::Bytes(bytes(n)),
+        },
+        request_buffer: bytes(flags.xds_request_buffer_bytes),
+        first_request_timeout: Duration::from_millis(flags.xds_first_request_timeout_ms),
+        send_buffer: bytes(flags.xds_send_buffer_bytes),
+        max_header_list: flags.xds_max_header_list_bytes,
+        max_frame: flags.xds_max_frame_bytes,
+        keepalive_interval: Duration::from_millis(flags.xds_keepalive_ms),
+        keepalive_timeout: Duration::from_millis(flags.xds_keepalive_timeout_ms),
+        tcp_keepalive: Duration::from_secs(flags.xds_tcp_keepalive_secs),
+        drain: Duration::from_millis(flags.xds_drain_ms),
     }
 }
 
@@ -487,5 +510,16 @@ impl lattice_dns::LookupObserver for ScopeObserver {
         self.0
             .resolved(client, scope)
             .map(|wait| Box::pin(wait) as lattice_dns::Hold)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_xds_flags_defaults_are_the_servers() {
+        let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
+        assert_eq!(xds_limits(&config.xds_limits), XdsLimits::default());
     }
 }

@@ -8,26 +8,162 @@
 //!
 //! Written for this rather than taken from tonic: tonic's decoder interface hands the decoder
 //! its own contiguous buffer, which is the copy. The gRPC framing is small: a one-byte
-//! compression flag, a four-byte length, the message. The rules are tonic's, with its messages:
-//! a compressed message is refused (no compression is offered), a message over tonic's 4 MiB
-//! default is refused, a body that ends inside a message is an error, and a cancelled body
-//! ends the stream quietly.
+//! compression flag, a four-byte length, the message. A compressed message is refused (no
+//! compression is offered), a body that ends inside a message is an error, and a cancelled
+//! body ends the stream quietly, as tonic does. What a client may make the agent hold is
+//! bounded twice, before any of a message's body is read: by the stream's limit on one message
+//! (its length prefix over it ends the stream with `RESOURCE_EXHAUSTED`), and by the
+//! [`RequestBudget`] every stream shares. A message that does not decode ends the stream with
+//! `INVALID_ARGUMENT`.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use http_body::Body;
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use prost::DecodeError;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Code, Status};
 
-/// tonic's default limit on a decoded message.
-const MAX_MESSAGE: usize = 4 << 20;
+use super::metrics::XdsMetrics;
+
+/// The limit on one message until the stream is given its own: tonic's default.
+pub const DEFAULT_MAX_MESSAGE: usize = 4 << 20;
 /// A gRPC message's prefix: compression flag and length.
 const HEADER: usize = 5;
+
+/// Why a stream's requests could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InboundError {
+    #[error("a request of {len} bytes is over this stream's limit of {limit} bytes")]
+    TooLarge { len: usize, limit: usize },
+    #[error(
+        "a request of {len} bytes is over what the agent buffers for all streams at once \
+         ({budget} bytes, --xds-request-buffer-bytes)"
+    )]
+    OverBudget { len: usize, budget: usize },
+    #[error("the request does not decode: {0}")]
+    Undecodable(#[from] DecodeError),
+    #[error(
+        "protocol error: received message with compressed-flag but no grpc-encoding was \
+         specified"
+    )]
+    Compressed,
+    #[error(
+        "protocol error: received message with invalid compression flag: {0} (valid flags \
+         are 0 and 1)"
+    )]
+    InvalidFlag(u8),
+    #[error("Unexpected EOF decoding stream.")]
+    Truncated,
+    #[error("{0}")]
+    Transport(Status),
+}
+
+impl InboundError {
+    /// The status that ends the stream.
+    pub fn status(&self) -> Status {
+        let message = self.to_string();
+        match self {
+            InboundError::TooLarge { .. } | InboundError::OverBudget { .. } => {
+                Status::resource_exhausted(message)
+            }
+            InboundError::Undecodable(_) => Status::invalid_argument(message),
+            // As gRPC's protocol and tonic say.
+            InboundError::Compressed | InboundError::InvalidFlag(_) | InboundError::Truncated => {
+                Status::internal(message)
+            }
+            InboundError::Transport(status) => status.clone(),
+        }
+    }
+
+    /// The label it is counted under among refused streams; `None` for a transport failure
+    /// (a connection that broke), which refuses nothing.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            InboundError::TooLarge { .. } => Some("request_too_large"),
+            InboundError::OverBudget { .. } => Some("request_over_budget"),
+            InboundError::Undecodable(_) => Some("undecodable"),
+            InboundError::Compressed | InboundError::InvalidFlag(_) => Some("malformed"),
+            InboundError::Truncated | InboundError::Transport(_) => None,
+        }
+    }
+}
+
+/// The bytes of requests being read, shared by every stream: a message takes its length from
+/// the budget once its length prefix is read, before its body is, and gives it back when it is
+/// decoded (or its stream ends). A stream that finds the budget spent waits, reading nothing
+/// more, so h2's flow control holds its client back; the budget is fair (first come, first
+/// served), so a reconnecting proxy's large request is not starved by smaller ones.
+#[derive(Debug)]
+pub struct RequestBudget {
+    bytes: Arc<Semaphore>,
+    total: usize,
+    metrics: Option<XdsMetrics>,
+}
+
+impl RequestBudget {
+    pub fn new(total: usize, metrics: Option<XdsMetrics>) -> Arc<Self> {
+        let total = total.clamp(1, Semaphore::MAX_PERMITS);
+        Arc::new(RequestBudget {
+            bytes: Arc::new(Semaphore::new(total)),
+            total,
+            metrics,
+        })
+    }
+
+    /// `len` bytes of the budget, once they are free.
+    async fn reserve(&self, len: usize) -> Result<Reservation, InboundError> {
+        let over = || InboundError::OverBudget {
+            len,
+            budget: self.total,
+        };
+        let n = u32::try_from(len).map_err(|_| over())?;
+        if len > self.total {
+            return Err(over());
+        }
+        let permit = self
+            .bytes
+            .clone()
+            .acquire_many_owned(n)
+            .await
+            .map_err(|_| over())?;
+        if let Some(metrics) = &self.metrics {
+            metrics.request_bytes_held(len as i64);
+        }
+        Ok(Reservation {
+            _permit: permit,
+            len,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Bytes reserved right now.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.total - self.bytes.available_permits()
+    }
+}
+
+/// A message's share of the [`RequestBudget`], given back on drop.
+#[derive(Debug)]
+struct Reservation {
+    _permit: OwnedSemaphorePermit,
+    len: usize,
+    metrics: Option<XdsMetrics>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.request_bytes_held(-(self.len as i64));
+        }
+    }
+}
 
 /// Decodes one stream's requests (one decoder per stream, so it may remember).
 pub trait RequestDecoder: Default + Send + 'static {
@@ -63,6 +199,11 @@ pub struct Inbound<D> {
     held: usize,
     /// The length of the message being read, once its prefix was.
     message: Option<usize>,
+    /// That message's share of the budget, once it has it.
+    reserved: Option<Reservation>,
+    /// The longest message this stream may send.
+    limit: usize,
+    budget: Option<Arc<RequestBudget>>,
     ended: bool,
 }
 
@@ -82,20 +223,42 @@ impl<D: RequestDecoder> Inbound<D> {
             frames: VecDeque::new(),
             held: 0,
             message: None,
+            reserved: None,
+            limit: DEFAULT_MAX_MESSAGE,
+            budget: None,
             ended: false,
         }
     }
 
+    /// Reads each message's body only once `budget` has room for it.
+    pub fn with_budget(mut self, budget: Arc<RequestBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// The longest message this stream may send from its next message on.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// The next request; `None` when the client ended its stream. Cancel-safe: what was read
-    /// stays in `self`.
-    pub async fn message(&mut self) -> Result<Option<D::Request>, Status> {
+    /// (and the budget a message was given) stays in `self`.
+    pub async fn message(&mut self) -> Result<Option<D::Request>, InboundError> {
         loop {
-            if let Some(request) = self.decode()? {
-                return Ok(Some(request));
+            if let Some(len) = self.prefix()? {
+                if self.reserved.is_none()
+                    && len > 0
+                    && let Some(budget) = &self.budget
+                {
+                    self.reserved = Some(budget.reserve(len).await?);
+                }
+                if self.held >= len {
+                    return self.decode(len).map(Some);
+                }
             }
             if self.ended {
                 return if self.held > 0 || self.message.is_some() {
-                    Err(Status::internal("Unexpected EOF decoding stream."))
+                    Err(InboundError::Truncated)
                 } else {
                     Ok(None)
                 };
@@ -114,61 +277,51 @@ impl<D: RequestDecoder> Inbound<D> {
                 Some(Err(status)) if status.code() == Code::Cancelled => {
                     self.ended = true;
                     self.frames.clear();
-                    (self.held, self.message) = (0, None);
+                    (self.held, self.message, self.reserved) = (0, None, None);
                 }
-                Some(Err(status)) => return Err(status),
+                Some(Err(status)) => return Err(InboundError::Transport(status)),
                 None => self.ended = true,
             }
         }
     }
 
-    /// Decodes the next message if all of it is here.
-    fn decode(&mut self) -> Result<Option<D::Request>, Status> {
-        let len = match self.message {
-            Some(len) => len,
-            None if self.held < HEADER => return Ok(None),
-            None => {
-                let mut prefix = Frames::new(&mut self.frames, HEADER);
-                let (flag, len) = (prefix.get_u8(), prefix.get_u32() as usize);
-                self.held -= HEADER;
-                match flag {
-                    0 => {}
-                    1 => {
-                        return Err(Status::internal(
-                            "protocol error: received message with compressed-flag but no \
-                             grpc-encoding was specified",
-                        ));
-                    }
-                    other => {
-                        return Err(Status::internal(format!(
-                            "protocol error: received message with invalid compression flag: \
-                             {other} (valid flags are 0 and 1), while sending request"
-                        )));
-                    }
-                }
-                if len > MAX_MESSAGE {
-                    return Err(Status::out_of_range(format!(
-                        "Error, decoded message length too large: found {len} bytes, the \
-                         limit is: {MAX_MESSAGE} bytes"
-                    )));
-                }
-                self.message = Some(len);
-                len
-            }
-        };
-        if self.held < len {
+    /// The length of the message being read, once its prefix is here; refused when over the
+    /// limit, before any of its body is read.
+    fn prefix(&mut self) -> Result<Option<usize>, InboundError> {
+        if let Some(len) = self.message {
+            return Ok(Some(len));
+        }
+        if self.held < HEADER {
             return Ok(None);
         }
+        let mut prefix = Frames::new(&mut self.frames, HEADER);
+        let (flag, len) = (prefix.get_u8(), prefix.get_u32() as usize);
+        self.held -= HEADER;
+        match flag {
+            0 => {}
+            1 => return Err(InboundError::Compressed),
+            other => return Err(InboundError::InvalidFlag(other)),
+        }
+        if len > self.limit {
+            return Err(InboundError::TooLarge {
+                len,
+                limit: self.limit,
+            });
+        }
+        self.message = Some(len);
+        Ok(Some(len))
+    }
+
+    /// Decodes the message of `len` bytes, all of which is here.
+    fn decode(&mut self, len: usize) -> Result<D::Request, InboundError> {
         let mut message = Frames::new(&mut self.frames, len);
         let decoded = self.decoder.decode(&mut message);
         // A decoder that failed may have stopped short: the rest of its message goes.
         let rest = message.remaining();
         message.advance(rest);
         self.held -= len;
-        self.message = None;
-        decoded
-            .map(Some)
-            .map_err(|error| Status::internal(error.to_string()))
+        (self.message, self.reserved) = (None, None);
+        Ok(decoded?)
     }
 }
 
@@ -264,6 +417,7 @@ mod tests {
     use http_body::Frame;
     use http_body_util::StreamBody;
     use prost::Message;
+    use tokio_stream::StreamExt as _;
 
     use super::*;
     use crate::xds::wire::SotwDecoder;
@@ -302,7 +456,7 @@ mod tests {
     ) -> Result<Vec<D::Request>, Status> {
         let mut inbound = Inbound::<D>::new(body(bytes, size));
         let mut out = Vec::new();
-        while let Some(request) = inbound.message().await? {
+        while let Some(request) = inbound.message().await.map_err(|e| e.status())? {
             out.push(request);
         }
         Ok(out)
@@ -346,17 +500,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn refuses_what_tonic_refuses() {
+    async fn refuses_what_grpc_refuses_and_what_does_not_decode_as_invalid() {
         let message = request(&["a".into()], "1").encode_to_vec();
         let compressed = read_all::<Plain<DiscoveryRequest>>(&framed(1, &message), 3).await;
         assert_eq!(compressed.unwrap_err().code(), Code::Internal);
         let flag = read_all::<Plain<DiscoveryRequest>>(&framed(7, &message), 3).await;
         assert_eq!(flag.unwrap_err().code(), Code::Internal);
-
-        let mut large = vec![0];
-        large.extend_from_slice(&(MAX_MESSAGE as u32 + 1).to_be_bytes());
-        let large = read_all::<Plain<DiscoveryRequest>>(&large, 5).await;
-        assert_eq!(large.unwrap_err().code(), Code::OutOfRange);
 
         let whole = framed(0, &message);
         for cut in [1, HEADER, whole.len() - 1] {
@@ -370,7 +519,118 @@ mod tests {
         let mut bad = framed(0, &[0xff, 0xff]);
         bad.extend(framed(0, &message));
         let bad = read_all::<Plain<DiscoveryRequest>>(&bad, 3).await;
-        assert_eq!(bad.unwrap_err().code(), Code::Internal);
+        assert_eq!(bad.unwrap_err().code(), Code::InvalidArgument);
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_limit_is_refused_before_its_body_is_read() {
+        let message = request(&["a".repeat(100)], "1").encode_to_vec();
+        let bytes = framed(0, &message);
+        // At the limit: read.
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(body(&bytes, 7));
+        inbound.set_limit(message.len());
+        assert!(inbound.message().await.unwrap().is_some());
+        // One byte over: refused with only the prefix read (the body here never ends, so
+        // reading it would hang).
+        let prefix = tokio_stream::iter([Ok::<_, Infallible>(Frame::data(
+            Bytes::copy_from_slice(&bytes[..HEADER]),
+        ))])
+        .chain(tokio_stream::pending());
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(prefix));
+        inbound.set_limit(message.len() - 1);
+        let error = inbound.message().await.unwrap_err();
+        assert_eq!(error.status().code(), Code::ResourceExhausted);
+        assert_eq!(error.reason(), Some("request_too_large"));
+        assert!(
+            error
+                .to_string()
+                .contains(&format!("{} bytes", message.len())),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reset_stream_ends_quietly_and_gives_back_its_budget() {
+        let budget = RequestBudget::new(1000, None);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+        .with_budget(budget.clone());
+        // A prefix promising 600 bytes, and 100 of them.
+        let mut start = vec![0];
+        start.extend_from_slice(&600u32.to_be_bytes());
+        start.extend_from_slice(&[0; 100]);
+        tx.send(Ok(Frame::data(Bytes::from(start)))).await.unwrap();
+        tokio::select! {
+            _ = inbound.message() => panic!("a message of 100 bytes out of 600"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(budget.held(), 600, "the message holds its length");
+        tx.send(Err(Status::cancelled("reset"))).await.unwrap();
+        assert!(inbound.message().await.unwrap().is_none());
+        assert_eq!(budget.held(), 0);
+    }
+
+    /// The second stream's message waits for the budget the first one's holds, reading none of
+    /// its body meanwhile; it is read once the first is decoded.
+    #[tokio::test]
+    async fn a_message_waits_for_the_budget_without_reading_its_body() {
+        let message = request(&["a".repeat(500)], "1").encode_to_vec();
+        let bytes = framed(0, &message);
+        let budget = RequestBudget::new(message.len() + message.len() / 2, None);
+        let (first_tx, first_rx) = tokio::sync::mpsc::channel(4);
+        let mut first = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(first_rx),
+        ))
+        .with_budget(budget.clone());
+        first_tx
+            .send(Ok::<_, Infallible>(Frame::data(Bytes::copy_from_slice(
+                &bytes[..HEADER + 10],
+            ))))
+            .await
+            .unwrap();
+        tokio::select! {
+            _ = first.message() => panic!("incomplete"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(budget.held(), message.len());
+
+        let (second_tx, second_rx) = tokio::sync::mpsc::channel::<Result<_, Infallible>>(4);
+        let mut second = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(second_rx),
+        ))
+        .with_budget(budget.clone());
+        second_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(&bytes[..HEADER]))))
+            .await
+            .unwrap();
+        second_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(&bytes[HEADER..]))))
+            .await
+            .unwrap();
+        tokio::select! {
+            _ = second.message() => panic!("read past the budget"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(second.held, 0, "nothing of its body was taken from h2");
+
+        first_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(
+                &bytes[HEADER + 10..],
+            ))))
+            .await
+            .unwrap();
+        assert!(first.message().await.unwrap().is_some());
+        assert!(second.message().await.unwrap().is_some());
+        assert_eq!(budget.held(), 0);
+
+        // A message larger than the whole budget could never be read: refused at once.
+        let mut huge = Inbound::<Plain<DiscoveryRequest>>::new(body(&framed(0, &[0; 4000]), 5))
+            .with_budget(budget);
+        let error = huge.message().await.unwrap_err();
+        assert_eq!(error.status().code(), Code::ResourceExhausted);
+        assert_eq!(error.reason(), Some("request_over_budget"));
     }
 
     #[test]
