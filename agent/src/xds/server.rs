@@ -502,6 +502,7 @@ impl<A: Ads> StreamTask<A> {
             self.inbound.set_limit(self.bounds.of(&snapshot));
         }
         let node_id = A::node(&first).map(|n| n.id.as_str());
+        tracing::debug!(stream = self.id, bytes = prost::Message::encoded_len(&first), node = %shown(node_id.unwrap_or_default()), "first request");
         match self.identity.verify(self.peer, node_id) {
             Ok(pod) => {
                 let shown_pod = pod.as_ref().map(PodKey::to_string);
