@@ -190,10 +190,11 @@ pub struct XdsLimitFlags {
     #[arg(long, env = "LATTICE_XDS_REQUEST_BUFFER_BYTES", default_value_t = 64 << 20, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1 << 20..))]
     pub xds_request_buffer_bytes: u64,
 
-    /// How long, in milliseconds, a stream may take to send its first request once the agent
-    /// serves the mesh.
-    #[arg(long, env = "LATTICE_XDS_FIRST_REQUEST_TIMEOUT_MS", default_value_t = 10_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
-    pub xds_first_request_timeout_ms: u64,
+    /// Milliseconds an ADS request may take to arrive whole: a stream's first, from when the
+    /// agent serves the mesh; any other, from its first byte. Time waiting for the request
+    /// buffer does not count.
+    #[arg(long, env = "LATTICE_XDS_REQUEST_TIMEOUT_MS", default_value_t = 10_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub xds_request_timeout_ms: u64,
 
     /// Bytes HTTP/2 queues per stream beyond what the proxy has read.
     #[arg(long, env = "LATTICE_XDS_SEND_BUFFER_BYTES", default_value_t = 400 << 10, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(16 << 10..))]

@@ -426,7 +426,7 @@ fn xds_limits(flags: &XdsLimitFlags) -> XdsLimits {
             RequestBytes::Bytes(n) => RequestBound::Bytes(bytes(n)),
         },
         request_buffer: bytes(flags.xds_request_buffer_bytes),
-        first_request_timeout: Duration::from_millis(flags.xds_first_request_timeout_ms),
+        request_timeout: Duration::from_millis(flags.xds_request_timeout_ms),
         send_buffer: bytes(flags.xds_send_buffer_bytes),
         max_header_list: flags.xds_max_header_list_bytes,
         max_frame: flags.xds_max_frame_bytes,

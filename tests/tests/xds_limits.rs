@@ -185,7 +185,7 @@ async fn strangers_are_refused_before_anything_is_read_and_pods_are_held_to_thei
         &[
             "--xds-max-streams-per-peer=2",
             "--xds-max-connections-per-peer=2",
-            "--xds-first-request-timeout-ms=60000",
+            "--xds-request-timeout-ms=60000",
         ],
     );
     let agent = &checked.agent;
@@ -311,9 +311,9 @@ async fn tonic_call(xds: SocketAddr, bind: Ipv4Addr) -> Result<(), tonic::Status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_request_that_never_comes_or_never_completes_is_dropped_at_the_deadline() {
+async fn a_request_that_never_comes_or_never_completes_is_dropped_at_the_deadline() {
     let mesh = mesh(2);
-    let agent = file_agent(&mesh, &["--xds-first-request-timeout-ms=1000"]);
+    let agent = file_agent(&mesh, &["--xds-request-timeout-ms=1000"]);
     let mut connection = RawConnection::connect(agent.xds, Connect::default())
         .await
         .unwrap();
@@ -324,8 +324,16 @@ async fn a_first_request_that_never_comes_or_never_completes_is_dropped_at_the_d
     start.extend_from_slice(&100_000u32.to_be_bytes());
     start.extend_from_slice(&[0; 1000]);
     partial.send(&start).unwrap();
+    // A whole first request, then the beginning of a second one.
+    let mut later = connection.call(DELTA).await.unwrap();
+    later.send(&delta_clusters("later")).unwrap();
+    later.send(&start).unwrap();
 
-    let (silent, partial) = tokio::join!(silent.ended(WITHIN), partial.ended(WITHIN));
+    let (silent, partial, later) = tokio::join!(
+        silent.ended(WITHIN),
+        partial.ended(WITHIN),
+        later.ended(WITHIN)
+    );
     for ended in [silent.unwrap(), partial.unwrap()] {
         assert_eq!(ended.code, DEADLINE_EXCEEDED, "{ended:?}");
         assert!(
@@ -333,8 +341,12 @@ async fn a_first_request_that_never_comes_or_never_completes_is_dropped_at_the_d
             "{ended:?}"
         );
     }
+    let later = later.unwrap();
+    assert_eq!(later.code, DEADLINE_EXCEEDED, "{later:?}");
+    assert!(later.received > 0, "its first request was answered");
     assert_eq!(refused(&agent, "first_request_timeout"), 2.0);
-    // What the cut request held is given back, and the streams are gone.
+    assert_eq!(refused(&agent, "request_timeout"), 1.0);
+    // What the cut requests held is given back, and the streams are gone.
     wait_metric(
         &agent,
         "lattice_xds_request_buffered_bytes",
@@ -351,7 +363,7 @@ async fn a_first_request_that_never_comes_or_never_completes_is_dropped_at_the_d
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_being_read_is_held_against_the_budget_until_its_stream_goes() {
     let mesh = mesh(2);
-    let agent = file_agent(&mesh, &["--xds-first-request-timeout-ms=60000"]);
+    let agent = file_agent(&mesh, &["--xds-request-timeout-ms=60000"]);
     let mut connection = RawConnection::connect(agent.xds, Connect::default())
         .await
         .unwrap();

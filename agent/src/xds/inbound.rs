@@ -13,13 +13,16 @@
 //! body ends the stream quietly, as tonic does. What a client may make the agent hold is
 //! bounded twice, before any of a message's body is read: by the stream's limit on one message
 //! (its length prefix over it ends the stream with `RESOURCE_EXHAUSTED`), and by the
-//! [`RequestBudget`] every stream shares. A message that does not decode ends the stream with
-//! `INVALID_ARGUMENT`.
+//! [`RequestBudget`] every stream shares; and for how long: a message must arrive whole within
+//! the stream's timeout of its first byte (the first one, of the stream being read), time spent
+//! waiting for the budget aside, or the stream ends with `DEADLINE_EXCEEDED`. A message that
+//! does not decode ends the stream with `INVALID_ARGUMENT`.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http_body::Body;
@@ -27,6 +30,7 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use prost::DecodeError;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tonic::{Code, Status};
 
 use super::metrics::XdsMetrics;
@@ -60,6 +64,11 @@ pub enum InboundError {
     InvalidFlag(u8),
     #[error("Unexpected EOF decoding stream.")]
     Truncated,
+    #[error(
+        "no complete {} request within {timeout:?} (--xds-request-timeout-ms)",
+        if *.first { "first" } else { "" }
+    )]
+    TooSlow { timeout: Duration, first: bool },
     #[error("{0}")]
     Transport(Status),
 }
@@ -73,6 +82,7 @@ impl InboundError {
                 Status::resource_exhausted(message)
             }
             InboundError::Undecodable(_) => Status::invalid_argument(message),
+            InboundError::TooSlow { .. } => Status::deadline_exceeded(message),
             // As gRPC's protocol and tonic say.
             InboundError::Compressed | InboundError::InvalidFlag(_) | InboundError::Truncated => {
                 Status::internal(message)
@@ -89,6 +99,8 @@ impl InboundError {
             InboundError::OverBudget { .. } => Some("request_over_budget"),
             InboundError::Undecodable(_) => Some("undecodable"),
             InboundError::Compressed | InboundError::InvalidFlag(_) => Some("malformed"),
+            InboundError::TooSlow { first: true, .. } => Some("first_request_timeout"),
+            InboundError::TooSlow { first: false, .. } => Some("request_timeout"),
             InboundError::Truncated | InboundError::Transport(_) => None,
         }
     }
@@ -204,7 +216,36 @@ pub struct Inbound<D> {
     /// The longest message this stream may send.
     limit: usize,
     budget: Option<Arc<RequestBudget>>,
+    /// How long a message may take to arrive whole; `None`: as long as it likes.
+    timeout: Option<Duration>,
+    /// The clock of the message being read, once it began (or the stream was read).
+    clock: Option<Clock>,
+    /// No message was read yet.
+    first: bool,
     ended: bool,
+}
+
+/// When a message began to arrive, and how long of that it spent waiting for the budget.
+#[derive(Clone, Copy, Debug)]
+struct Clock {
+    began: Instant,
+    waited: Duration,
+    /// Waiting for the budget since.
+    waiting: Option<Instant>,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Clock {
+            began: Instant::now(),
+            waited: Duration::ZERO,
+            waiting: None,
+        }
+    }
+
+    fn deadline(&self, timeout: Duration) -> Instant {
+        self.began + self.waited + timeout
+    }
 }
 
 impl<D: RequestDecoder> Inbound<D> {
@@ -226,8 +267,22 @@ impl<D: RequestDecoder> Inbound<D> {
             reserved: None,
             limit: DEFAULT_MAX_MESSAGE,
             budget: None,
+            timeout: None,
+            clock: None,
+            first: true,
             ended: false,
         }
+    }
+
+    /// Ends the stream when a message takes longer than `timeout` to arrive whole.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Starts the first message's clock: the stream is being read, and it must come.
+    pub fn expect_message(&mut self) {
+        self.clock.get_or_insert_with(Clock::new);
     }
 
     /// Reads each message's body only once `budget` has room for it.
@@ -242,7 +297,7 @@ impl<D: RequestDecoder> Inbound<D> {
     }
 
     /// The next request; `None` when the client ended its stream. Cancel-safe: what was read
-    /// (and the budget a message was given) stays in `self`.
+    /// (and the budget a message was given, and its clock) stays in `self`.
     pub async fn message(&mut self) -> Result<Option<D::Request>, InboundError> {
         loop {
             if let Some(len) = self.prefix()? {
@@ -250,7 +305,14 @@ impl<D: RequestDecoder> Inbound<D> {
                     && len > 0
                     && let Some(budget) = &self.budget
                 {
-                    self.reserved = Some(budget.reserve(len).await?);
+                    // Time spent waiting for the budget is not the client's.
+                    let clock = self.clock.get_or_insert_with(Clock::new);
+                    clock.waiting.get_or_insert_with(Instant::now);
+                    let reservation = budget.reserve(len).await?;
+                    if let Some(since) = clock.waiting.take() {
+                        clock.waited += since.elapsed();
+                    }
+                    self.reserved = Some(reservation);
                 }
                 if self.held >= len {
                     return self.decode(len).map(Some);
@@ -263,12 +325,29 @@ impl<D: RequestDecoder> Inbound<D> {
                     Ok(None)
                 };
             }
-            match self.body.frame().await {
+            let deadline = self
+                .timeout
+                .zip(self.clock)
+                .map(|(timeout, clock)| clock.deadline(timeout));
+            let frame = match deadline {
+                Some(deadline) => tokio::select! {
+                    frame = self.body.frame() => frame,
+                    () = tokio::time::sleep_until(deadline) => {
+                        return Err(InboundError::TooSlow {
+                            timeout: self.timeout.unwrap_or_default(),
+                            first: self.first,
+                        });
+                    }
+                },
+                None => self.body.frame().await,
+            };
+            match frame {
                 Some(Ok(frame)) => {
                     // Trailers of a request carry nothing the agent reads.
                     if let Ok(data) = frame.into_data()
                         && !data.is_empty()
                     {
+                        self.clock.get_or_insert_with(Clock::new);
                         self.held += data.len();
                         self.frames.push_back(data);
                     }
@@ -277,7 +356,7 @@ impl<D: RequestDecoder> Inbound<D> {
                 Some(Err(status)) if status.code() == Code::Cancelled => {
                     self.ended = true;
                     self.frames.clear();
-                    (self.held, self.message, self.reserved) = (0, None, None);
+                    (self.held, self.message, self.reserved, self.clock) = (0, None, None, None);
                 }
                 Some(Err(status)) => return Err(InboundError::Transport(status)),
                 None => self.ended = true,
@@ -321,6 +400,9 @@ impl<D: RequestDecoder> Inbound<D> {
         message.advance(rest);
         self.held -= len;
         (self.message, self.reserved) = (None, None);
+        self.first = false;
+        // What is left of the frames is the next message's beginning.
+        self.clock = (self.held > 0).then(Clock::new);
         Ok(decoded?)
     }
 }
@@ -631,6 +713,81 @@ mod tests {
         let error = huge.message().await.unwrap_err();
         assert_eq!(error.status().code(), Code::ResourceExhausted);
         assert_eq!(error.reason(), Some("request_over_budget"));
+    }
+
+    type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
+
+    /// A stream whose body comes from the test, frame by frame.
+    fn fed() -> (Feed, Inbound<Plain<DiscoveryRequest>>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        (tx, Inbound::new(body))
+    }
+
+    fn prefix(len: u32) -> Frame<Bytes> {
+        let mut bytes = vec![0];
+        bytes.extend_from_slice(&len.to_be_bytes());
+        Frame::data(Bytes::from(bytes))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_must_arrive_whole_in_time_but_waiting_for_the_budget_does_not_count() {
+        let second = Duration::from_secs(1);
+        // Nothing at all: the first request's clock runs from when the stream is read.
+        let (_silent_tx, silent) = fed();
+        let mut silent = silent.with_timeout(second);
+        silent.expect_message();
+        let error = silent.message().await.unwrap_err();
+        assert_eq!(error.reason(), Some("first_request_timeout"));
+        assert_eq!(error.status().code(), Code::DeadlineExceeded);
+
+        // One stream holds most of the budget with a request it never finishes (for 5 s);
+        // another's request waits for the budget meanwhile, then comes whole half a second
+        // after it got it: in time, the wait aside.
+        let budget = RequestBudget::new(1000, None);
+        let (hog_tx, hog) = fed();
+        let mut hog = hog.with_budget(budget.clone()).with_timeout(5 * second);
+        hog_tx.send(Ok(prefix(800))).await.unwrap();
+        let hog = tokio::spawn(async move { hog.message().await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(budget.held(), 800);
+
+        let message = request(&["a".repeat(400)], "1").encode_to_vec();
+        let (waiter_tx, waiter) = fed();
+        let mut waiter = waiter.with_budget(budget.clone()).with_timeout(second);
+        waiter_tx
+            .send(Ok(prefix(message.len() as u32)))
+            .await
+            .unwrap();
+        let waiter = tokio::spawn(async move { waiter.message().await });
+        tokio::time::sleep(Duration::from_millis(5500)).await;
+        let error = hog.await.unwrap().unwrap_err();
+        assert_eq!(error.reason(), Some("first_request_timeout"));
+        waiter_tx
+            .send(Ok(Frame::data(Bytes::from(message))))
+            .await
+            .unwrap();
+        let read = waiter.await.unwrap();
+        assert!(
+            read.unwrap().is_some(),
+            "the wait for the budget was counted"
+        );
+
+        // A later request's clock starts at its first byte; between requests, none runs.
+        let (tx, inbound) = fed();
+        let mut inbound = inbound.with_timeout(second);
+        let whole = framed(0, &request(&[], "1").encode_to_vec());
+        tx.send(Ok(Frame::data(Bytes::from(whole)))).await.unwrap();
+        assert!(inbound.message().await.unwrap().is_some());
+        let idle = tokio::spawn(async move {
+            let ended = inbound.message().await;
+            (inbound, ended)
+        });
+        tokio::time::sleep(10 * second).await;
+        assert!(!idle.is_finished(), "an idle stream is no late request");
+        tx.send(Ok(prefix(100))).await.unwrap();
+        let (_, ended) = idle.await.unwrap();
+        assert_eq!(ended.unwrap_err().reason(), Some("request_timeout"));
     }
 
     #[test]

@@ -20,8 +20,9 @@ pub struct XdsLimits {
     pub request: RequestBound,
     /// Bytes of requests being read at once, over every stream.
     pub request_buffer: usize,
-    /// How long a stream may take to send its first request, once the agent reads it.
-    pub first_request_timeout: Duration,
+    /// How long a request may take to arrive whole: the first, from when the agent reads the
+    /// stream; any other, from its first byte. Time waiting for `request_buffer` aside.
+    pub request_timeout: Duration,
     /// Bytes h2 queues for one stream beyond what the peer has read (`max_send_buf_size`).
     pub send_buffer: usize,
     /// HTTP/2 header list and frame sizes the server accepts.
@@ -50,7 +51,7 @@ impl Default for XdsLimits {
             streams_per_connection: 4,
             request: RequestBound::Auto,
             request_buffer: 64 << 20,
-            first_request_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(10),
             send_buffer: 400 << 10,
             max_header_list: 16 << 10,
             max_frame: 16 << 10,

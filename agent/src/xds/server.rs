@@ -5,15 +5,15 @@
 //! checking's address check, and be under the caps on streams ([`super::admission`]);
 //! otherwise it ends at once with `PERMISSION_DENIED` (or `UNAVAILABLE` before the pods are
 //! known) or `RESOURCE_EXHAUSTED`. Once the mesh is known, its first request must come within
-//! the first-request deadline; its node id is checked against the pod. Each request is bounded
-//! by the mesh's size ([`super::limits::RequestBound`]). Whatever ends a stream, a guard gives
+//! the request timeout; its node id is checked against the pod. Each request is bounded by the
+//! mesh's size ([`super::limits::RequestBound`]) and must arrive whole within the timeout. Whatever ends a stream, a guard gives
 //! back what it held: its slot, its entry in the registry, its gauge.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
@@ -238,7 +238,9 @@ impl XdsServer {
         let stream = StreamTask::<A> {
             id,
             state: A::default(),
-            inbound: inbound.with_budget(self.budget.clone()),
+            inbound: inbound
+                .with_budget(self.budget.clone())
+                .with_timeout(self.limits.request_timeout),
             tx,
             ending: ending.clone(),
             snapshots: self.snapshots.clone(),
@@ -251,7 +253,6 @@ impl XdsServer {
             identity: self.identity.clone(),
             log: self.log.clone(),
             lifecycle: self.lifecycle.clone(),
-            limits: self.limits.clone(),
             bounds: self.bounds.clone(),
             verified: None,
             scopes: self.scopes.clone(),
@@ -365,7 +366,6 @@ struct StreamTask<A: Ads> {
     pods: Option<PodsRx>,
     log: Arc<RateLimitedLog>,
     lifecycle: Arc<RateLimitedLog>,
-    limits: Arc<XdsLimits>,
     bounds: Arc<RequestBounds>,
     /// Set once the first request passed the identity check: the pod, if checking is on.
     verified: Option<Option<PodKey>>,
@@ -401,8 +401,6 @@ enum Ended {
     Refused(Refusal),
     /// Its requests could not be read, or were over a limit.
     Failed(InboundError),
-    /// No first request within the deadline.
-    NoFirstRequest(Duration),
     /// The agent is shutting down: the proxy should reconnect, to the next agent.
     ShuttingDown,
 }
@@ -450,13 +448,6 @@ impl<A: Ads> StreamTask<A> {
                 }
                 status
             }
-            Ended::NoFirstRequest(deadline) => {
-                let why = format!(
-                    "no complete first request within {deadline:?} (--xds-first-request-timeout-ms)"
-                );
-                self.refused("first_request_timeout", &why);
-                Status::deadline_exceeded(why)
-            }
             Ended::ShuttingDown => Status::unavailable("the agent is shutting down; reconnect"),
         };
         // Before the responses end, so the body reads it once it has sent what is queued.
@@ -487,14 +478,13 @@ impl<A: Ads> StreamTask<A> {
             }
         };
         self.inbound.set_limit(self.bounds.of(&snapshot));
-        let deadline = self.limits.first_request_timeout;
+        self.inbound.expect_message();
         let first = tokio::select! {
             message = self.inbound.message() => match message {
                 Ok(Some(request)) => request,
                 Ok(None) => return "proxy closed the stream before its first request".into(),
                 Err(error) => return Ended::Failed(error),
             },
-            () = tokio::time::sleep(deadline) => return Ended::NoFirstRequest(deadline),
             () = self.shutdown.cancelled() => return Ended::ShuttingDown,
         };
         if let Some(latest) = self.snapshots.borrow_and_update().clone() {
