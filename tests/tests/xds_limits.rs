@@ -319,9 +319,10 @@ async fn a_request_that_never_comes_or_never_completes_is_dropped_at_the_deadlin
         .unwrap();
     let silent = connection.call(DELTA).await.unwrap();
     let mut partial = connection.call(SOTW).await.unwrap();
-    // A length prefix of 100,000 bytes, and 1,000 of them.
+    // A length prefix of 2,000,000 bytes (more than a stream's HTTP/2 window, so the budget
+    // is charged), and 1,000 of them.
     let mut start = vec![0];
-    start.extend_from_slice(&100_000u32.to_be_bytes());
+    start.extend_from_slice(&2_000_000u32.to_be_bytes());
     start.extend_from_slice(&[0; 1000]);
     partial.send(&start).unwrap();
     // A whole first request, then the beginning of a second one.
@@ -358,8 +359,9 @@ async fn a_request_that_never_comes_or_never_completes_is_dropped_at_the_deadlin
     });
 }
 
-/// While a request is being read, the agent holds its length against the shared budget: the
-/// gauge shows it, and it is given back when the stream goes.
+/// While a large request is being read (more than a stream's HTTP/2 window), the agent holds
+/// its length against the shared budget: the gauge shows it, and it is given back when the
+/// stream goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_being_read_is_held_against_the_budget_until_its_stream_goes() {
     let mesh = mesh(2);
@@ -369,15 +371,19 @@ async fn a_request_being_read_is_held_against_the_budget_until_its_stream_goes()
         .unwrap();
     let mut partial = connection.call(DELTA).await.unwrap();
     let mut start = vec![0];
-    start.extend_from_slice(&100_000u32.to_be_bytes());
+    start.extend_from_slice(&2_000_000u32.to_be_bytes());
     start.extend_from_slice(&[0; 10]);
     partial.send(&start).unwrap();
     wait_metric(
         &agent,
         "lattice_xds_request_buffered_bytes",
-        "100,000 bytes held",
-        |v| v == 100_000.0,
+        "2,000,000 bytes held",
+        |v| v == 2_000_000.0,
     );
+    // A small request (within the stream's HTTP/2 window) is not charged, and waits for nothing.
+    let mut small = connection.call(DELTA).await.unwrap();
+    small.send(&delta_clusters("small")).unwrap();
+    assert!(small.start(WITHIN).await.unwrap().is_some());
     drop(partial);
     drop(connection);
     wait_metric(

@@ -44,7 +44,7 @@ use tonic::transport::server::TcpIncoming;
 
 use super::admission::{Over, Slot};
 use super::grpc::{AdsBody, AdsService};
-use super::limits::XdsLimits;
+use super::limits::{CONNECTION_WINDOW, STREAM_WINDOW, XdsLimits};
 
 /// Connections being refused at once; more are closed without a word.
 pub const REFUSING: usize = 64;
@@ -103,6 +103,8 @@ fn http2_builder(limits: &XdsLimits) -> http2::Builder<TokioExecutor> {
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .max_concurrent_streams(limits.streams_per_connection)
         .max_send_buf_size(limits.send_buffer)
         .max_header_list_size(limits.max_header_list)

@@ -106,24 +106,29 @@ impl InboundError {
     }
 }
 
-/// The bytes of requests being read, shared by every stream: a message takes its length from
-/// the budget once its length prefix is read, before its body is, and gives it back when it is
-/// decoded (or its stream ends). A stream that finds the budget spent waits, reading nothing
-/// more, so h2's flow control holds its client back; the budget is fair (first come, first
-/// served), so a reconnecting proxy's large request is not starved by smaller ones.
+/// The bytes of large requests being read, shared by every stream: a message larger than
+/// `exempt` takes its length from the budget once its length prefix is read, before its body
+/// is, and gives it back when it is decoded (or its stream ends). A stream that finds the
+/// budget spent waits, reading nothing more, so h2's flow control holds its client back; the
+/// budget is fair (first come, first served), so a reconnecting proxy's large request is not
+/// starved by smaller ones. Messages up to `exempt` (h2's window on a stream: what h2 holds of
+/// a stream the agent does not read anyway) never wait: an ACK is not queued behind a
+/// reconnect, nor behind a client that stalls a large request.
 #[derive(Debug)]
 pub struct RequestBudget {
     bytes: Arc<Semaphore>,
     total: usize,
+    exempt: usize,
     metrics: Option<XdsMetrics>,
 }
 
 impl RequestBudget {
-    pub fn new(total: usize, metrics: Option<XdsMetrics>) -> Arc<Self> {
+    pub fn new(total: usize, exempt: usize, metrics: Option<XdsMetrics>) -> Arc<Self> {
         let total = total.clamp(1, Semaphore::MAX_PERMITS);
         Arc::new(RequestBudget {
             bytes: Arc::new(Semaphore::new(total)),
             total,
+            exempt,
             metrics,
         })
     }
@@ -302,8 +307,8 @@ impl<D: RequestDecoder> Inbound<D> {
         loop {
             if let Some(len) = self.prefix()? {
                 if self.reserved.is_none()
-                    && len > 0
                     && let Some(budget) = &self.budget
+                    && len > budget.exempt
                 {
                     // Time spent waiting for the budget is not the client's.
                     let clock = self.clock.get_or_insert_with(Clock::new);
@@ -633,7 +638,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_reset_stream_ends_quietly_and_gives_back_its_budget() {
-        let budget = RequestBudget::new(1000, None);
+        let budget = RequestBudget::new(1000, 0, None);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
             tokio_stream::wrappers::ReceiverStream::new(rx),
@@ -660,7 +665,7 @@ mod tests {
     async fn a_message_waits_for_the_budget_without_reading_its_body() {
         let message = request(&["a".repeat(500)], "1").encode_to_vec();
         let bytes = framed(0, &message);
-        let budget = RequestBudget::new(message.len() + message.len() / 2, None);
+        let budget = RequestBudget::new(message.len() + message.len() / 2, 0, None);
         let (first_tx, first_rx) = tokio::sync::mpsc::channel(4);
         let mut first = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
             tokio_stream::wrappers::ReceiverStream::new(first_rx),
@@ -707,6 +712,21 @@ mod tests {
         assert!(second.message().await.unwrap().is_some());
         assert_eq!(budget.held(), 0);
 
+        // A message no larger than what the budget exempts is read, spent budget or not.
+        let exempting = RequestBudget::new(2 * message.len(), message.len(), None);
+        let (hold_tx, hold) = fed();
+        let mut hold = hold.with_budget(exempting.clone());
+        let all = 2 * message.len() as u32;
+        hold_tx.send(Ok(prefix(all))).await.unwrap();
+        tokio::select! {
+            _ = hold.message() => panic!("incomplete"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(exempting.held(), 2 * message.len(), "spent");
+        let mut small = Inbound::<Plain<DiscoveryRequest>>::new(body(&bytes, 100))
+            .with_budget(exempting.clone());
+        assert!(small.message().await.unwrap().is_some());
+
         // A message larger than the whole budget could never be read: refused at once.
         let mut huge = Inbound::<Plain<DiscoveryRequest>>::new(body(&framed(0, &[0; 4000]), 5))
             .with_budget(budget);
@@ -744,7 +764,7 @@ mod tests {
         // One stream holds most of the budget with a request it never finishes (for 5 s);
         // another's request waits for the budget meanwhile, then comes whole half a second
         // after it got it: in time, the wait aside.
-        let budget = RequestBudget::new(1000, None);
+        let budget = RequestBudget::new(1000, 0, None);
         let (hog_tx, hog) = fed();
         let mut hog = hog.with_budget(budget.clone()).with_timeout(5 * second);
         hog_tx.send(Ok(prefix(800))).await.unwrap();

@@ -63,6 +63,12 @@ impl Default for XdsLimits {
     }
 }
 
+/// HTTP/2 flow-control windows the server gives a proxy (hyper's defaults, set here so the
+/// request budget can say what it leaves to them): what h2 holds of a stream's requests, and
+/// of a connection's, while the agent does not read them.
+pub const STREAM_WINDOW: u32 = 1 << 20;
+pub const CONNECTION_WINDOW: u32 = 1 << 20;
+
 /// The largest request a stream may send: a number of bytes, or `auto`, which follows the
 /// mesh the agent serves (see [`RequestBound::of`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -24,7 +24,7 @@ use tonic::Status;
 
 use super::admission::{Admission, Over, Slot};
 use super::inbound::{Inbound, InboundError, RequestBudget};
-use super::limits::{RequestBounds, XdsLimits};
+use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
@@ -143,7 +143,11 @@ impl XdsServer {
             scopes: None,
             heads: Arc::default(),
             admission: Arc::new(Admission::new(limits.caps)),
-            budget: RequestBudget::new(limits.request_buffer, Some(metrics.clone())),
+            budget: RequestBudget::new(
+                limits.request_buffer,
+                STREAM_WINDOW as usize,
+                Some(metrics.clone()),
+            ),
             bounds: Arc::new(RequestBounds::new(limits.request)),
             limits: Arc::new(limits),
             metrics,
@@ -153,7 +157,11 @@ impl XdsServer {
     /// Keeps `limits` instead of the defaults.
     pub fn with_limits(mut self, limits: XdsLimits) -> Self {
         self.admission = Arc::new(Admission::new(limits.caps));
-        self.budget = RequestBudget::new(limits.request_buffer, Some(self.metrics.clone()));
+        self.budget = RequestBudget::new(
+            limits.request_buffer,
+            STREAM_WINDOW as usize,
+            Some(self.metrics.clone()),
+        );
         self.bounds = Arc::new(RequestBounds::new(limits.request));
         self.limits = Arc::new(limits);
         self
