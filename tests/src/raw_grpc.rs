@@ -17,11 +17,19 @@ pub const SOTW: &str =
 pub const DELTA: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
-/// One HTTP/2 connection.
+/// One HTTP/2 connection, closed when dropped.
 pub struct RawConnection {
     send: SendRequest<Bytes>,
-    connection: tokio::task::JoinHandle<Result<(), h2::Error>>,
+    connection: Option<tokio::task::JoinHandle<Result<(), h2::Error>>>,
     authority: SocketAddr,
+}
+
+impl Drop for RawConnection {
+    fn drop(&mut self) {
+        if let Some(connection) = &self.connection {
+            connection.abort();
+        }
+    }
 }
 
 /// How to open a connection.
@@ -53,7 +61,7 @@ impl RawConnection {
         let (send, connection) = builder.handshake(tcp).await?;
         Ok(RawConnection {
             send,
-            connection: tokio::spawn(connection),
+            connection: Some(tokio::spawn(connection)),
             authority: addr,
         })
     }
@@ -67,18 +75,25 @@ impl RawConnection {
             .body(())?;
         let (response, body) = send.send_request(request, false)?;
         self.send = send;
-        Ok(RawCall { response, body })
+        Ok(RawCall {
+            response: Some(response),
+            body,
+        })
     }
 
     /// How the connection ended (waits for it): `Ok` for a clean close.
-    pub async fn closed(self, within: Duration) -> anyhow::Result<Result<(), h2::Error>> {
-        Ok(tokio::time::timeout(within, self.connection).await??)
+    pub async fn closed(mut self, within: Duration) -> anyhow::Result<Result<(), h2::Error>> {
+        let connection = self
+            .connection
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the connection was already awaited"))?;
+        Ok(tokio::time::timeout(within, connection).await??)
     }
 }
 
 /// One call: its request body, and the response to come.
 pub struct RawCall {
-    response: ResponseFuture,
+    response: Option<ResponseFuture>,
     body: h2::SendStream<Bytes>,
 }
 
@@ -92,18 +107,39 @@ pub struct Ended {
 }
 
 impl RawCall {
-    /// Sends `bytes` as they are, leaving the body open.
+    /// Sends `bytes` as they are, leaving the body open (h2 queues what the server's window
+    /// does not take yet).
     pub fn send(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
         self.body.reserve_capacity(bytes.len());
         self.body.send_data(Bytes::copy_from_slice(bytes), false)?;
         Ok(())
     }
 
+    /// Sends `bytes` as the server's flow control lets them go, a piece at a time, so the
+    /// client queues little of its own.
+    pub async fn send_paced(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
+        for piece in bytes.chunks(16 << 10) {
+            self.body.reserve_capacity(piece.len());
+            while self.body.capacity() < piece.len() {
+                match std::future::poll_fn(|cx| self.body.poll_capacity(cx)).await {
+                    Some(capacity) => drop(capacity?),
+                    None => anyhow::bail!("the stream ended"),
+                }
+            }
+            self.body.send_data(Bytes::copy_from_slice(piece), false)?;
+        }
+        Ok(())
+    }
+
     /// The call's status, within `within`: from the response headers if it ended at once,
     /// else from the trailers, after reading (and counting) the messages before them.
-    pub async fn ended(self, within: Duration) -> anyhow::Result<Ended> {
+    pub async fn ended(mut self, within: Duration) -> anyhow::Result<Ended> {
+        let response = self
+            .response
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the response was already taken"))?;
         let read = async move {
-            let response = self.response.await?;
+            let response = response.await?;
             let status = |headers: &http::HeaderMap| {
                 let code = headers
                     .get("grpc-status")?
@@ -150,9 +186,14 @@ impl RawCall {
     }
 
     /// The response headers (the stream's start), leaving its body unread: a client that never
-    /// reads. `None` when the call ended at once (a status in the headers).
-    pub async fn start(self, within: Duration) -> anyhow::Result<Option<h2::RecvStream>> {
-        let response = tokio::time::timeout(within, self.response).await??;
+    /// reads. `None` when the call ended at once (a status in the headers). The call can still
+    /// send.
+    pub async fn start(&mut self, within: Duration) -> anyhow::Result<Option<h2::RecvStream>> {
+        let response = self
+            .response
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the response was already taken"))?;
+        let response = tokio::time::timeout(within, response).await??;
         if response.headers().contains_key("grpc-status") {
             return Ok(None);
         }

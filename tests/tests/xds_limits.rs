@@ -512,7 +512,7 @@ async fn clients_that_never_read_hold_at_most_the_bound_and_give_it_back() {
             call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
         }
         let body = call.start(WITHIN).await.unwrap();
-        idle.push((connection, body));
+        idle.push((connection, call, body));
     }
     // Every client was pushed its clusters, listeners and endpoints; none read them.
     wait::until("every client's pushes", WITHIN, || {

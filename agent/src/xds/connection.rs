@@ -1,11 +1,11 @@
 //! The xDS server's connections: accepted, capped per peer address and in all, read through a
 //! buffer, served over HTTP/2 by hyper with keep-alive, and drained on shutdown.
 //!
-//! - **Caps.** A connection over a cap ([`super::admission`]) is never served: the agent tells
-//!   it to go away (GOAWAY) as soon as its HTTP/2 preface is read, and answers each stream it
-//!   sent meanwhile with `RESOURCE_EXHAUSTED` and the cap, reading none of their bodies. At
-//!   most [`REFUSING`] connections are being refused at once, each for at most
-//!   [`REFUSAL_GRACE`]; past that they are closed without a word.
+//! - **Caps.** A connection over a cap ([`super::admission`]) is never served: the agent
+//!   answers each stream it opens with `RESOURCE_EXHAUSTED` and the cap, reading none of their
+//!   bodies, and tells it to go away (GOAWAY) once its first stream came (or a quarter of a
+//!   second passed). At most [`REFUSING`] connections are being refused at once, each for at
+//!   most [`REFUSAL_GRACE`]; past that they are closed without a word.
 //! - **HTTP/2.** hyper's server, with the limits of [`XdsLimits`]: streams per connection,
 //!   header list and frame sizes, and the bytes h2 queues per stream for a client that does
 //!   not read (`max_send_buf_size`). A PING goes out after a quiet interval, and a peer that
@@ -52,6 +52,8 @@ pub const REFUSING: usize = 64;
 pub const REFUSAL_GRACE: Duration = Duration::from_secs(1);
 /// Streams a refused connection may open at once (each answered at once).
 const REFUSED_STREAMS: u32 = 4;
+/// How long a refused connection's first request is waited for before the GOAWAY.
+const FIRST_REQUEST: Duration = Duration::from_millis(250);
 /// TCP keep-alive probes, once the idle time is up: one every 10 s, three unanswered close
 /// the connection.
 const TCP_PROBE_INTERVAL: Duration = Duration::from_secs(10);
@@ -154,7 +156,9 @@ fn accept(
 }
 
 /// Answers every stream of a connection over a cap with `RESOURCE_EXHAUSTED` and why, and
-/// tells it to go away (GOAWAY) at once.
+/// tells it to go away (GOAWAY). A client sends its first request as soon as it has
+/// connected; told to go away before it did, it would see a transport error instead of the
+/// reason, so the GOAWAY waits for that first request, or [`FIRST_REQUEST`].
 async fn refuse(stream: TcpStream, over: Over) {
     let refusal = || Status::resource_exhausted(over.to_string()).into_http::<()>();
     let answer = async {
@@ -162,10 +166,14 @@ async fn refuse(stream: TcpStream, over: Over) {
             .max_concurrent_streams(REFUSED_STREAMS)
             .handshake::<_, Bytes>(stream)
             .await?;
+        if let Ok(Some(request)) = tokio::time::timeout(FIRST_REQUEST, connection.accept()).await {
+            let (_, mut respond) = request?;
+            // A stream the client reset meanwhile needs no answer.
+            let _ = respond.send_response(refusal(), true);
+        }
         connection.graceful_shutdown();
         while let Some(request) = connection.accept().await {
             let (_, mut respond) = request?;
-            // A stream the client reset meanwhile needs no answer.
             let _ = respond.send_response(refusal(), true);
         }
         Ok::<(), h2::Error>(())
