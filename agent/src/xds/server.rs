@@ -651,3 +651,53 @@ impl<A: Ads> StreamTask<A> {
         pushes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::xds::admission::Caps;
+
+    fn gauge(registry: &Registry, name: &str) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    #[test]
+    fn a_stream_gives_back_what_it_held_even_when_its_task_panics() {
+        let mut registry = Registry::default();
+        let metrics = XdsMetrics::register(&mut registry);
+        let proxies = ProxyRegistry::default();
+        let admission = Admission::new(Caps {
+            connections: 1,
+            connections_per_peer: 1,
+            streams: 1,
+            streams_per_peer: 1,
+        });
+        let peer: IpAddr = "10.0.0.7".parse().unwrap();
+        let slot = admission.stream(peer).unwrap();
+        let guard = StreamGuard::new(1, "delta", Some(peer), slot, &proxies, &metrics);
+        assert_eq!(proxies.list().len(), 1);
+        assert_eq!(
+            gauge(&registry, "lattice_xds_connected_proxies "),
+            "lattice_xds_connected_proxies 1"
+        );
+        let panicked = std::thread::spawn(move || {
+            let _held = guard;
+            panic!("a bug in a stream's task");
+        })
+        .join();
+        assert!(panicked.is_err());
+        assert!(proxies.list().is_empty(), "its /debug/xds entry");
+        assert_eq!(
+            gauge(&registry, "lattice_xds_connected_proxies "),
+            "lattice_xds_connected_proxies 0"
+        );
+        assert!(admission.stream(peer).is_ok(), "its slot");
+    }
+}
