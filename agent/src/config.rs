@@ -323,6 +323,10 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_DEBOUNCE_MS", default_value_t = 10)]
     pub debounce_ms: u64,
 
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub xds_limits: XdsLimitFlags,
+
     /// Log format.
     #[arg(long, env = "LATTICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -330,6 +334,102 @@ pub struct AgentConfig {
     /// Validate the configuration (and the mesh file, if any) and exit without serving.
     #[arg(long)]
     pub check_config: bool,
+}
+
+/// The bounds of the xDS server, whatever a client sends. Each default fits a node of a few
+/// hundred pods whose proxies hold a mesh of 50k services; docs/architecture.md says why.
+#[derive(Clone, Debug, clap::Args, Serialize)]
+pub struct XdsLimitFlags {
+    /// Most xDS connections the agent holds at once.
+    #[arg(long, env = "LATTICE_XDS_MAX_CONNECTIONS", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub xds_max_connections: u32,
+
+    /// Most xDS connections from one address (a pod; a pod's Envoy holds one).
+    #[arg(long, env = "LATTICE_XDS_MAX_CONNECTIONS_PER_PEER", default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub xds_max_connections_per_peer: u32,
+
+    /// Most ADS streams the agent holds at once.
+    #[arg(long, env = "LATTICE_XDS_MAX_STREAMS", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub xds_max_streams: u32,
+
+    /// Most ADS streams from one address (a pod's Envoy holds one).
+    #[arg(long, env = "LATTICE_XDS_MAX_STREAMS_PER_PEER", default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub xds_max_streams_per_peer: u32,
+
+    /// Most HTTP/2 streams open at once on one xDS connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, env = "LATTICE_XDS_MAX_STREAMS_PER_CONNECTION", default_value_t = 4, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub xds_max_streams_per_connection: u32,
+
+    /// Largest ADS request, in bytes, or `auto`: from the mesh served (a node, and every
+    /// resource of the largest type named four times), at least 4 MiB.
+    #[arg(long, env = "LATTICE_XDS_MAX_REQUEST_BYTES", default_value = "auto", value_name = "auto|BYTES", value_parser = parse_request_bytes)]
+    pub xds_max_request_bytes: RequestBytes,
+
+    /// Bytes of ADS requests being read at once, over every stream; a request waits for its
+    /// share before its body is read.
+    #[arg(long, env = "LATTICE_XDS_REQUEST_BUFFER_BYTES", default_value_t = 64 << 20, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1 << 20..))]
+    pub xds_request_buffer_bytes: u64,
+
+    /// Milliseconds an ADS request may take to arrive whole: a stream's first, from when the
+    /// agent serves the mesh; any other, from its first byte. Time waiting for the request
+    /// buffer does not count.
+    #[arg(long, env = "LATTICE_XDS_REQUEST_TIMEOUT_MS", default_value_t = 10_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub xds_request_timeout_ms: u64,
+
+    /// Bytes HTTP/2 queues per stream beyond what the proxy has read.
+    #[arg(long, env = "LATTICE_XDS_SEND_BUFFER_BYTES", default_value_t = 400 << 10, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(16 << 10..))]
+    pub xds_send_buffer_bytes: u64,
+
+    /// Largest HTTP/2 header list the xDS server accepts (SETTINGS_MAX_HEADER_LIST_SIZE).
+    #[arg(long, env = "LATTICE_XDS_MAX_HEADER_LIST_BYTES", default_value_t = 16 << 10, value_name = "BYTES", value_parser = clap::value_parser!(u32).range(1024..))]
+    pub xds_max_header_list_bytes: u32,
+
+    /// Largest HTTP/2 frame the xDS server accepts (SETTINGS_MAX_FRAME_SIZE, 16384 to 16777215).
+    #[arg(long, env = "LATTICE_XDS_MAX_FRAME_BYTES", default_value_t = 16 << 10, value_name = "BYTES", value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
+    pub xds_max_frame_bytes: u32,
+
+    /// Milliseconds without a frame from a proxy before the agent sends an HTTP/2 PING.
+    #[arg(long, env = "LATTICE_XDS_KEEPALIVE_MS", default_value_t = 30_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub xds_keepalive_ms: u64,
+
+    /// Milliseconds a PING may go unanswered before the connection is closed.
+    #[arg(long, env = "LATTICE_XDS_KEEPALIVE_TIMEOUT_MS", default_value_t = 20_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub xds_keepalive_timeout_ms: u64,
+
+    /// Seconds a connection may idle before TCP keep-alive probes (every 10 s, three).
+    #[arg(long, env = "LATTICE_XDS_TCP_KEEPALIVE_SECS", default_value_t = 60, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub xds_tcp_keepalive_secs: u64,
+
+    /// On shutdown, milliseconds the xDS connections have to end their streams before they
+    /// are closed.
+    #[arg(
+        long,
+        env = "LATTICE_XDS_DRAIN_MS",
+        default_value_t = 5_000,
+        value_name = "MS"
+    )]
+    pub xds_drain_ms: u64,
+}
+
+/// `--xds-max-request-bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestBytes {
+    Auto,
+    #[serde(untagged)]
+    Bytes(u64),
+}
+
+fn parse_request_bytes(s: &str) -> Result<RequestBytes, String> {
+    if s == "auto" {
+        return Ok(RequestBytes::Auto);
+    }
+    match s.parse::<u64>() {
+        Ok(bytes) if bytes >= 1024 => Ok(RequestBytes::Bytes(bytes)),
+        _ => Err(format!(
+            "{s:?} is neither `auto` nor a number of bytes (1024 or more)"
+        )),
+    }
 }
 
 impl AgentConfig {
@@ -431,6 +531,35 @@ mod tests {
             config.mesh_file_max_nodes,
             crate::source::file::DEFAULT_MAX_NODES
         );
+        assert_eq!(config.xds_limits.xds_max_request_bytes, RequestBytes::Auto);
+        assert_eq!(config.xds_limits.xds_max_streams_per_peer, 8);
+    }
+
+    #[test]
+    fn xds_limits_refuse_what_cannot_work() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["lattice-agent"];
+            all.extend_from_slice(args);
+            AgentConfig::try_parse_from(all)
+        };
+        let config = parse(&["--xds-max-request-bytes", "8388608"]).unwrap();
+        assert_eq!(
+            config.xds_limits.xds_max_request_bytes,
+            RequestBytes::Bytes(8 << 20)
+        );
+        for bad in [
+            &["--xds-max-request-bytes", "lots"][..],
+            &["--xds-max-request-bytes", "10"],
+            &["--xds-max-streams", "0"],
+            &["--xds-max-frame-bytes", "1000"],
+            &["--xds-keepalive-ms", "0"],
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains(bad[1]), "{bad:?}: {err}");
+        }
+        let logged = serde_json::to_value(parse(&[]).unwrap()).unwrap();
+        assert_eq!(logged["xds_max_request_bytes"], "auto");
+        assert_eq!(logged["xds_max_streams"], 1024);
     }
 
     #[test]

@@ -1,14 +1,16 @@
 //! Who may hold an ADS stream: the proxies of this node's pods, and only as themselves.
 //!
 //! With Kubernetes and `--node-name`, the source watches this node's Pods and publishes a
-//! [`PodDirectory`] (pod IP → pod). The xDS server checks every stream against it
-//! ([`IdentityCheck::verify`]): the peer's IP must be a pod of this node, and the node id the
-//! proxy sends must name that pod (`<pod>.<namespace>`, as `lattice-init` writes it). Pods on
+//! [`PodDirectory`] (pod IP → pod). The xDS server checks every stream against it twice: when
+//! the stream opens, before a byte of it is read, the peer's IP must be a pod of this node
+//! ([`IdentityCheck::check_peer`]); on its first request, the node id the proxy sends must name
+//! that pod (`<pod>.<namespace>`, as `lattice-init` writes it; [`IdentityCheck::verify`]). Pods on
 //! the host network share the node's IP, so their proxies cannot be told apart: they are
 //! refused unless `--allow-host-network-proxies`. With only a mesh file there are no pods to
 //! check against: identity checking is off, and binding xDS to an address only this node
 //! reaches is the protection.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
@@ -166,6 +168,7 @@ pub enum Refusal {
         pod.node_id()
     )]
     WrongNodeId {
+        /// As the proxy sent it, [`shown`].
         node_id: String,
         ip: IpAddr,
         pod: PodKey,
@@ -206,7 +209,40 @@ pub enum IdentityCheck {
     },
 }
 
+/// What is known of a stream's peer when the stream opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// The address of a pod of this node (identity checking on); its first request must still
+    /// name that pod.
+    Pod,
+    /// Identity checking is off: anyone who reaches the xDS address.
+    Unchecked,
+}
+
 impl IdentityCheck {
+    /// Whether a stream from `peer` may be read at all: with checking on, only one from the
+    /// address of a pod of this node (not on the host network, unless allowed). Decided before
+    /// any of the stream is read, so a stranger cannot make the agent hold anything.
+    pub fn check_peer(&self, peer: Option<IpAddr>) -> Result<Standing, Refusal> {
+        let IdentityCheck::Pods {
+            pods,
+            allow_host_network,
+        } = self
+        else {
+            return Ok(Standing::Unchecked);
+        };
+        let directory = pods.borrow().clone().ok_or(Refusal::NotSynced)?;
+        let ip = peer.ok_or(Refusal::NoPeer)?.to_canonical();
+        let candidates = directory
+            .by_ip
+            .get(&ip)
+            .ok_or(Refusal::UnknownPeer { ip })?;
+        if candidates.iter().any(|p| p.host_network) && !allow_host_network {
+            return Err(host_network(ip, candidates));
+        }
+        Ok(Standing::Pod)
+    }
+
     /// The pod a stream from `peer` with `node_id` belongs to, or why it is refused. `Ok(None)`
     /// when checking is off.
     pub fn verify(
@@ -229,19 +265,14 @@ impl IdentityCheck {
             .get(&ip)
             .ok_or(Refusal::UnknownPeer { ip })?;
         if candidates.iter().any(|p| p.host_network) && !allow_host_network {
-            let pods = candidates
-                .iter()
-                .map(|p| p.key.to_string())
-                .collect::<Vec<_>>()
-                .join(", ");
-            return Err(Refusal::HostNetwork { ip, pods });
+            return Err(host_network(ip, candidates));
         }
         candidates
             .iter()
             .find(|p| p.key.node_id() == node_id)
             .map(|p| Some(p.key.clone()))
             .ok_or_else(|| Refusal::WrongNodeId {
-                node_id: node_id.to_string(),
+                node_id: shown(node_id).into_owned(),
                 ip,
                 // One pod per IP off the host network; on it, name the first.
                 pod: candidates[0].key.clone(),
@@ -258,44 +289,96 @@ impl IdentityCheck {
     }
 }
 
-/// Logs refusals at most once per reason per interval, with how many were not logged: a
-/// misconfigured workload reconnecting in a loop must not flood the agent's log.
-#[derive(Debug)]
-pub struct RefusalLog {
-    interval: Duration,
-    last: Mutex<HashMap<&'static str, (Instant, u64)>>,
+fn host_network(ip: IpAddr, candidates: &[PodEntry]) -> Refusal {
+    let pods = candidates
+        .iter()
+        .map(|p| p.key.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    Refusal::HostNetwork { ip, pods }
 }
 
-impl Default for RefusalLog {
+/// The most of a text a peer chose (a node id, a type URL, a NACK's error) that the agent
+/// repeats, in a log line, a gRPC status or `/debug/xds`: a node id is `<pod>.<namespace>`,
+/// at most 317 bytes, and an Envoy error message a line or two.
+pub const SHOWN: usize = 512;
+
+/// `text` as the agent shows what a peer chose: at most [`SHOWN`] bytes of it (cut on a
+/// character boundary), and how much was left out. A peer that sends a node id of megabytes
+/// gets neither the log nor its status echo that large.
+pub fn shown(text: &str) -> Cow<'_, str> {
+    if text.len() <= SHOWN {
+        return Cow::Borrowed(text);
+    }
+    let mut end = SHOWN;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!(
+        "{}… ({} more bytes)",
+        &text[..end],
+        text.len() - end
+    ))
+}
+
+/// Logs events of a kind (a refusal's reason, a NACK) at most `burst` times per interval,
+/// with how many were not logged: a misconfigured or hostile workload repeating itself in a
+/// loop must not flood the agent's log.
+#[derive(Debug)]
+pub struct RateLimitedLog {
+    interval: Duration,
+    burst: u64,
+    /// Per kind: when its interval began, how many were logged in it, how many not.
+    last: Mutex<HashMap<&'static str, Window>>,
+}
+
+#[derive(Debug)]
+struct Window {
+    began: Instant,
+    logged: u64,
+    suppressed: u64,
+}
+
+impl Default for RateLimitedLog {
     fn default() -> Self {
-        RefusalLog {
-            interval: Duration::from_secs(10),
-            last: Mutex::new(HashMap::new()),
-        }
+        RateLimitedLog::with_burst(1)
     }
 }
 
-impl RefusalLog {
-    /// `Some(n)`: log this one, and say `n` like it were not logged since the last.
+impl RateLimitedLog {
+    /// `burst` lines of each kind per 10 s.
+    pub fn with_burst(burst: u64) -> Self {
+        RateLimitedLog {
+            interval: Duration::from_secs(10),
+            burst: burst.max(1),
+            last: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `Some(n)`: log this refusal, and say `n` of its reason were not logged since the last.
     pub fn admit(&self, refusal: &Refusal) -> Option<u64> {
+        self.admit_kind(refusal.reason())
+    }
+
+    /// `Some(n)`: log this event of `kind`, and say `n` like it were not logged since the last.
+    pub fn admit_kind(&self, kind: &'static str) -> Option<u64> {
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
-        match last.get_mut(refusal.reason()) {
-            Some((at, suppressed)) if now.duration_since(*at) < self.interval => {
-                *suppressed += 1;
-                None
-            }
-            Some((at, suppressed)) => {
-                let skipped = *suppressed;
-                *at = now;
-                *suppressed = 0;
-                Some(skipped)
-            }
-            None => {
-                last.insert(refusal.reason(), (now, 0));
-                Some(0)
-            }
+        let window = last.entry(kind).or_insert(Window {
+            began: now,
+            logged: 0,
+            suppressed: 0,
+        });
+        if now.duration_since(window.began) >= self.interval {
+            window.began = now;
+            window.logged = 0;
         }
+        if window.logged >= self.burst {
+            window.suppressed += 1;
+            return None;
+        }
+        window.logged += 1;
+        Some(std::mem::take(&mut window.suppressed))
     }
 }
 
@@ -446,12 +529,55 @@ mod tests {
     #[test]
     fn checking_off_accepts_everyone() {
         assert_eq!(IdentityCheck::Off.verify(None, None), Ok(None));
+        assert_eq!(IdentityCheck::Off.check_peer(None), Ok(Standing::Unchecked));
         assert!(IdentityCheck::Off.subscribe().is_none());
     }
 
     #[test]
+    fn a_peer_is_checked_by_its_address_alone_before_anything_is_read() {
+        let (_tx, refusing) = check(Some(node_pods()), false);
+        assert_eq!(refusing.check_peer(ip("10.0.0.2")), Ok(Standing::Pod));
+        assert_eq!(
+            refusing.check_peer(ip("::ffff:10.0.0.3")),
+            Ok(Standing::Pod)
+        );
+        assert_eq!(
+            refusing.check_peer(ip("10.9.9.9")).unwrap_err().reason(),
+            "unknown_peer"
+        );
+        assert_eq!(refusing.check_peer(None), Err(Refusal::NoPeer));
+        assert_eq!(
+            refusing.check_peer(ip("192.168.1.5")).unwrap_err().reason(),
+            "host_network"
+        );
+        let (_tx, allowing) = check(Some(node_pods()), true);
+        assert_eq!(allowing.check_peer(ip("192.168.1.5")), Ok(Standing::Pod));
+        let (_tx, unsynced) = check(None, false);
+        assert_eq!(unsynced.check_peer(ip("10.0.0.2")), Err(Refusal::NotSynced));
+    }
+
+    #[test]
+    fn what_a_peer_chose_is_shown_cut_short() {
+        assert_eq!(shown("web-1.shop"), "web-1.shop");
+        let long = "é".repeat(SHOWN);
+        let cut = shown(&long);
+        assert!(cut.len() < SHOWN + 32, "{}", cut.len());
+        assert!(
+            cut.ends_with(&format!("… ({} more bytes)", 2 * SHOWN - SHOWN)),
+            "{cut}"
+        );
+        let (_tx, checking) = check(Some(node_pods()), false);
+        let huge = "x".repeat(3 << 20);
+        let refusal = checking.verify(ip("10.0.0.2"), Some(&huge)).unwrap_err();
+        assert!(
+            refusal.to_string().len() < 1024,
+            "the node id is echoed whole"
+        );
+    }
+
+    #[test]
     fn refusals_are_logged_once_per_reason_and_interval() {
-        let log = RefusalLog::default();
+        let log = RateLimitedLog::default();
         let unknown = Refusal::UnknownPeer {
             ip: "10.9.9.9".parse().unwrap(),
         };
@@ -459,10 +585,14 @@ mod tests {
         assert_eq!(log.admit(&unknown), None);
         assert_eq!(log.admit(&unknown), None);
         assert_eq!(log.admit(&Refusal::NoNodeId), Some(0), "another reason");
-        let log = RefusalLog {
+        let log = RateLimitedLog {
             interval: Duration::ZERO,
             ..log
         };
         assert_eq!(log.admit(&unknown), Some(2), "two were not logged");
+
+        let bursty = RateLimitedLog::with_burst(3);
+        let logged: Vec<_> = (0..5).map(|_| bursty.admit_kind("connected")).collect();
+        assert_eq!(logged, [Some(0), Some(0), Some(0), None, None]);
     }
 }

@@ -21,7 +21,9 @@ use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{self, AdminServer, AdminState};
 use lattice_agent::catalog::{Catalog, Feed};
-use lattice_agent::config::{AgentConfig, LogFormat, PathClaimRule, ProxyScope};
+use lattice_agent::config::{
+    AgentConfig, LogFormat, PathClaimRule, ProxyScope, RequestBytes, XdsLimitFlags,
+};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
@@ -32,11 +34,10 @@ use lattice_agent::scope::{ScopeRegistry, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::xds::{AdsService, ProxyRegistry, XdsServer};
+use lattice_agent::xds::{AdsService, Caps, ProxyRegistry, RequestBound, XdsLimits, XdsServer};
 use lattice_dns::handoff::{self, BoundTcp};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
-use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 
 /// jemalloc instead of glibc's malloc: it hands freed memory back to the system (glibc's arenas
@@ -424,7 +425,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Ok("dns server")
     });
     let xds = XdsServer::new(published.xds, metrics.xds.clone(), proxies, drain.clone())
-        .with_identity(identity);
+        .with_identity(identity)
+        .with_limits(xds_limits(&config.xds_limits));
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
         None => xds,
@@ -442,16 +444,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             .listen()
             .context("cannot listen on the xDS address")?;
         drop(xds_ready);
-        let accepted = handoff::incoming(listeners, token).map(|accepted| accepted.map(|(stream, _)| stream));
-        // The incoming stream ends once draining has taken the listeners' queues; the server
-        // then waits for its streams, which end on the same token.
-        tonic::transport::Server::builder()
-            .add_service(AdsService::new(xds))
-            .serve_with_incoming_shutdown(
-                lattice_agent::xds::connection::incoming(accepted),
-                std::future::pending::<()>(),
-            )
-            .await?;
+        let accepted = handoff::incoming(listeners, token.clone());
+        lattice_agent::xds::connection::serve(accepted, AdsService::new(xds), token).await?;
         Ok("xds server")
     });
 
@@ -498,6 +492,34 @@ fn unexpected(done: Result<anyhow::Result<&'static str>, tokio::task::JoinError>
         Ok(Ok(name)) => anyhow::anyhow!("{name} stopped unexpectedly"),
         Ok(Err(error)) => error,
         Err(join) => anyhow::anyhow!("a task panicked: {join}"),
+    }
+}
+
+/// The xDS server's bounds, as the flags give them.
+fn xds_limits(flags: &XdsLimitFlags) -> XdsLimits {
+    let count = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
+    let bytes = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    XdsLimits {
+        caps: Caps {
+            connections: count(flags.xds_max_connections),
+            connections_per_peer: count(flags.xds_max_connections_per_peer),
+            streams: count(flags.xds_max_streams),
+            streams_per_peer: count(flags.xds_max_streams_per_peer),
+        },
+        streams_per_connection: flags.xds_max_streams_per_connection,
+        request: match flags.xds_max_request_bytes {
+            RequestBytes::Auto => RequestBound::Auto,
+            RequestBytes::Bytes(n) => RequestBound::Bytes(bytes(n)),
+        },
+        request_buffer: bytes(flags.xds_request_buffer_bytes),
+        request_timeout: Duration::from_millis(flags.xds_request_timeout_ms),
+        send_buffer: bytes(flags.xds_send_buffer_bytes),
+        max_header_list: flags.xds_max_header_list_bytes,
+        max_frame: flags.xds_max_frame_bytes,
+        keepalive_interval: Duration::from_millis(flags.xds_keepalive_ms),
+        keepalive_timeout: Duration::from_millis(flags.xds_keepalive_timeout_ms),
+        tcp_keepalive: Duration::from_secs(flags.xds_tcp_keepalive_secs),
+        drain: Duration::from_millis(flags.xds_drain_ms),
     }
 }
 
@@ -583,5 +605,16 @@ fn mesh_file_limits(config: &AgentConfig) -> lattice_agent::source::file::Limits
         max_bytes: config.mesh_file_max_mib.saturating_mul(1 << 20),
         max_depth: config.mesh_file_max_depth,
         max_nodes: config.mesh_file_max_nodes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_xds_flags_defaults_are_the_servers() {
+        let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
+        assert_eq!(xds_limits(&config.xds_limits), XdsLimits::default());
     }
 }

@@ -4,10 +4,12 @@
 //! It knows nothing of the mesh model or of where the resources come from: the Envoy
 //! translator produces an [`XdsSnapshot`] and publishes it on the [`snapshot::channel`].
 
+pub mod admission;
 pub mod connection;
 mod delta;
 mod grpc;
 mod inbound;
+pub mod limits;
 pub mod metrics;
 pub mod parts;
 mod response;
@@ -20,8 +22,10 @@ mod testing;
 mod view;
 mod wire;
 
+pub use admission::Caps;
 pub use delta::DeltaStream;
 pub use grpc::AdsService;
+pub use limits::{RequestBound, XdsLimits};
 pub use metrics::XdsMetrics;
 pub use parts::{ListenerBase, Part, PartsIndex, ServiceParts};
 pub use response::{DeltaResponse, SotwResponse};

@@ -5,6 +5,14 @@
 //! subscriptions have `initial_fetch_timeout: 0s`, which Envoy defines as "wait indefinitely
 //! for the first response" (the default, 15s, would let Envoy go live on a partial config).
 //!
+//! The connection to the agent is kept alive on both layers, so a path to the agent that dies
+//! without a FIN or RST (a conntrack entry lost, the node-local address moved) is noticed and
+//! Envoy reconnects: an HTTP/2 PING after 30 s without a frame, the connection aborted when one
+//! goes unanswered for 10 s (the agent answers from its connection task, whatever its streams
+//! are doing), and TCP keep-alive probes after 60 s idle, every 10 s, three of them. The agent
+//! pings too, and waits longer for an answer: Envoy answers on its main thread, the thread that
+//! applies a large config, which can take seconds.
+//!
 //! Statistics: Envoy keeps about 150 per cluster by default, and a proxy of a large mesh holds
 //! a cluster per service port. With 10k clusters that was most of the time Envoy took to take
 //! them (6.7–6.8 s, against 2.8–2.9 s with the list below) and 280 MiB of its memory
@@ -28,6 +36,13 @@ pub const NODE_CLUSTER: &str = "lattice";
 pub const XDS_CLUSTER: &str = "lattice-xds";
 /// Envoy admin: loopback only, so nothing outside the pod reaches it.
 pub const ADMIN_ADDRESS: &str = "127.0.0.1";
+/// HTTP/2 keep-alive on the xDS connection: a PING after this long without a frame…
+pub const XDS_PING_INTERVAL: &str = "30s";
+/// …and the connection aborted when it goes unanswered this long.
+pub const XDS_PING_TIMEOUT: &str = "10s";
+/// TCP keep-alive on the xDS connection: idle seconds before the first probe, seconds between
+/// probes, probes unanswered before the connection is closed.
+pub const XDS_TCP_KEEPALIVE: (u32, u32, u32) = (60, 10, 3);
 
 /// The bootstrap for `config`, ready to serialize.
 pub fn bootstrap(config: &BootstrapConfig) -> Value {
@@ -44,6 +59,7 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
         "resource_api_version": "V3",
         "initial_fetch_timeout": "0s",
     });
+    let (keepalive_time, keepalive_interval, keepalive_probes) = XDS_TCP_KEEPALIVE;
     let mut value = json!({
         "node": {
             "id": config.node_id,
@@ -73,7 +89,19 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": { "http2_protocol_options": {} },
+                        "explicit_http_config": { "http2_protocol_options": {
+                            "connection_keepalive": {
+                                "interval": XDS_PING_INTERVAL,
+                                "timeout": XDS_PING_TIMEOUT,
+                            },
+                        } },
+                    },
+                },
+                "upstream_connection_options": {
+                    "tcp_keepalive": {
+                        "keepalive_time": keepalive_time,
+                        "keepalive_interval": keepalive_interval,
+                        "keepalive_probes": keepalive_probes,
                     },
                 },
                 "load_assignment": {
@@ -174,9 +202,14 @@ mod tests {
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": { "http2_protocol_options": {} }
+                        "explicit_http_config": { "http2_protocol_options": {
+                            "connection_keepalive": { "interval": "30s", "timeout": "10s" }
+                        } }
                     }
                 },
+                "upstream_connection_options": { "tcp_keepalive": {
+                    "keepalive_time": 60, "keepalive_interval": 10, "keepalive_probes": 3
+                } },
                 "load_assignment": {
                     "cluster_name": "lattice-xds",
                     "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {

@@ -14,4 +14,5 @@ pub mod k8s_objects;
 pub mod mesh_source;
 pub mod netns;
 pub mod node;
+pub mod raw_grpc;
 pub mod wait;

@@ -367,8 +367,14 @@ fn ms(d: Duration) -> f64 {
 
 async fn connect(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
     let deadline = Instant::now() + SYNC;
+    // Each from an address of its own, as each pod's proxy is: the agent holds one address
+    // to a few connections (--xds-max-connections-per-peer).
+    let options = Options {
+        bind: Some(IpAddr::V4(client_ip(k))),
+        routes: false,
+    };
     loop {
-        match AdsClient::connect(agent.xds, &format!("bench-{k}"), mode).await {
+        match AdsClient::connect_with(agent.xds, &format!("bench-{k}"), mode, options).await {
             Ok(client) => return client,
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!("xDS not up yet: {e}");

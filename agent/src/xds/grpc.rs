@@ -1,5 +1,5 @@
-//! The ADS gRPC service as tonic serves it. It stands in for the server that envoy-types
-//! generates, for two reasons:
+//! The ADS gRPC service, served on each connection by [`super::connection`]. It stands in for
+//! the server that envoy-types generates, for two reasons:
 //! - Requests: the generated server decodes state-of-the-world requests into the generated
 //!   `DiscoveryRequest`, a `String` per resource name; this one decodes them into
 //!   [`super::wire::SotwRequest`], through a decoder per stream that recognises a list of names
@@ -13,25 +13,29 @@
 //!   after the initial sync (the heap profile in docs/benchmarks.md). [`ResponseBody`] encodes
 //!   each message into a buffer of its exact size, which is freed once h2 has sent it; a large
 //!   message as three parts, its head shared with every stream that sends the same one
-//!   ([`SharedHeads`]).
+//!   ([`SharedHeads`]). A message is encoded only when hyper asks for more of the body, which
+//!   it does once h2 has room for it (see `--xds-send-buffer-bytes`): a client that does not
+//!   read holds the message being sent, not every message queued behind it.
 //!
 //! The routing (two method paths of `envoy.service.discovery.v3.AggregatedDiscoveryService`,
-//! anything else `UNIMPLEMENTED`) and the codec defaults (no compression, tonic's message size
-//! limits) are the generated server's.
+//! anything else `UNIMPLEMENTED`) and the codec defaults (no compression) are the generated
+//! server's.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, ready};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body::Frame;
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::codegen::{BoxFuture, Service, StdError, http};
-use tonic::server::NamedService;
-use tonic::{Request, Status};
+use tonic::Status;
+use tonic::codegen::{StdError, http};
 
 use super::delta::DeltaStream;
 use super::inbound::Inbound;
@@ -45,6 +49,9 @@ const SOTW_PATH: &str =
 const DELTA_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
+/// The body of every response the service sends.
+pub type AdsBody = UnsyncBoxBody<Sent, Status>;
+
 /// `AggregatedDiscoveryService`, both methods, served by an [`XdsServer`].
 #[derive(Clone)]
 pub struct AdsService {
@@ -55,24 +62,42 @@ impl AdsService {
     pub fn new(server: XdsServer) -> Self {
         AdsService { server }
     }
-}
 
-impl NamedService for AdsService {
-    const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
+    pub(super) fn server(&self) -> &XdsServer {
+        &self.server
+    }
+
+    /// Answers one call from `peer`: a stream of responses, or a status at once.
+    pub fn call<B>(
+        &self,
+        request: http::Request<B>,
+        peer: Option<SocketAddr>,
+    ) -> http::Response<AdsBody>
+    where
+        B: http_body::Body + Send + 'static,
+        B::Error: Into<StdError> + Send + 'static,
+    {
+        match request.uri().path() {
+            SOTW_PATH => serve::<SotwStream, B>(&self.server, request, peer),
+            DELTA_PATH => serve::<DeltaStream, B>(&self.server, request, peer),
+            _ => Status::unimplemented("").into_http(),
+        }
+    }
 }
 
 /// gRPC's content type, and the header that names a message encoding.
 const GRPC_CONTENT_TYPE: &str = "application/grpc";
 const GRPC_ENCODING: &str = "grpc-encoding";
 
-/// Serves one call of a method as a stream of `A`: requests decoded by tonic with its default
-/// limits, responses by [`ResponseBody`].
+/// Serves one call of a method as a stream of `A`: requests read by [`Inbound`], responses
+/// sent by [`ResponseBody`].
 fn serve<A: Ads, B>(
-    server: XdsServer,
+    server: &XdsServer,
     request: http::Request<B>,
-) -> BoxFuture<http::Response<tonic::body::Body>, Infallible>
+    peer: Option<SocketAddr>,
+) -> http::Response<AdsBody>
 where
-    B: tonic::codegen::Body + Send + 'static,
+    B: http_body::Body + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,
 {
     // No compression is enabled, as in the generated server: a compressed request stream is
@@ -80,45 +105,107 @@ where
     if let Some(encoding) = request.headers().get(GRPC_ENCODING)
         && encoding != "identity"
     {
-        let status = Status::unimplemented(format!(
+        return Status::unimplemented(format!(
             "Content is compressed with `{}` which isn't supported",
             encoding.to_str().unwrap_or("?")
-        ));
-        return Box::pin(async move { Ok(status.into_http()) });
+        ))
+        .into_http();
     }
-    let request = request.map(Inbound::<A::Decoder>::new);
-    let heads = server.shared_heads();
-    let responses = server.open::<A>(Request::from_http(request));
-    let body = ResponseBody::new(responses, heads);
-    let mut response = http::Response::new(tonic::body::Body::new(body));
+    let inbound = Inbound::<A::Decoder>::new(request.into_body());
+    let opened = match server.open::<A>(peer, inbound) {
+        Ok(opened) => opened,
+        Err(status) => return status.into_http(),
+    };
+    let body = ResponseBody::new(
+        opened.responses,
+        opened.ending,
+        server.shared_heads(),
+        server.response_bytes(),
+    );
+    let mut response = http::Response::new(body.boxed_unsync());
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static(GRPC_CONTENT_TYPE),
     );
-    Box::pin(async move { Ok(response) })
+    response
+}
+
+/// Response bytes on their way to the socket: counted in the gauge they were made with until
+/// h2 has written them (or dropped them, with their stream).
+#[derive(Debug)]
+pub struct Sent {
+    bytes: Bytes,
+    gauge: Gauge,
+}
+
+impl Sent {
+    fn new(bytes: Bytes, gauge: &Gauge) -> Self {
+        gauge.inc_by(bytes.len() as i64);
+        Sent {
+            bytes,
+            gauge: gauge.clone(),
+        }
+    }
+}
+
+impl Buf for Sent {
+    fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    fn advance(&mut self, count: usize) {
+        self.bytes.advance(count);
+        self.gauge.dec_by(count as i64);
+    }
+
+    /// A slice of the bytes, not a copy.
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        let bytes = self.bytes.split_to(len);
+        self.gauge.dec_by(len as i64);
+        bytes
+    }
+}
+
+impl Drop for Sent {
+    fn drop(&mut self) {
+        self.gauge.dec_by(self.bytes.len() as i64);
+    }
 }
 
 /// The body of one call's response: each message as a gRPC frame (see [`frame`]), then the
-/// trailers with the stream's status.
+/// trailers with the status the stream ended with (`ending`).
 struct ResponseBody<M> {
-    responses: ReceiverStream<Result<M, Status>>,
+    responses: ReceiverStream<M>,
+    ending: Arc<OnceLock<Status>>,
     heads: Arc<SharedHeads>,
     /// The parts of the current message not yet handed to h2.
-    pending: VecDeque<Bytes>,
+    pending: VecDeque<Sent>,
+    sent: Gauge,
     ended: bool,
 }
 
 impl<M> ResponseBody<M> {
-    fn new(responses: ReceiverStream<Result<M, Status>>, heads: Arc<SharedHeads>) -> Self {
+    fn new(
+        responses: ReceiverStream<M>,
+        ending: Arc<OnceLock<Status>>,
+        heads: Arc<SharedHeads>,
+        sent: Gauge,
+    ) -> Self {
         ResponseBody {
             responses,
+            ending,
             heads,
             pending: VecDeque::new(),
+            sent,
             ended: false,
         }
     }
 
-    fn end(&mut self, status: Status) -> Result<Frame<Bytes>, Status> {
+    fn end(&mut self, status: Status) -> Result<Frame<Sent>, Status> {
         self.ended = true;
         let mut trailers = http::HeaderMap::new();
         status
@@ -128,13 +215,13 @@ impl<M> ResponseBody<M> {
 }
 
 impl<M: Framed + Unpin> http_body::Body for ResponseBody<M> {
-    type Data = Bytes;
+    type Data = Sent;
     type Error = Status;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+    ) -> Poll<Option<Result<Frame<Sent>, Status>>> {
         let this = &mut *self;
         loop {
             if let Some(part) = this.pending.pop_front() {
@@ -145,12 +232,23 @@ impl<M: Framed + Unpin> http_body::Body for ResponseBody<M> {
             }
             let status = match ready!(Pin::new(&mut this.responses).poll_next(cx)) {
                 // Its parts are handed out at the top of the loop.
-                Some(Ok(message)) => match frame(&message, &this.heads, &mut this.pending) {
-                    Ok(()) => continue,
-                    Err(status) => status,
-                },
-                Some(Err(status)) => status,
-                None => Status::ok(""),
+                Some(message) => {
+                    let mut parts = VecDeque::new();
+                    match frame(&message, &this.heads, &mut parts) {
+                        Ok(()) => {
+                            let sent = &this.sent;
+                            this.pending
+                                .extend(parts.into_iter().map(|part| Sent::new(part, sent)));
+                            continue;
+                        }
+                        Err(status) => status,
+                    }
+                }
+                // The stream's task sets its ending before it drops its sender; without one it
+                // did not end as it should (it panicked): the proxy should retry.
+                None => this.ending.get().cloned().unwrap_or_else(|| {
+                    Status::unavailable("the ADS stream ended unexpectedly; reconnect")
+                }),
             };
             return Poll::Ready(Some(this.end(status)));
         }
@@ -197,29 +295,6 @@ fn frame<M: Framed>(
     Ok(())
 }
 
-impl<B> Service<http::Request<B>> for AdsService
-where
-    B: tonic::codegen::Body + Send + 'static,
-    B::Error: Into<StdError> + Send + 'static,
-{
-    type Response = http::Response<tonic::body::Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let server = self.server.clone();
-        match request.uri().path() {
-            SOTW_PATH => serve::<SotwStream, B>(server, request),
-            DELTA_PATH => serve::<DeltaStream, B>(server, request),
-            _ => Box::pin(async { Ok(Status::unimplemented("").into_http()) }),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::future::poll_fn;
@@ -234,24 +309,37 @@ mod tests {
     use crate::xds::SotwResponse;
     use crate::xds::snapshot::XdsResource;
 
-    type Sent = Result<SotwResponse, Status>;
-
-    async fn frames(items: Vec<Sent>) -> Vec<Frame<Bytes>> {
-        frames_sharing(items, Arc::default()).await
+    async fn frames(items: Vec<SotwResponse>) -> Vec<Frame<Bytes>> {
+        frames_sharing(items, Some(Status::ok("")), Arc::default()).await
     }
 
-    async fn frames_sharing(items: Vec<Sent>, heads: Arc<SharedHeads>) -> Vec<Frame<Bytes>> {
+    /// The frames of a body that sends `items`, then ends with `ending` (if set).
+    async fn frames_sharing(
+        items: Vec<SotwResponse>,
+        ending: Option<Status>,
+        heads: Arc<SharedHeads>,
+    ) -> Vec<Frame<Bytes>> {
         let (tx, rx) = mpsc::channel(items.len().max(1));
         for item in items {
             tx.send(item).await.unwrap();
         }
+        let end = Arc::new(OnceLock::new());
+        if let Some(status) = ending {
+            end.set(status).unwrap();
+        }
         drop(tx);
-        let mut body = ResponseBody::new(ReceiverStream::new(rx), heads);
+        let gauge = Gauge::default();
+        let mut body = ResponseBody::new(ReceiverStream::new(rx), end, heads, gauge.clone());
         let mut frames = Vec::new();
         while let Some(frame) = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
-            frames.push(frame.unwrap());
+            let frame = frame.unwrap().map_data(|mut sent| {
+                assert!(gauge.get() >= sent.remaining() as i64, "counted until sent");
+                sent.copy_to_bytes(sent.remaining())
+            });
+            frames.push(frame);
         }
         assert!(body.is_end_stream());
+        assert_eq!(gauge.get(), 0, "every byte sent is uncounted");
         frames
     }
 
@@ -271,7 +359,7 @@ mod tests {
 
     #[tokio::test]
     async fn each_message_is_one_exact_frame_and_a_closed_stream_ends_with_ok() {
-        let frames = frames(vec![Ok(response("1")), Ok(response("2"))]).await;
+        let frames = frames(vec![response("1"), response("2")]).await;
         assert_eq!(frames.len(), 3);
         for (frame, nonce) in frames[..2].iter().zip(["1", "2"]) {
             let data = frame.data_ref().expect("a message");
@@ -315,7 +403,12 @@ mod tests {
         let mut heads_sent = Vec::new();
         for nonce in ["1", "22"] {
             // One body per stream, both of one server.
-            let frames = frames_sharing(vec![Ok(large(&resources, nonce))], heads.clone()).await;
+            let frames = frames_sharing(
+                vec![large(&resources, nonce)],
+                Some(Status::ok("")),
+                heads.clone(),
+            )
+            .await;
             assert_eq!(status_of(frames.last().unwrap()), "0");
             let parts: Vec<&Bytes> = frames[..frames.len() - 1]
                 .iter()
@@ -336,7 +429,12 @@ mod tests {
             "the second stream was sent the head the first encoded"
         );
         // The same names and contents, but other resources (a new snapshot's): encoded again.
-        let frames = frames_sharing(vec![Ok(large(&clusters(1000), "3"))], heads).await;
+        let frames = frames_sharing(
+            vec![large(&clusters(1000), "3")],
+            Some(Status::ok("")),
+            heads,
+        )
+        .await;
         assert_ne!(
             frames[1].data_ref().unwrap().as_ptr(),
             heads_sent[0].as_ptr()
@@ -344,16 +442,46 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_error_ends_the_body_with_its_status() {
-        let frames = frames(vec![
-            Ok(response("1")),
-            Err(Status::permission_denied("not a pod of this node")),
-            Ok(response("never")),
-        ])
+    async fn the_stream_ends_with_the_status_it_was_given_after_what_was_queued() {
+        let frames = frames_sharing(
+            vec![response("1")],
+            Some(Status::permission_denied("not a pod of this node")),
+            Arc::default(),
+        )
         .await;
-        assert_eq!(frames.len(), 2, "nothing after the status");
+        assert_eq!(frames.len(), 2, "the queued response, then the status");
         let trailers = frames[1].trailers_ref().unwrap();
         assert_eq!(status_of(&frames[1]), "7");
         assert_eq!(trailers["grpc-message"], "not%20a%20pod%20of%20this%20node");
+
+        let frames = frames_sharing(vec![], None, Arc::default()).await;
+        assert_eq!(
+            status_of(&frames[0]),
+            "14",
+            "no ending set: UNAVAILABLE, retry"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_unsent_leaves_nothing_counted() {
+        let (tx, rx) = mpsc::channel(4);
+        let gauge = Gauge::default();
+        let mut body = ResponseBody::new(
+            ReceiverStream::new(rx),
+            Arc::default(),
+            Arc::default(),
+            gauge.clone(),
+        );
+        tx.send(large(&clusters(1000), "1")).await.unwrap();
+        let first = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        let whole = large(&clusters(1000), "1").encoded_len() as i64 + 5;
+        assert_eq!(gauge.get(), whole, "the message, encoded, is counted");
+        drop(body);
+        assert_eq!(gauge.get(), 5, "only the part h2 holds");
+        drop(first);
+        assert_eq!(gauge.get(), 0);
     }
 }

@@ -8,26 +8,179 @@
 //!
 //! Written for this rather than taken from tonic: tonic's decoder interface hands the decoder
 //! its own contiguous buffer, which is the copy. The gRPC framing is small: a one-byte
-//! compression flag, a four-byte length, the message. The rules are tonic's, with its messages:
-//! a compressed message is refused (no compression is offered), a message over tonic's 4 MiB
-//! default is refused, a body that ends inside a message is an error, and a cancelled body
-//! ends the stream quietly.
+//! compression flag, a four-byte length, the message. A compressed message is refused (no
+//! compression is offered), a body that ends inside a message is an error, and a cancelled
+//! body ends the stream quietly, as tonic does. What a client may make the agent hold is
+//! bounded twice, before any of a message's body is read: by the stream's limit on one message
+//! (its length prefix over it ends the stream with `RESOURCE_EXHAUSTED`), and by the
+//! [`RequestBudget`] every stream shares; and for how long: a message must arrive whole within
+//! the stream's timeout of its first byte (the first one, of the stream being read), time spent
+//! waiting for the budget aside, or the stream ends with `DEADLINE_EXCEEDED`. A message that
+//! does not decode ends the stream with `INVALID_ARGUMENT`.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http_body::Body;
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use prost::DecodeError;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tonic::{Code, Status};
 
-/// tonic's default limit on a decoded message.
-const MAX_MESSAGE: usize = 4 << 20;
+use super::metrics::XdsMetrics;
+
+/// The limit on one message until the stream is given its own: tonic's default.
+pub const DEFAULT_MAX_MESSAGE: usize = 4 << 20;
 /// A gRPC message's prefix: compression flag and length.
 const HEADER: usize = 5;
+
+/// Why a stream's requests could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InboundError {
+    #[error("a request of {len} bytes is over this stream's limit of {limit} bytes")]
+    TooLarge { len: usize, limit: usize },
+    #[error(
+        "a request of {len} bytes is over what the agent buffers for all streams at once \
+         ({budget} bytes, --xds-request-buffer-bytes)"
+    )]
+    OverBudget { len: usize, budget: usize },
+    #[error("the request does not decode: {0}")]
+    Undecodable(#[from] DecodeError),
+    #[error(
+        "protocol error: received message with compressed-flag but no grpc-encoding was \
+         specified"
+    )]
+    Compressed,
+    #[error(
+        "protocol error: received message with invalid compression flag: {0} (valid flags \
+         are 0 and 1)"
+    )]
+    InvalidFlag(u8),
+    #[error("Unexpected EOF decoding stream.")]
+    Truncated,
+    #[error(
+        "no complete {} request within {timeout:?} (--xds-request-timeout-ms)",
+        if *.first { "first" } else { "" }
+    )]
+    TooSlow { timeout: Duration, first: bool },
+    #[error("{0}")]
+    Transport(Status),
+}
+
+impl InboundError {
+    /// The status that ends the stream.
+    pub fn status(&self) -> Status {
+        let message = self.to_string();
+        match self {
+            InboundError::TooLarge { .. } | InboundError::OverBudget { .. } => {
+                Status::resource_exhausted(message)
+            }
+            InboundError::Undecodable(_) => Status::invalid_argument(message),
+            InboundError::TooSlow { .. } => Status::deadline_exceeded(message),
+            // As gRPC's protocol and tonic say.
+            InboundError::Compressed | InboundError::InvalidFlag(_) | InboundError::Truncated => {
+                Status::internal(message)
+            }
+            InboundError::Transport(status) => status.clone(),
+        }
+    }
+
+    /// The label it is counted under among refused streams; `None` for a transport failure
+    /// (a connection that broke), which refuses nothing.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            InboundError::TooLarge { .. } => Some("request_too_large"),
+            InboundError::OverBudget { .. } => Some("request_over_budget"),
+            InboundError::Undecodable(_) => Some("undecodable"),
+            InboundError::Compressed | InboundError::InvalidFlag(_) => Some("malformed"),
+            InboundError::TooSlow { first: true, .. } => Some("first_request_timeout"),
+            InboundError::TooSlow { first: false, .. } => Some("request_timeout"),
+            InboundError::Truncated | InboundError::Transport(_) => None,
+        }
+    }
+}
+
+/// The bytes of large requests being read, shared by every stream: a message larger than
+/// `exempt` takes its length from the budget once its length prefix is read, before its body
+/// is, and gives it back when it is decoded (or its stream ends). A stream that finds the
+/// budget spent waits, reading nothing more, so h2's flow control holds its client back; the
+/// budget is fair (first come, first served), so a reconnecting proxy's large request is not
+/// starved by smaller ones. Messages up to `exempt` (h2's window on a stream: what h2 holds of
+/// a stream the agent does not read anyway) never wait: an ACK is not queued behind a
+/// reconnect, nor behind a client that stalls a large request.
+#[derive(Debug)]
+pub struct RequestBudget {
+    bytes: Arc<Semaphore>,
+    total: usize,
+    exempt: usize,
+    metrics: Option<XdsMetrics>,
+}
+
+impl RequestBudget {
+    pub fn new(total: usize, exempt: usize, metrics: Option<XdsMetrics>) -> Arc<Self> {
+        let total = total.clamp(1, Semaphore::MAX_PERMITS);
+        Arc::new(RequestBudget {
+            bytes: Arc::new(Semaphore::new(total)),
+            total,
+            exempt,
+            metrics,
+        })
+    }
+
+    /// `len` bytes of the budget, once they are free.
+    async fn reserve(&self, len: usize) -> Result<Reservation, InboundError> {
+        let over = || InboundError::OverBudget {
+            len,
+            budget: self.total,
+        };
+        let n = u32::try_from(len).map_err(|_| over())?;
+        if len > self.total {
+            return Err(over());
+        }
+        let permit = self
+            .bytes
+            .clone()
+            .acquire_many_owned(n)
+            .await
+            .map_err(|_| over())?;
+        if let Some(metrics) = &self.metrics {
+            metrics.request_bytes_held(len as i64);
+        }
+        Ok(Reservation {
+            _permit: permit,
+            len,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Bytes reserved right now.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.total - self.bytes.available_permits()
+    }
+}
+
+/// A message's share of the [`RequestBudget`], given back on drop.
+#[derive(Debug)]
+struct Reservation {
+    _permit: OwnedSemaphorePermit,
+    len: usize,
+    metrics: Option<XdsMetrics>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.request_bytes_held(-(self.len as i64));
+        }
+    }
+}
 
 /// Decodes one stream's requests (one decoder per stream, so it may remember).
 pub trait RequestDecoder: Default + Send + 'static {
@@ -63,7 +216,41 @@ pub struct Inbound<D> {
     held: usize,
     /// The length of the message being read, once its prefix was.
     message: Option<usize>,
+    /// That message's share of the budget, once it has it.
+    reserved: Option<Reservation>,
+    /// The longest message this stream may send.
+    limit: usize,
+    budget: Option<Arc<RequestBudget>>,
+    /// How long a message may take to arrive whole; `None`: as long as it likes.
+    timeout: Option<Duration>,
+    /// The clock of the message being read, once it began (or the stream was read).
+    clock: Option<Clock>,
+    /// No message was read yet.
+    first: bool,
     ended: bool,
+}
+
+/// When a message began to arrive, and how long of that it spent waiting for the budget.
+#[derive(Clone, Copy, Debug)]
+struct Clock {
+    began: Instant,
+    waited: Duration,
+    /// Waiting for the budget since.
+    waiting: Option<Instant>,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Clock {
+            began: Instant::now(),
+            waited: Duration::ZERO,
+            waiting: None,
+        }
+    }
+
+    fn deadline(&self, timeout: Duration) -> Instant {
+        self.began + self.waited + timeout
+    }
 }
 
 impl<D: RequestDecoder> Inbound<D> {
@@ -82,30 +269,90 @@ impl<D: RequestDecoder> Inbound<D> {
             frames: VecDeque::new(),
             held: 0,
             message: None,
+            reserved: None,
+            limit: DEFAULT_MAX_MESSAGE,
+            budget: None,
+            timeout: None,
+            clock: None,
+            first: true,
             ended: false,
         }
     }
 
+    /// Ends the stream when a message takes longer than `timeout` to arrive whole.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Starts the first message's clock: the stream is being read, and it must come.
+    pub fn expect_message(&mut self) {
+        self.clock.get_or_insert_with(Clock::new);
+    }
+
+    /// Reads each message's body only once `budget` has room for it.
+    pub fn with_budget(mut self, budget: Arc<RequestBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// The longest message this stream may send from its next message on.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// The next request; `None` when the client ended its stream. Cancel-safe: what was read
-    /// stays in `self`.
-    pub async fn message(&mut self) -> Result<Option<D::Request>, Status> {
+    /// (and the budget a message was given, and its clock) stays in `self`.
+    pub async fn message(&mut self) -> Result<Option<D::Request>, InboundError> {
         loop {
-            if let Some(request) = self.decode()? {
-                return Ok(Some(request));
+            if let Some(len) = self.prefix()? {
+                if self.reserved.is_none()
+                    && let Some(budget) = &self.budget
+                    && len > budget.exempt
+                {
+                    // Time spent waiting for the budget is not the client's.
+                    let clock = self.clock.get_or_insert_with(Clock::new);
+                    clock.waiting.get_or_insert_with(Instant::now);
+                    let reservation = budget.reserve(len).await?;
+                    if let Some(since) = clock.waiting.take() {
+                        clock.waited += since.elapsed();
+                    }
+                    self.reserved = Some(reservation);
+                }
+                if self.held >= len {
+                    return self.decode(len).map(Some);
+                }
             }
             if self.ended {
                 return if self.held > 0 || self.message.is_some() {
-                    Err(Status::internal("Unexpected EOF decoding stream."))
+                    Err(InboundError::Truncated)
                 } else {
                     Ok(None)
                 };
             }
-            match self.body.frame().await {
+            let deadline = self
+                .timeout
+                .zip(self.clock)
+                .map(|(timeout, clock)| clock.deadline(timeout));
+            let frame = match deadline {
+                Some(deadline) => tokio::select! {
+                    frame = self.body.frame() => frame,
+                    () = tokio::time::sleep_until(deadline) => {
+                        return Err(InboundError::TooSlow {
+                            timeout: self.timeout.unwrap_or_default(),
+                            first: self.first,
+                        });
+                    }
+                },
+                None => self.body.frame().await,
+            };
+            match frame {
                 Some(Ok(frame)) => {
                     // Trailers of a request carry nothing the agent reads.
                     if let Ok(data) = frame.into_data()
                         && !data.is_empty()
                     {
+                        self.clock.get_or_insert_with(Clock::new);
                         self.held += data.len();
                         self.frames.push_back(data);
                     }
@@ -114,61 +361,54 @@ impl<D: RequestDecoder> Inbound<D> {
                 Some(Err(status)) if status.code() == Code::Cancelled => {
                     self.ended = true;
                     self.frames.clear();
-                    (self.held, self.message) = (0, None);
+                    (self.held, self.message, self.reserved, self.clock) = (0, None, None, None);
                 }
-                Some(Err(status)) => return Err(status),
+                Some(Err(status)) => return Err(InboundError::Transport(status)),
                 None => self.ended = true,
             }
         }
     }
 
-    /// Decodes the next message if all of it is here.
-    fn decode(&mut self) -> Result<Option<D::Request>, Status> {
-        let len = match self.message {
-            Some(len) => len,
-            None if self.held < HEADER => return Ok(None),
-            None => {
-                let mut prefix = Frames::new(&mut self.frames, HEADER);
-                let (flag, len) = (prefix.get_u8(), prefix.get_u32() as usize);
-                self.held -= HEADER;
-                match flag {
-                    0 => {}
-                    1 => {
-                        return Err(Status::internal(
-                            "protocol error: received message with compressed-flag but no \
-                             grpc-encoding was specified",
-                        ));
-                    }
-                    other => {
-                        return Err(Status::internal(format!(
-                            "protocol error: received message with invalid compression flag: \
-                             {other} (valid flags are 0 and 1), while sending request"
-                        )));
-                    }
-                }
-                if len > MAX_MESSAGE {
-                    return Err(Status::out_of_range(format!(
-                        "Error, decoded message length too large: found {len} bytes, the \
-                         limit is: {MAX_MESSAGE} bytes"
-                    )));
-                }
-                self.message = Some(len);
-                len
-            }
-        };
-        if self.held < len {
+    /// The length of the message being read, once its prefix is here; refused when over the
+    /// limit, before any of its body is read.
+    fn prefix(&mut self) -> Result<Option<usize>, InboundError> {
+        if let Some(len) = self.message {
+            return Ok(Some(len));
+        }
+        if self.held < HEADER {
             return Ok(None);
         }
+        let mut prefix = Frames::new(&mut self.frames, HEADER);
+        let (flag, len) = (prefix.get_u8(), prefix.get_u32() as usize);
+        self.held -= HEADER;
+        match flag {
+            0 => {}
+            1 => return Err(InboundError::Compressed),
+            other => return Err(InboundError::InvalidFlag(other)),
+        }
+        if len > self.limit {
+            return Err(InboundError::TooLarge {
+                len,
+                limit: self.limit,
+            });
+        }
+        self.message = Some(len);
+        Ok(Some(len))
+    }
+
+    /// Decodes the message of `len` bytes, all of which is here.
+    fn decode(&mut self, len: usize) -> Result<D::Request, InboundError> {
         let mut message = Frames::new(&mut self.frames, len);
         let decoded = self.decoder.decode(&mut message);
         // A decoder that failed may have stopped short: the rest of its message goes.
         let rest = message.remaining();
         message.advance(rest);
         self.held -= len;
-        self.message = None;
-        decoded
-            .map(Some)
-            .map_err(|error| Status::internal(error.to_string()))
+        (self.message, self.reserved) = (None, None);
+        self.first = false;
+        // What is left of the frames is the next message's beginning.
+        self.clock = (self.held > 0).then(Clock::new);
+        Ok(decoded?)
     }
 }
 
@@ -264,6 +504,7 @@ mod tests {
     use http_body::Frame;
     use http_body_util::StreamBody;
     use prost::Message;
+    use tokio_stream::StreamExt as _;
 
     use super::*;
     use crate::xds::wire::SotwDecoder;
@@ -302,7 +543,7 @@ mod tests {
     ) -> Result<Vec<D::Request>, Status> {
         let mut inbound = Inbound::<D>::new(body(bytes, size));
         let mut out = Vec::new();
-        while let Some(request) = inbound.message().await? {
+        while let Some(request) = inbound.message().await.map_err(|e| e.status())? {
             out.push(request);
         }
         Ok(out)
@@ -346,17 +587,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn refuses_what_tonic_refuses() {
+    async fn refuses_what_grpc_refuses_and_what_does_not_decode_as_invalid() {
         let message = request(&["a".into()], "1").encode_to_vec();
         let compressed = read_all::<Plain<DiscoveryRequest>>(&framed(1, &message), 3).await;
         assert_eq!(compressed.unwrap_err().code(), Code::Internal);
         let flag = read_all::<Plain<DiscoveryRequest>>(&framed(7, &message), 3).await;
         assert_eq!(flag.unwrap_err().code(), Code::Internal);
-
-        let mut large = vec![0];
-        large.extend_from_slice(&(MAX_MESSAGE as u32 + 1).to_be_bytes());
-        let large = read_all::<Plain<DiscoveryRequest>>(&large, 5).await;
-        assert_eq!(large.unwrap_err().code(), Code::OutOfRange);
 
         let whole = framed(0, &message);
         for cut in [1, HEADER, whole.len() - 1] {
@@ -370,7 +606,208 @@ mod tests {
         let mut bad = framed(0, &[0xff, 0xff]);
         bad.extend(framed(0, &message));
         let bad = read_all::<Plain<DiscoveryRequest>>(&bad, 3).await;
-        assert_eq!(bad.unwrap_err().code(), Code::Internal);
+        assert_eq!(bad.unwrap_err().code(), Code::InvalidArgument);
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_limit_is_refused_before_its_body_is_read() {
+        let message = request(&["a".repeat(100)], "1").encode_to_vec();
+        let bytes = framed(0, &message);
+        // At the limit: read.
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(body(&bytes, 7));
+        inbound.set_limit(message.len());
+        assert!(inbound.message().await.unwrap().is_some());
+        // One byte over: refused with only the prefix read (the body here never ends, so
+        // reading it would hang).
+        let prefix = tokio_stream::iter([Ok::<_, Infallible>(Frame::data(
+            Bytes::copy_from_slice(&bytes[..HEADER]),
+        ))])
+        .chain(tokio_stream::pending());
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(prefix));
+        inbound.set_limit(message.len() - 1);
+        let error = inbound.message().await.unwrap_err();
+        assert_eq!(error.status().code(), Code::ResourceExhausted);
+        assert_eq!(error.reason(), Some("request_too_large"));
+        assert!(
+            error
+                .to_string()
+                .contains(&format!("{} bytes", message.len())),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reset_stream_ends_quietly_and_gives_back_its_budget() {
+        let budget = RequestBudget::new(1000, 0, None);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut inbound = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+        .with_budget(budget.clone());
+        // A prefix promising 600 bytes, and 100 of them.
+        let mut start = vec![0];
+        start.extend_from_slice(&600u32.to_be_bytes());
+        start.extend_from_slice(&[0; 100]);
+        tx.send(Ok(Frame::data(Bytes::from(start)))).await.unwrap();
+        tokio::select! {
+            _ = inbound.message() => panic!("a message of 100 bytes out of 600"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(budget.held(), 600, "the message holds its length");
+        tx.send(Err(Status::cancelled("reset"))).await.unwrap();
+        assert!(inbound.message().await.unwrap().is_none());
+        assert_eq!(budget.held(), 0);
+    }
+
+    /// The second stream's message waits for the budget the first one's holds, reading none of
+    /// its body meanwhile; it is read once the first is decoded.
+    #[tokio::test]
+    async fn a_message_waits_for_the_budget_without_reading_its_body() {
+        let message = request(&["a".repeat(500)], "1").encode_to_vec();
+        let bytes = framed(0, &message);
+        let budget = RequestBudget::new(message.len() + message.len() / 2, 0, None);
+        let (first_tx, first_rx) = tokio::sync::mpsc::channel(4);
+        let mut first = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(first_rx),
+        ))
+        .with_budget(budget.clone());
+        first_tx
+            .send(Ok::<_, Infallible>(Frame::data(Bytes::copy_from_slice(
+                &bytes[..HEADER + 10],
+            ))))
+            .await
+            .unwrap();
+        tokio::select! {
+            _ = first.message() => panic!("incomplete"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(budget.held(), message.len());
+
+        let (second_tx, second_rx) = tokio::sync::mpsc::channel::<Result<_, Infallible>>(4);
+        let mut second = Inbound::<Plain<DiscoveryRequest>>::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(second_rx),
+        ))
+        .with_budget(budget.clone());
+        second_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(&bytes[..HEADER]))))
+            .await
+            .unwrap();
+        second_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(&bytes[HEADER..]))))
+            .await
+            .unwrap();
+        tokio::select! {
+            _ = second.message() => panic!("read past the budget"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(second.held, 0, "nothing of its body was taken from h2");
+
+        first_tx
+            .send(Ok(Frame::data(Bytes::copy_from_slice(
+                &bytes[HEADER + 10..],
+            ))))
+            .await
+            .unwrap();
+        assert!(first.message().await.unwrap().is_some());
+        assert!(second.message().await.unwrap().is_some());
+        assert_eq!(budget.held(), 0);
+
+        // A message no larger than what the budget exempts is read, spent budget or not.
+        let exempting = RequestBudget::new(2 * message.len(), message.len(), None);
+        let (hold_tx, hold) = fed();
+        let mut hold = hold.with_budget(exempting.clone());
+        let all = 2 * message.len() as u32;
+        hold_tx.send(Ok(prefix(all))).await.unwrap();
+        tokio::select! {
+            _ = hold.message() => panic!("incomplete"),
+            () = tokio::task::yield_now() => {}
+        }
+        assert_eq!(exempting.held(), 2 * message.len(), "spent");
+        let mut small = Inbound::<Plain<DiscoveryRequest>>::new(body(&bytes, 100))
+            .with_budget(exempting.clone());
+        assert!(small.message().await.unwrap().is_some());
+
+        // A message larger than the whole budget could never be read: refused at once.
+        let mut huge = Inbound::<Plain<DiscoveryRequest>>::new(body(&framed(0, &[0; 4000]), 5))
+            .with_budget(budget);
+        let error = huge.message().await.unwrap_err();
+        assert_eq!(error.status().code(), Code::ResourceExhausted);
+        assert_eq!(error.reason(), Some("request_over_budget"));
+    }
+
+    type Feed = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
+
+    /// A stream whose body comes from the test, frame by frame.
+    fn fed() -> (Feed, Inbound<Plain<DiscoveryRequest>>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        (tx, Inbound::new(body))
+    }
+
+    fn prefix(len: u32) -> Frame<Bytes> {
+        let mut bytes = vec![0];
+        bytes.extend_from_slice(&len.to_be_bytes());
+        Frame::data(Bytes::from(bytes))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_must_arrive_whole_in_time_but_waiting_for_the_budget_does_not_count() {
+        let second = Duration::from_secs(1);
+        // Nothing at all: the first request's clock runs from when the stream is read.
+        let (_silent_tx, silent) = fed();
+        let mut silent = silent.with_timeout(second);
+        silent.expect_message();
+        let error = silent.message().await.unwrap_err();
+        assert_eq!(error.reason(), Some("first_request_timeout"));
+        assert_eq!(error.status().code(), Code::DeadlineExceeded);
+
+        // One stream holds most of the budget with a request it never finishes (for 5 s);
+        // another's request waits for the budget meanwhile, then comes whole half a second
+        // after it got it: in time, the wait aside.
+        let budget = RequestBudget::new(1000, 0, None);
+        let (hog_tx, hog) = fed();
+        let mut hog = hog.with_budget(budget.clone()).with_timeout(5 * second);
+        hog_tx.send(Ok(prefix(800))).await.unwrap();
+        let hog = tokio::spawn(async move { hog.message().await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(budget.held(), 800);
+
+        let message = request(&["a".repeat(400)], "1").encode_to_vec();
+        let (waiter_tx, waiter) = fed();
+        let mut waiter = waiter.with_budget(budget.clone()).with_timeout(second);
+        waiter_tx
+            .send(Ok(prefix(message.len() as u32)))
+            .await
+            .unwrap();
+        let waiter = tokio::spawn(async move { waiter.message().await });
+        tokio::time::sleep(Duration::from_millis(5500)).await;
+        let error = hog.await.unwrap().unwrap_err();
+        assert_eq!(error.reason(), Some("first_request_timeout"));
+        waiter_tx
+            .send(Ok(Frame::data(Bytes::from(message))))
+            .await
+            .unwrap();
+        let read = waiter.await.unwrap();
+        assert!(
+            read.unwrap().is_some(),
+            "the wait for the budget was counted"
+        );
+
+        // A later request's clock starts at its first byte; between requests, none runs.
+        let (tx, inbound) = fed();
+        let mut inbound = inbound.with_timeout(second);
+        let whole = framed(0, &request(&[], "1").encode_to_vec());
+        tx.send(Ok(Frame::data(Bytes::from(whole)))).await.unwrap();
+        assert!(inbound.message().await.unwrap().is_some());
+        let idle = tokio::spawn(async move {
+            let ended = inbound.message().await;
+            (inbound, ended)
+        });
+        tokio::time::sleep(10 * second).await;
+        assert!(!idle.is_finished(), "an idle stream is no late request");
+        tx.send(Ok(prefix(100))).await.unwrap();
+        let (_, ended) = idle.await.unwrap();
+        assert_eq!(ended.unwrap_err().reason(), Some("request_timeout"));
     }
 
     #[test]

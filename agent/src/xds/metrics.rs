@@ -35,6 +35,13 @@ struct ReasonLabel {
 pub struct XdsMetrics {
     connected_proxies: Gauge,
     refused: Family<ReasonLabel, Counter>,
+    connections: Gauge,
+    refused_connections: Family<ReasonLabel, Counter>,
+    closed_connections: Family<ReasonLabel, Counter>,
+    /// Bytes of requests being read, taken from the shared request budget.
+    request_bytes: Gauge,
+    /// Bytes of responses encoded and not yet written to a socket.
+    response_bytes: Gauge,
     pushes: Family<TypeLabel, Counter>,
     nacks: Family<TypeLabel, Counter>,
     snapshot_version: Gauge,
@@ -48,6 +55,11 @@ impl XdsMetrics {
         let metrics = XdsMetrics {
             connected_proxies: Gauge::default(),
             refused: Family::default(),
+            connections: Gauge::default(),
+            refused_connections: Family::default(),
+            closed_connections: Family::default(),
+            request_bytes: Gauge::default(),
+            response_bytes: Gauge::default(),
             pushes: Family::default(),
             nacks: Family::default(),
             snapshot_version: Gauge::default(),
@@ -63,8 +75,37 @@ impl XdsMetrics {
         );
         xds.register(
             "refused_streams",
-            "ADS streams refused by identity checking, by reason",
+            "ADS streams refused or ended by the server, by reason: identity checking, a cap, \
+             a request too large or that does not decode, no first request in time",
             metrics.refused.clone(),
+        );
+        xds.register(
+            "connections",
+            "xDS connections currently open",
+            metrics.connections.clone(),
+        );
+        xds.register(
+            "refused_connections",
+            "xDS connections refused at once for a cap, by reason",
+            metrics.refused_connections.clone(),
+        );
+        xds.register(
+            "closed_connections",
+            "xDS connections that ended, by how: the peer closed it, its keep-alive PING went \
+             unanswered, TCP gave up on it (keep-alive probes or retransmissions), a protocol \
+             or I/O error, or the agent's shutdown (drained in time, or closed at the drain \
+             deadline)",
+            metrics.closed_connections.clone(),
+        );
+        xds.register(
+            "request_buffered_bytes",
+            "Bytes of requests being read, held against --xds-request-buffer-bytes",
+            metrics.request_bytes.clone(),
+        );
+        xds.register(
+            "response_buffered_bytes",
+            "Bytes of responses encoded and not yet written to a socket, summed over streams",
+            metrics.response_bytes.clone(),
         );
         xds.register(
             "pushes",
@@ -104,9 +145,38 @@ impl XdsMetrics {
             .observe(changed_at.elapsed().as_secs_f64());
     }
 
-    /// An ADS stream was refused for `reason` (identity checking).
+    /// An ADS stream was refused, or ended by the server, for `reason`.
     pub fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    pub fn connection_opened(&self) {
+        self.connections.inc();
+    }
+
+    /// A connection ended, as `how` says.
+    pub fn connection_closed(&self, how: &'static str) {
+        self.connections.dec();
+        self.closed_connections
+            .get_or_create(&ReasonLabel { reason: how })
+            .inc();
+    }
+
+    /// A connection was refused at once, over the cap `reason` names.
+    pub fn connection_refused(&self, reason: &'static str) {
+        self.refused_connections
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// Request bytes taken from (positive) or given back to (negative) the shared budget.
+    pub fn request_bytes_held(&self, delta: i64) {
+        self.request_bytes.inc_by(delta);
+    }
+
+    /// The gauge of response bytes waiting for the socket, for what carries them there.
+    pub fn response_bytes(&self) -> Gauge {
+        self.response_bytes.clone()
     }
 
     pub fn nacked(&self, kind: ResourceType) {

@@ -1,26 +1,42 @@
 //! The ADS streams: one task per stream, driving a [`super::SotwStream`] or [`super::DeltaStream`] from
 //! the proxy's requests and the published [`XdsSnapshot`]s, and recording what happened.
+//!
+//! A stream is admitted when it opens, before any of it is read: its peer must pass identity
+//! checking's address check, and be under the caps on streams ([`super::admission`]);
+//! otherwise it ends at once with `PERMISSION_DENIED` (or `UNAVAILABLE` before the pods are
+//! known) or `RESOURCE_EXHAUSTED`. Once the mesh is known, its first request must come within
+//! the request timeout; its node id is checked against the pod. Each request is bounded by the
+//! mesh's size ([`super::limits::RequestBound`]) and must arrive whole within the timeout. Whatever ends a stream, a guard gives
+//! back what it held: its slot, its entry in the registry, its gauge.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Status};
+use tonic::Status;
 
-use super::inbound::Inbound;
+use super::admission::{Admission, Over, Slot};
+use super::inbound::{Inbound, InboundError, RequestBudget};
+use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
-use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
+use crate::identity::{IdentityCheck, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
+
+/// Responses a stream task queues before it waits for its client: one per type in flight and
+/// a little more. What they hold is shared with the snapshots (the resources, by `Arc`); a
+/// message is encoded only once h2 has room for it.
+const QUEUED_RESPONSES: usize = 4;
 
 /// One connected proxy, as `/debug/xds` shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -88,9 +104,24 @@ pub struct XdsServer {
     shutdown: CancellationToken,
     next_id: Arc<AtomicU64>,
     identity: IdentityCheck,
-    refusals: Arc<RefusalLog>,
+    /// Refusals, NACKs and unknown types: each kind logged at most once per interval.
+    log: Arc<RateLimitedLog>,
+    /// Streams opening and closing: many at once are normal (every proxy of the node
+    /// reconnecting), so a hundred per 10 s are logged, then the count of the rest.
+    lifecycle: Arc<RateLimitedLog>,
     scopes: Option<Arc<ScopeRegistry>>,
     heads: Arc<SharedHeads>,
+    limits: Arc<XdsLimits>,
+    admission: Arc<Admission>,
+    budget: Arc<RequestBudget>,
+    bounds: Arc<RequestBounds>,
+}
+
+/// What [`XdsServer::open`] hands the response body: the responses, and the status the stream
+/// ends with, set before the responses end.
+pub(super) struct Opened<R> {
+    pub responses: ReceiverStream<R>,
+    pub ending: Arc<OnceLock<Status>>,
 }
 
 impl XdsServer {
@@ -100,22 +131,62 @@ impl XdsServer {
         proxies: ProxyRegistry,
         shutdown: CancellationToken,
     ) -> Self {
+        let limits = XdsLimits::default();
         XdsServer {
             snapshots,
-            metrics,
             proxies,
             shutdown,
             next_id: Arc::new(AtomicU64::new(1)),
             identity: IdentityCheck::Off,
-            refusals: Arc::default(),
+            log: Arc::default(),
+            lifecycle: Arc::new(RateLimitedLog::with_burst(100)),
             scopes: None,
             heads: Arc::default(),
+            admission: Arc::new(Admission::new(limits.caps)),
+            budget: RequestBudget::new(
+                limits.request_buffer,
+                STREAM_WINDOW as usize,
+                Some(metrics.clone()),
+            ),
+            bounds: Arc::new(RequestBounds::new(limits.request)),
+            limits: Arc::new(limits),
+            metrics,
         }
+    }
+
+    /// Keeps `limits` instead of the defaults.
+    pub fn with_limits(mut self, limits: XdsLimits) -> Self {
+        self.admission = Arc::new(Admission::new(limits.caps));
+        self.budget = RequestBudget::new(
+            limits.request_buffer,
+            STREAM_WINDOW as usize,
+            Some(self.metrics.clone()),
+        );
+        self.bounds = Arc::new(RequestBounds::new(limits.request));
+        self.limits = Arc::new(limits);
+        self
     }
 
     /// The encoded response heads the streams of this server share.
     pub(super) fn shared_heads(&self) -> Arc<SharedHeads> {
         self.heads.clone()
+    }
+
+    pub(super) fn limits(&self) -> &XdsLimits {
+        &self.limits
+    }
+
+    pub(super) fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    pub(super) fn metrics(&self) -> &XdsMetrics {
+        &self.metrics
+    }
+
+    /// The gauge of response bytes not yet written, for the response bodies.
+    pub(super) fn response_bytes(&self) -> Gauge {
+        self.metrics.response_bytes()
     }
 
     /// Gives each verified proxy whose pod is scoped only the services its pod uses.
@@ -130,20 +201,56 @@ impl XdsServer {
         self
     }
 
-    /// Starts the task of one ADS stream; what it sends comes out of the returned stream.
+    /// A connection from `peer` was over the cap `over` names: counted, logged at a bounded
+    /// rate.
+    pub(super) fn refused_connection(&self, peer: SocketAddr, over: &Over) {
+        self.metrics.connection_refused(over.reason());
+        if let Some(suppressed) = self.log.admit_kind(over.reason()) {
+            tracing::warn!(%peer, reason = over.reason(), suppressed, "xDS connection refused: {over}");
+        }
+    }
+
+    /// Starts the task of one ADS stream from `peer`, or says at once why not: identity
+    /// checking refuses the peer's address, or a cap on streams is reached. Nothing of the
+    /// stream has been read either way.
     pub(super) fn open<A: Ads>(
         &self,
-        request: Request<Inbound<A::Decoder>>,
-    ) -> ReceiverStream<Result<A::Response, Status>> {
-        let peer = request.remote_addr().map(|addr| addr.ip().to_canonical());
-        let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
+        peer: Option<SocketAddr>,
+        inbound: Inbound<A::Decoder>,
+    ) -> Result<Opened<A::Response>, Status> {
+        let peer = peer.map(|addr| addr.ip().to_canonical());
+        if let Err(refusal) = self.identity.check_peer(peer) {
+            self.log_refusal(&refusal, peer, "");
+            return Err(refusal_status(&refusal));
+        }
+        // Identity off, a peer with no address is served as any other (the caps count it
+        // under the unspecified address).
+        let slot = match self
+            .admission
+            .stream(peer.unwrap_or(IpAddr::from([0, 0, 0, 0])))
+        {
+            Ok(slot) => slot,
+            Err(over) => {
+                self.metrics.refused(over.reason());
+                if let Some(suppressed) = self.log.admit_kind(over.reason()) {
+                    let peer = peer.map(|p| p.to_string()).unwrap_or_default();
+                    tracing::warn!(%peer, reason = over.reason(), suppressed, "ADS stream refused: {over}");
+                }
+                return Err(Status::resource_exhausted(over.to_string()));
+            }
+        };
+        let (tx, rx) = mpsc::channel(QUEUED_RESPONSES);
+        let ending = Arc::new(OnceLock::new());
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let guard = StreamGuard::new(id, A::MODE, peer, slot, &self.proxies, &self.metrics);
         let stream = StreamTask::<A> {
             id,
             state: A::default(),
-            inbound,
+            inbound: inbound
+                .with_budget(self.budget.clone())
+                .with_timeout(self.limits.request_timeout),
             tx,
+            ending: ending.clone(),
             snapshots: self.snapshots.clone(),
             metrics: self.metrics.clone(),
             proxies: self.proxies.clone(),
@@ -152,13 +259,99 @@ impl XdsServer {
             peer,
             pods: self.identity.subscribe(),
             identity: self.identity.clone(),
-            refusals: self.refusals.clone(),
+            log: self.log.clone(),
+            lifecycle: self.lifecycle.clone(),
+            bounds: self.bounds.clone(),
             verified: None,
             scopes: self.scopes.clone(),
             scoped: None,
         };
-        tokio::spawn(stream.run());
-        ReceiverStream::new(rx)
+        tokio::spawn(stream.run(guard));
+        Ok(Opened {
+            responses: ReceiverStream::new(rx),
+            ending,
+        })
+    }
+
+    fn log_refusal(&self, refusal: &Refusal, peer: Option<IpAddr>, node_id: &str) {
+        log_refusal(&self.metrics, &self.log, refusal, peer, node_id);
+    }
+}
+
+/// Counts a refusal, and logs it at a bounded rate.
+fn log_refusal(
+    metrics: &XdsMetrics,
+    log: &RateLimitedLog,
+    refusal: &Refusal,
+    peer: Option<IpAddr>,
+    node_id: &str,
+) {
+    metrics.refused(refusal.reason());
+    if let Some(suppressed) = log.admit(refusal) {
+        let peer = peer.map(|p| p.to_string()).unwrap_or_default();
+        let node = shown(node_id);
+        if *refusal == Refusal::NotSynced {
+            tracing::info!(%peer, %node, "ADS stream turned away: {refusal}");
+        } else {
+            tracing::warn!(%peer, %node, reason = refusal.reason(), suppressed, "ADS stream refused: {refusal}");
+        }
+    }
+}
+
+fn refusal_status(refusal: &Refusal) -> Status {
+    match refusal {
+        // Envoy retries on UNAVAILABLE; the pods will be known shortly.
+        Refusal::NotSynced => Status::unavailable(refusal.to_string()),
+        _ => Status::permission_denied(refusal.to_string()),
+    }
+}
+
+/// What a stream holds while it lives, given back when it ends however it ends (a panic in
+/// its task included): its place under the caps, its entry in the registry, its gauge.
+struct StreamGuard {
+    id: u64,
+    proxies: ProxyRegistry,
+    metrics: XdsMetrics,
+    _slot: Slot,
+}
+
+impl StreamGuard {
+    fn new(
+        id: u64,
+        mode: &'static str,
+        peer: Option<IpAddr>,
+        slot: Slot,
+        proxies: &ProxyRegistry,
+        metrics: &XdsMetrics,
+    ) -> Self {
+        metrics.stream_opened();
+        proxies.insert(
+            id,
+            ProxyStatus {
+                node_id: String::new(),
+                mode,
+                peer,
+                pod: None,
+                connected_for_seconds: 0,
+                acked: BTreeMap::new(),
+                nacks: 0,
+                connected_at: Some(Instant::now()),
+                scope: None,
+            },
+        );
+        StreamGuard {
+            id,
+            proxies: proxies.clone(),
+            metrics: metrics.clone(),
+            _slot: slot,
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.proxies.remove(self.id);
+        self.metrics.stream_closed();
     }
 }
 
@@ -166,17 +359,22 @@ struct StreamTask<A: Ads> {
     id: u64,
     state: A,
     inbound: Inbound<A::Decoder>,
-    tx: mpsc::Sender<Result<A::Response, Status>>,
+    tx: mpsc::Sender<A::Response>,
+    /// The status the stream ends with, for the response body.
+    ending: Arc<OnceLock<Status>>,
     snapshots: XdsRx,
     metrics: XdsMetrics,
     proxies: ProxyRegistry,
     shutdown: CancellationToken,
+    /// As the proxy sent it, [`shown`].
     node_id: String,
     peer: Option<IpAddr>,
     identity: IdentityCheck,
     /// Changes when this node's pods do (identity checking on).
     pods: Option<PodsRx>,
-    refusals: Arc<RefusalLog>,
+    log: Arc<RateLimitedLog>,
+    lifecycle: Arc<RateLimitedLog>,
+    bounds: Arc<RequestBounds>,
     /// Set once the first request passed the identity check: the pod, if checking is on.
     verified: Option<Option<PodKey>>,
     scopes: Option<Arc<ScopeRegistry>>,
@@ -205,8 +403,14 @@ async fn scope_changed(scoped: &mut Option<Scoped>) {
 
 /// How a stream ended.
 enum Ended {
+    /// By the proxy, or because it went away.
     Closed(String),
+    /// Identity checking refused it.
     Refused(Refusal),
+    /// Its requests could not be read, or were over a limit.
+    Failed(InboundError),
+    /// The agent is shutting down: the proxy should reconnect, to the next agent.
+    ShuttingDown,
 }
 
 impl From<&str> for Ended {
@@ -228,89 +432,110 @@ async fn pods_changed(pods: &mut Option<PodsRx>) {
 }
 
 impl<A: Ads> StreamTask<A> {
-    async fn run(mut self) {
-        self.metrics.stream_opened();
-        self.proxies.insert(
-            self.id,
-            ProxyStatus {
-                node_id: String::new(),
-                mode: A::MODE,
-                peer: self.peer,
-                pod: None,
-                connected_for_seconds: 0,
-                acked: BTreeMap::new(),
-                nacks: 0,
-                connected_at: Some(Instant::now()),
-                scope: None,
-            },
-        );
-        match self.serve().await {
+    async fn run(mut self, guard: StreamGuard) {
+        let ended = self.serve().await;
+        let status = match ended {
             Ended::Closed(reason) => {
-                tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
+                if let Some(suppressed) = self.lifecycle.admit_kind("closed") {
+                    tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, suppressed, "ADS stream closed");
+                }
+                Status::ok("")
             }
-            Ended::Refused(refusal) => self.refuse(refusal).await,
-        }
-        self.proxies.remove(self.id);
-        self.metrics.stream_closed();
+            Ended::Refused(refusal) => {
+                let (metrics, log) = (&self.metrics, &self.log);
+                log_refusal(metrics, log, &refusal, self.peer, &self.node_id);
+                refusal_status(&refusal)
+            }
+            Ended::Failed(error) => {
+                let status = error.status();
+                match error.reason() {
+                    Some(reason) => self.refused(reason, &error.to_string()),
+                    None => {
+                        tracing::debug!(stream = self.id, node = %self.node_id, %error, "ADS stream failed")
+                    }
+                }
+                status
+            }
+            Ended::ShuttingDown => Status::unavailable("the agent is shutting down; reconnect"),
+        };
+        // Before the responses end, so the body reads it once it has sent what is queued.
+        let _ = self.ending.set(status);
+        drop(self);
+        drop(guard);
     }
 
-    /// Ends the stream with a status that says what did not match; counted, and logged at a
-    /// bounded rate.
-    async fn refuse(&mut self, refusal: Refusal) {
-        self.metrics.refused(refusal.reason());
-        if let Some(suppressed) = self.refusals.admit(&refusal) {
+    /// Counts a stream the server ended for `reason`, and logs it at a bounded rate.
+    fn refused(&self, reason: &'static str, why: &str) {
+        self.metrics.refused(reason);
+        if let Some(suppressed) = self.log.admit_kind(reason) {
             let peer = self.peer.map(|p| p.to_string()).unwrap_or_default();
-            if refusal == Refusal::NotSynced {
-                tracing::info!(stream = self.id, %peer, node = %self.node_id, "ADS stream turned away: {refusal}");
-            } else {
-                tracing::warn!(stream = self.id, %peer, node = %self.node_id, reason = refusal.reason(), suppressed, "ADS stream refused: {refusal}");
-            }
+            tracing::warn!(stream = self.id, %peer, node = %self.node_id, reason, suppressed, "ADS stream ended: {why}");
         }
-        let status = match refusal {
-            // Envoy retries on UNAVAILABLE; the pods will be known shortly.
-            Refusal::NotSynced => Status::unavailable(refusal.to_string()),
-            _ => Status::permission_denied(refusal.to_string()),
-        };
-        let _ = self.tx.send(Err(status)).await;
     }
 
     async fn serve(&mut self) -> Ended {
         // Hold requests until the mesh is known: answering from nothing would let Envoy start
-        // on an empty config.
+        // on an empty config (and the mesh says how large a request may be).
         let mut snapshot = loop {
             if let Some(snapshot) = self.snapshots.borrow_and_update().clone() {
                 break snapshot;
             }
             tokio::select! {
-                changed = self.snapshots.changed() => if changed.is_err() { return "agent shutting down".into() },
-                () = self.shutdown.cancelled() => return "agent shutting down".into(),
+                changed = self.snapshots.changed() => if changed.is_err() { return Ended::ShuttingDown },
+                () = self.shutdown.cancelled() => return Ended::ShuttingDown,
             }
         };
-        let mut view = snapshot.clone();
+        self.inbound.set_limit(self.bounds.of(&snapshot));
+        self.inbound.expect_message();
+        let first = tokio::select! {
+            message = self.inbound.message() => match message {
+                Ok(Some(request)) => request,
+                Ok(None) => return "proxy closed the stream before its first request".into(),
+                Err(error) => return Ended::Failed(error),
+            },
+            () = self.shutdown.cancelled() => return Ended::ShuttingDown,
+        };
+        if let Some(latest) = self.snapshots.borrow_and_update().clone() {
+            snapshot = latest;
+            self.inbound.set_limit(self.bounds.of(&snapshot));
+        }
+        let node_id = A::node(&first).map(|n| n.id.as_str());
+        tracing::debug!(stream = self.id, bytes = prost::Message::encoded_len(&first), node = %shown(node_id.unwrap_or_default()), "first request");
+        match self.identity.verify(self.peer, node_id) {
+            Ok(pod) => {
+                let shown_pod = pod.as_ref().map(PodKey::to_string);
+                self.proxies.update(self.id, |p| p.pod = shown_pod);
+                self.scope_if_known(pod.as_ref());
+                self.verified = Some(pod);
+            }
+            Err(refusal) => {
+                self.node_id = shown(node_id.unwrap_or_default()).into_owned();
+                return Ended::Refused(refusal);
+            }
+        }
+        let mut view = self.view_of(&snapshot);
+        let mut pushes = self.on_request(&first, &view);
         loop {
-            let pushes = tokio::select! {
+            for push in pushes {
+                if self.tx.send(push.response).await.is_err() {
+                    return "proxy went away".into();
+                }
+                self.metrics.pushed(push.kind, snapshot.changed_at);
+                tracing::debug!(stream = self.id, node = %self.node_id, kind = push.kind.short(), version = snapshot.version, "pushed");
+            }
+            // A DNS answer may be waiting for this proxy to hold a service its pod just
+            // resolved: tell it once the proxy holds the whole view.
+            if let Some(scoped) = &self.scoped
+                && scoped.watch.awaited(scoped.generation)
+                && self.state.holds(&view)
+            {
+                scoped.watch.held(scoped.generation);
+            }
+            pushes = tokio::select! {
                 message = self.inbound.message() => match message {
-                    Ok(Some(request)) => {
-                        if self.verified.is_none() {
-                            let node_id = A::node(&request).map(|n| n.id.as_str());
-                            match self.identity.verify(self.peer, node_id) {
-                                Ok(pod) => {
-                                    let shown = pod.as_ref().map(PodKey::to_string);
-                                    self.proxies.update(self.id, |p| p.pod = shown);
-                                    self.scope_if_known(pod.as_ref());
-                                    self.verified = Some(pod);
-                                    view = self.view_of(&snapshot);
-                                }
-                                Err(refusal) => {
-                                    self.node_id = node_id.unwrap_or_default().to_string();
-                                    return Ended::Refused(refusal);
-                                }
-                            }
-                        }
-                        self.on_request(&request, &view)
-                    }
+                    Ok(Some(request)) => self.on_request(&request, &view),
                     Ok(None) => return "proxy closed the stream".into(),
-                    Err(status) => return Ended::Closed(format!("stream error: {status}")),
+                    Err(error) => return Ended::Failed(error),
                 },
                 () = pods_changed(&mut self.pods) => {
                     if let (Some(Some(pod)), Some(peer), Some(pods)) = (&self.verified, self.peer, &self.pods) {
@@ -327,31 +552,17 @@ impl<A: Ads> StreamTask<A> {
                 },
                 changed = self.snapshots.changed() => {
                     if changed.is_err() {
-                        return "agent shutting down".into();
+                        return Ended::ShuttingDown;
                     }
                     if let Some(latest) = self.snapshots.borrow_and_update().clone() {
                         snapshot = latest;
+                        self.inbound.set_limit(self.bounds.of(&snapshot));
                     }
                     view = self.view_of(&snapshot);
                     self.state.on_snapshot(&view)
                 },
-                () = self.shutdown.cancelled() => return "agent shutting down".into(),
+                () = self.shutdown.cancelled() => return Ended::ShuttingDown,
             };
-            for push in pushes {
-                if self.tx.send(Ok(push.response)).await.is_err() {
-                    return "proxy went away".into();
-                }
-                self.metrics.pushed(push.kind, snapshot.changed_at);
-                tracing::debug!(stream = self.id, node = %self.node_id, kind = push.kind.short(), version = snapshot.version, "pushed");
-            }
-            // A DNS answer may be waiting for this proxy to hold a service its pod just
-            // resolved: tell it once the proxy holds the whole view.
-            if let Some(scoped) = &self.scoped
-                && scoped.watch.awaited(scoped.generation)
-                && self.state.holds(&view)
-            {
-                scoped.watch.held(scoped.generation);
-            }
         }
     }
 
@@ -400,15 +611,18 @@ impl<A: Ads> StreamTask<A> {
         if self.node_id.is_empty()
             && let Some(node) = A::node(request)
         {
-            self.node_id = node.id.clone();
-            let node_id = node.id.clone();
+            self.node_id = shown(&node.id).into_owned();
+            let node_id = self.node_id.clone();
             self.proxies.update(self.id, |p| p.node_id = node_id);
-            tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, "proxy connected");
+            if let Some(suppressed) = self.lifecycle.admit_kind("connected") {
+                tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, suppressed, "proxy connected");
+            }
         }
         let (pushes, events) = self.state.on_request(request, snapshot);
         for event in events {
             match event {
                 Event::Ack { kind, version } => {
+                    let version = shown(&version).into_owned();
                     self.proxies.update(self.id, |p| {
                         p.acked.insert(kind.short(), version);
                     });
@@ -420,16 +634,70 @@ impl<A: Ads> StreamTask<A> {
                 } => {
                     self.metrics.nacked(kind);
                     self.proxies.update(self.id, |p| p.nacks += 1);
-                    tracing::warn!(stream = self.id, node = %self.node_id, kind = kind.short(), %version, %error, "proxy rejected config (NACK); keeping its last good version");
+                    if let Some(suppressed) = self.log.admit_kind("nack") {
+                        tracing::warn!(stream = self.id, node = %self.node_id, kind = kind.short(), version = %shown(&version), error = %shown(&error), suppressed, "proxy rejected config (NACK); keeping its last good version");
+                    }
                 }
                 Event::StaleNonce { kind, nonce } => {
-                    tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), %nonce, "ignoring stale nonce");
+                    tracing::debug!(stream = self.id, node = %self.node_id, kind = kind.short(), nonce = %shown(&nonce), "ignoring stale nonce");
                 }
                 Event::UnknownType { type_url } => {
-                    tracing::warn!(stream = self.id, node = %self.node_id, %type_url, "request for a type this server does not serve");
+                    if let Some(suppressed) = self.log.admit_kind("unknown_type") {
+                        tracing::warn!(stream = self.id, node = %self.node_id, type_url = %shown(&type_url), suppressed, "request for a type this server does not serve");
+                    }
                 }
             }
         }
         pushes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::xds::admission::Caps;
+
+    fn gauge(registry: &Registry, name: &str) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    #[test]
+    fn a_stream_gives_back_what_it_held_even_when_its_task_panics() {
+        let mut registry = Registry::default();
+        let metrics = XdsMetrics::register(&mut registry);
+        let proxies = ProxyRegistry::default();
+        let admission = Admission::new(Caps {
+            connections: 1,
+            connections_per_peer: 1,
+            streams: 1,
+            streams_per_peer: 1,
+        });
+        let peer: IpAddr = "10.0.0.7".parse().unwrap();
+        let slot = admission.stream(peer).unwrap();
+        let guard = StreamGuard::new(1, "delta", Some(peer), slot, &proxies, &metrics);
+        assert_eq!(proxies.list().len(), 1);
+        assert_eq!(
+            gauge(&registry, "lattice_xds_connected_proxies "),
+            "lattice_xds_connected_proxies 1"
+        );
+        let panicked = std::thread::spawn(move || {
+            let _held = guard;
+            panic!("a bug in a stream's task");
+        })
+        .join();
+        assert!(panicked.is_err());
+        assert!(proxies.list().is_empty(), "its /debug/xds entry");
+        assert_eq!(
+            gauge(&registry, "lattice_xds_connected_proxies "),
+            "lattice_xds_connected_proxies 0"
+        );
+        assert!(admission.stream(peer).is_ok(), "its slot");
     }
 }

@@ -1,0 +1,59 @@
+//! `cargo xtask bench --only hostile`: hostile clients beside honest ones. Its xDS half runs
+//! the ignored test of `tests/tests/xds_hostile.rs` (the real agent at 10k services from a mesh
+//! file, a real Envoy timed by its ACKs, and the attacks of issue 32: a 10M-name subscription,
+//! 4000 streams from one address, 100 clients that never read, streams that never send a first
+//! request, garbage in place of HTTP/2) and returns the figures it prints: the agent's RSS
+//! quiet, at its peak under attack and after the attackers went, the Envoy's change p50 and
+//! p99 quiet and under attack, and the agent's refusal counters. Sizes from the environment,
+//! as the xDS benchmark's (see `run`); `LATTICE_BENCH_HOSTILE_ATTACKS` chooses the attacks. A
+//! smoke run uses 100 services, 10 changes and small attacks, and a debug build.
+
+use crate::scale_test::ScaleTest;
+
+const XDS: ScaleTest<'static> = ScaleTest {
+    file: "xds_hostile",
+    test: "xds_hostile_clients_beside_an_honest_envoy",
+    marker: "BENCH_HOSTILE_XDS_JSON ",
+};
+
+pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
+    // (variable, smoke, full); a variable already set in the environment wins.
+    let sizes = [
+        ("LATTICE_BENCH_SERVICES", "100", "10000"),
+        ("LATTICE_BENCH_CHANGES", "10", "100"),
+        ("LATTICE_BENCH_HOSTILE_NAMES", "100000", "10000000"),
+        ("LATTICE_BENCH_HOSTILE_STREAMS", "200", "4000"),
+        ("LATTICE_BENCH_HOSTILE_IDLE", "10", "100"),
+        ("LATTICE_BENCH_HOSTILE_SILENT", "20", "400"),
+        ("LATTICE_BENCH_HOSTILE_GARBAGE", "20", "1000"),
+    ];
+    let envs = sizes.iter().map(|(name, small, full)| {
+        let default = if smoke { small } else { full };
+        (
+            name.to_string(),
+            std::env::var(name).unwrap_or_else(|_| default.to_string()),
+        )
+    });
+    let xds = XDS.run(smoke, envs)?;
+    print_summary(&xds);
+    Ok(serde_json::json!({ "xds": xds }))
+}
+
+fn print_summary(xds: &serde_json::Value) {
+    let mib = &xds["agent_rss_mib"];
+    let change = &xds["envoy_change_ms"];
+    let f = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
+    println!(
+        "xDS, {} services: agent RSS {} MiB quiet, {} at the peak under attack (+{}), {} after \
+         ({}x); Envoy change p99 {} ms quiet, {} under attack ({}x)",
+        xds["services"],
+        f(&mib["quiet"]),
+        f(&mib["attack_peak"]),
+        f(&mib["growth_under_attack"]),
+        f(&mib["after"]),
+        f(&mib["after_vs_quiet"]),
+        f(&change["quiet"]["p99"]),
+        f(&change["under_attack"]["p99"]),
+        f(&change["p99_ratio"]),
+    );
+}
