@@ -1,4 +1,6 @@
-//! `cargo xtask bench --only hostile`: hostile clients beside honest ones. Its xDS half runs
+//! `cargo xtask bench --only hostile`: hostile clients beside honest ones, in three parts: the
+//! xDS server's, the DNS server's ([`crate::bench_hostile_dns`]) and the mesh file's
+//! ([`crate::bench_hostile_file`]). The xDS part runs
 //! the ignored test of `tests/tests/xds_hostile.rs` (the real agent at 10k services from a mesh
 //! file, a real Envoy timed by its ACKs, and the attacks of issue 32: a 10M-name subscription,
 //! 4000 streams from one address, 100 clients that never read, streams that never send a first
@@ -36,7 +38,9 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
     });
     let xds = XDS.run(smoke, envs)?;
     print_summary(&xds);
-    Ok(serde_json::json!({ "xds": xds }))
+    let dns = crate::bench_hostile_dns::run(smoke)?;
+    let file = crate::bench_hostile_file::run(smoke)?;
+    Ok(serde_json::json!({ "xds": xds, "dns": dns, "mesh_file": file }))
 }
 
 fn print_summary(xds: &serde_json::Value) {

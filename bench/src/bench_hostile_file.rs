@@ -1,4 +1,4 @@
-//! `cargo xtask bench --only hostile-file`: the real agent (release; debug for a smoke run)
+//! The mesh file's part of `cargo xtask bench --only hostile`: the real agent (release; debug for a smoke run)
 //! following a mesh file that is replaced by hostile YAML of 10 MB, beside an honest edit in
 //! the same run:
 //!
@@ -13,57 +13,10 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use anyhow::ensure;
 
-use anyhow::{Context as _, ensure};
-use lattice_e2e::agent::{free_ports, http_get};
+use crate::agent::Agent;
 use serde_json::{Value, json};
-
-/// The agent, run from `binary` on loopback, killed when dropped.
-struct Agent {
-    child: Child,
-    admin: SocketAddr,
-}
-
-impl Agent {
-    fn start(binary: &Path, args: &[&str]) -> anyhow::Result<Agent> {
-        let [xds, dns, admin] = free_ports();
-        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
-        let child = Command::new(binary)
-            .arg(format!("--xds-addr={}", loopback(xds)))
-            .arg(format!("--dns-addr={}", loopback(dns)))
-            .arg(format!("--admin-addr={}", loopback(admin)))
-            .arg("--upstream-dns=127.0.0.1:9")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting lattice-agent")?;
-        let agent = Agent {
-            child,
-            admin: loopback(admin),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !matches!(http_get(agent.admin, "/readyz"), Ok((200, _))) {
-            ensure!(Instant::now() < deadline, "the agent never got ready");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(agent)
-    }
-
-    fn mesh(&self) -> anyhow::Result<Value> {
-        let (_, body) = http_get(self.admin, "/debug/mesh")?;
-        Ok(serde_json::from_str(&body)?)
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn mesh(name: &str) -> String {
     format!("services:\n  - path: /bench/{name}\n    ports:\n      - port: 80\n")

@@ -2,8 +2,10 @@
 //! bench` and `cargo xtask demo` build it with the workspace and run it; it needs the end-to-end
 //! harness (network namespaces, the real binaries, Envoy), which xtask itself does not link.
 
+mod agent;
 mod bench_dns;
 mod bench_hostile;
+mod bench_hostile_dns;
 mod bench_hostile_file;
 mod bench_init;
 mod bench_kube;
@@ -32,7 +34,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube, xds, init, hostile, hostile-file); all when empty.
+        /// Only these parts (dns, kube, xds, init, hostile); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -75,13 +77,12 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 6] = [
+    let runners: [(&str, BenchPart); 5] = [
         ("dns", bench_dns::run),
         ("kube", bench_kube::run),
         ("xds", bench_xds::run),
         ("init", bench_init::run),
         ("hostile", bench_hostile::run),
-        ("hostile-file", bench_hostile_file::run),
     ];
     if let Some(unknown) = only
         .iter()

@@ -421,6 +421,7 @@ pub fn query(id: u16, name: &str) -> std::io::Result<Vec<u8>> {
 pub struct Upstream {
     pub addr: SocketAddr,
     stopping: Arc<AtomicBool>,
+    muted: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -434,13 +435,17 @@ impl Upstream {
         socket.set_read_timeout(Some(Duration::from_millis(100)))?;
         let addr = socket.local_addr()?;
         let stopping = Arc::new(AtomicBool::new(false));
-        let stop = stopping.clone();
+        let muted = Arc::new(AtomicBool::new(false));
+        let (stop, mute) = (stopping.clone(), muted.clone());
         let thread = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while !stop.load(Ordering::Relaxed) {
                 let Ok((len, peer)) = socket.recv_from(&mut buf) else {
                     continue;
                 };
+                if mute.load(Ordering::Relaxed) {
+                    continue;
+                }
                 let Ok(query) = Message::from_vec(&buf[..len]) else {
                     continue;
                 };
@@ -452,8 +457,14 @@ impl Upstream {
         Ok(Upstream {
             addr,
             stopping,
+            muted,
             thread: Some(thread),
         })
+    }
+
+    /// Blackholed while muted: reads every query and answers none.
+    pub fn mute(&self, muted: bool) {
+        self.muted.store(muted, Ordering::Relaxed);
     }
 }
 
