@@ -40,8 +40,12 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
             std::env::var(name).unwrap_or_else(|_| default.to_string()),
         )
     });
-    let report = SCALE.run(smoke, envs)?;
+    let mut report = SCALE.run(smoke, envs)?;
     print_table(&report);
+    // A debug build's memory says nothing of the release agent's.
+    if !smoke {
+        report["sizing"] = crate::sizing::check(&report)?;
+    }
     Ok(report)
 }
 

@@ -12,6 +12,7 @@ mod bench_kube;
 mod bench_xds;
 mod demo;
 mod scale_test;
+mod sizing;
 
 use std::path::Path;
 use std::process::Command;

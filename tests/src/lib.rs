@@ -15,4 +15,5 @@ pub mod mesh_source;
 pub mod netns;
 pub mod node;
 pub mod raw_grpc;
+pub mod sizing;
 pub mod wait;

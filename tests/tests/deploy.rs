@@ -19,6 +19,7 @@ use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use lattice_e2e::agent::Agent;
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
@@ -202,7 +203,30 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
         Some("spec.nodeName")
     );
     let resources = agent.resources.as_ref().context("agent resources")?;
-    assert!(resources.requests.is_some() && resources.limits.is_some());
+    // The agent's memory is the sizing table's 10k row (docs/install.md), which the xDS
+    // benchmark holds to what it measures.
+    let ten_k = lattice_e2e::sizing::read(&root())?
+        .into_iter()
+        .find(|row| row.services == 10_000)
+        .context("the sizing table has no 10k row")?;
+    let mib = |quantities: &Option<BTreeMap<String, Quantity>>| -> anyhow::Result<f64> {
+        let memory = quantities
+            .as_ref()
+            .and_then(|q| q.get("memory"))
+            .context("no memory")?;
+        let number = memory.0.strip_suffix("Mi").context("memory not in Mi")?;
+        Ok(number.parse()?)
+    };
+    assert!(
+        mib(&resources.requests)? >= ten_k.peak_mib,
+        "the agent's memory request is below the 10k row's measured peak, {} MiB",
+        ten_k.peak_mib
+    );
+    assert_eq!(
+        mib(&resources.limits)?,
+        ten_k.limit_mib,
+        "the agent's memory limit is not the 10k row's"
+    );
     let security = agent
         .security_context
         .as_ref()
