@@ -134,6 +134,14 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_NODE_LOCAL_DNS", value_name = "ADDR")]
     pub node_local_dns: Option<std::net::IpAddr>,
 
+    /// A directory on the node for the agent's state across restarts and upgrades: the address
+    /// record (addresses.json), so that every name keeps its own address whatever order the
+    /// providers report in after a restart. Without it addresses are derived from the names
+    /// alone, and a name that had to move (its address was taken first) may move again. The
+    /// manifests use a hostPath, /var/lib/lattice.
+    #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
     /// TTL, in seconds, of answers for mesh names.
     #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
     pub dns_ttl: u32,

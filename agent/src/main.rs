@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{AdminServer, AdminState};
-use lattice_agent::catalog::{Catalog, Feed};
+use lattice_agent::catalog::{AddressRecordFile, Catalog, Feed};
 use lattice_agent::config::{AgentConfig, LogFormat, ProxyScope};
 use lattice_agent::identity::{self, IdentityCheck};
 use lattice_agent::mesh::locality::{ZoneSource, place_name};
@@ -237,12 +237,16 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         });
         file_txs.push(tx);
     }
-    let (catalog, catalog_status) = Catalog::new(
+    let (mut catalog, catalog_status) = Catalog::new(
         config.trap_cidr.clone(),
         feeds,
         &readiness,
         metrics.mesh.clone(),
     );
+    if let Some(dir) = &config.state_dir {
+        let (record, book) = AddressRecordFile::load(dir, &config.trap_cidr, metrics.mesh.clone());
+        catalog = catalog.with_address_record(record, book);
+    }
     let admin_state = AdminState {
         mesh: mesh_rx,
         catalog: catalog_status,

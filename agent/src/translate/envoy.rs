@@ -1639,7 +1639,12 @@ mod tests {
     #[test]
     fn listener_picks_chains_by_destination_and_has_no_default() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let mesh = example(&mut state);
+        let db = mesh.services[&"/foo/db".parse::<crate::mesh::MeshPath>().unwrap()]
+            .address
+            .ip()
+            .unwrap();
+        let xds = EnvoyTranslator::default().translate(&mesh);
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(
             listener.listener_filters[0].name,
@@ -1660,11 +1665,7 @@ mod tests {
                     8080,
                     "envoy.filters.network.http_connection_manager"
                 ),
-                (
-                    "240.240.0.2".to_string(),
-                    5432,
-                    "envoy.filters.network.tcp_proxy"
-                ),
+                (db.to_string(), 5432, "envoy.filters.network.tcp_proxy"),
             ]
         );
         let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
