@@ -176,7 +176,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         resolver: config.envoy_dns_resolver(),
     };
     tracing::info!(resolver = ?external_dns.resolver, "external services' host names are resolved by Envoy through this DNS server (None: the pod's resolv.conf)");
-    let pipeline = pipeline.with_external_dns(external_dns);
+    let pipeline = pipeline
+        .with_external_dns(external_dns)
+        .with_capture_port(config.envoy_port);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
     // node-local address, so it must exist first. Dropped on an early return, it removes

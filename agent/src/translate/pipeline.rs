@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lattice_contract::CapturePort;
 use lattice_dns::NameTable;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -38,6 +39,7 @@ pub struct Pipeline {
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
     external_dns: ExternalDns,
+    capture_port: CapturePort,
 }
 
 impl Pipeline {
@@ -62,6 +64,7 @@ impl Pipeline {
             xds_ready: Some(readiness.register("envoy resources")),
             names_ready: Some(readiness.register("dns names")),
             external_dns: ExternalDns::default(),
+            capture_port: CapturePort::default(),
         };
         let published = Published {
             xds: xds_rx,
@@ -73,6 +76,12 @@ impl Pipeline {
     /// How Envoy resolves external services' host names.
     pub fn with_external_dns(mut self, external_dns: ExternalDns) -> Self {
         self.external_dns = external_dns;
+        self
+    }
+
+    /// Where the capture listener listens in every pod (`--envoy-port`).
+    pub fn with_capture_port(mut self, port: CapturePort) -> Self {
+        self.capture_port = port;
         self
     }
 
@@ -117,7 +126,10 @@ impl Pipeline {
                     zone = node.zone.as_deref().unwrap_or("-"),
                     "endpoint priorities follow this node"
                 );
-                envoy = Some(EnvoyTranslator::new(node, self.external_dns.clone()));
+                envoy = Some(
+                    EnvoyTranslator::new(node, self.external_dns.clone())
+                        .with_capture_port(self.capture_port),
+                );
             }
             let (Some(envoy), Some(mesh)) = (envoy.as_mut(), mesh) else {
                 continue;
