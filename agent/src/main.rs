@@ -135,7 +135,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         if config.mesh_files[..i].contains(path) {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
-        files.push(FileSource::load(path, config.trap_cidr.clone())?);
+        // Off the runtime: the first read of a large file parses on every core.
+        let (path, trap) = (path.clone(), config.trap_cidr.clone());
+        let loading = tokio::task::spawn_blocking(move || FileSource::load(&path, trap));
+        files.push(loading.await.context("loading a mesh file")??);
     }
     node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {

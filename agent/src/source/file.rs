@@ -507,7 +507,20 @@ impl FileSource {
                 continue;
             }
             std::mem::swap(&mut last_text, &mut text);
-            match self.apply(&last_text) {
+            // Read and merged off the runtime: a 10k-service edit parses on every core for
+            // tens of milliseconds, which would hold a worker that serves DNS and xDS.
+            let reading = tokio::task::spawn_blocking(move || {
+                let applied = self.apply(&last_text);
+                (self, last_text, applied)
+            });
+            let applied;
+            (self, last_text, applied) = match reading.await {
+                Ok(done) => done,
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                // Cancelled: the runtime is shutting down.
+                Err(_) => return Ok(()),
+            };
+            match applied {
                 Ok(snapshot) => {
                     tracing::info!(
                         file = %self.path.display(),
