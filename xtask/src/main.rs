@@ -65,7 +65,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube, xds, init); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -356,8 +356,9 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 4] = [
+    let runners: [(&str, BenchPart); 5] = [
         ("dns", bench_dns::run),
+        ("translate", bench_dns::during_translation),
         ("kube", bench_kube::run),
         ("xds", bench_xds::run),
         ("init", bench_init::run),
@@ -366,7 +367,7 @@ fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
         .iter()
         .find(|o| !runners.iter().any(|(part, _)| part == o))
     {
-        bail!("unknown benchmark part {unknown:?}; the parts are dns, kube, xds, init");
+        bail!("unknown benchmark part {unknown:?}; the parts are dns, translate, kube, xds, init");
     }
     let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     let mut results = serde_json::Map::new();
