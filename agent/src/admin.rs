@@ -200,6 +200,9 @@ async fn debug_mesh(State(state): State<AdminState>) -> Response {
         Ok(mut value) => {
             value["providers"] = serde_json::to_value(&catalog.providers).unwrap_or_default();
             value["conflicts"] = serde_json::to_value(&catalog.conflicts).unwrap_or_default();
+            if let Some(addresses) = &catalog.addresses {
+                value["addresses"] = serde_json::to_value(addresses).unwrap_or_default();
+            }
             value["node"] = serde_json::to_value(&*state.node.borrow()).unwrap_or_default();
             value["health_note"] = HEALTH_NOTE.into();
             axum::Json(value).into_response()

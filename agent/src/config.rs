@@ -8,7 +8,9 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
-use lattice_contract::{ADMIN_PORT, DEFAULT_TRAP_CIDR, LOCAL_DNS_PORT, TrapCidrs, XDS_PORT};
+use lattice_contract::{
+    ADMIN_PORT, CapturePort, DEFAULT_TRAP_CIDR, LOCAL_DNS_PORT, TrapCidrs, XDS_PORT,
+};
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -192,6 +194,12 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_TRAP_CIDR", default_value = DEFAULT_TRAP_CIDR, value_name = "CIDR[,CIDR]", value_parser = parse_trap)]
     pub trap_cidr: TrapCidrs,
 
+    /// Port of the capture listener the agent serves every proxy: where lattice-init redirects
+    /// the trapped block in each pod, so give lattice-init the same --envoy-port. Not Envoy's
+    /// admin (15000) or readiness (15021) port.
+    #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = CapturePort::default(), value_name = "PORT")]
+    pub envoy_port: CapturePort,
+
     /// Upstream DNS servers for every name outside the mesh (repeat or comma-separate; port 53
     /// unless given). Default: the nameservers of /etc/resolv.conf.
     #[arg(long, env = "LATTICE_UPSTREAM_DNS", value_delimiter = ',', value_name = "ADDR", value_parser = parse_upstream)]
@@ -203,6 +211,14 @@ pub struct AgentConfig {
     /// manifests use 169.254.20.10.
     #[arg(long, env = "LATTICE_NODE_LOCAL_DNS", value_name = "ADDR")]
     pub node_local_dns: Option<std::net::IpAddr>,
+
+    /// A directory on the node for the agent's state across restarts and upgrades: the address
+    /// record (addresses.json), so that every name keeps its own address whatever order the
+    /// providers report in after a restart. Without it addresses are derived from the names
+    /// alone, and a name that had to move (its address was taken first) may move again. The
+    /// manifests use a hostPath, /var/lib/lattice.
+    #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 
     /// TTL, in seconds, of answers for mesh names.
     #[arg(long, env = "LATTICE_DNS_TTL", default_value_t = 30)]
@@ -505,6 +521,7 @@ mod tests {
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");
+        assert_eq!(config.envoy_port.get(), 15001);
         assert_eq!(config.dns_ttl, 30);
         assert_eq!(config.dns_cache_entries, 10_000);
         assert_eq!(config.dns_cache_bytes, 16 << 20);

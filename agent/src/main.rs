@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{self, AdminServer, AdminState};
-use lattice_agent::catalog::{Catalog, Feed};
+use lattice_agent::catalog::{AddressRecordFile, Catalog, Feed};
 use lattice_agent::config::{
     AgentConfig, LogFormat, PathClaimRule, ProxyScope, RequestBytes, XdsLimitFlags,
 };
@@ -159,11 +159,14 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         if config.mesh_files[..i].contains(path) {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
-        files.push(FileSource::load(
-            path,
+        // Off the runtime: the first read of a large file parses on every core.
+        let (path, trap, limits) = (
+            path.clone(),
             config.trap_cidr.clone(),
             mesh_file_limits(&config),
-        )?);
+        );
+        let loading = tokio::task::spawn_blocking(move || FileSource::load(&path, trap, limits));
+        files.push(loading.await.context("loading a mesh file")??);
     }
     node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {
@@ -207,7 +210,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         resolver: config.envoy_dns_resolver(),
     };
     tracing::info!(resolver = ?external_dns.resolver, "external services' host names are resolved by Envoy through this DNS server (None: the pod's resolv.conf)");
-    let pipeline = pipeline.with_external_dns(external_dns);
+    let pipeline = pipeline
+        .with_external_dns(external_dns)
+        .with_capture_port(config.envoy_port);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
     // node-local address, so it must exist first; it stays when the agent stops, for the agent
@@ -289,12 +294,16 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         });
         file_txs.push(tx);
     }
-    let (catalog, catalog_status) = Catalog::new(
+    let (mut catalog, catalog_status) = Catalog::new(
         config.trap_cidr.clone(),
         feeds,
         &readiness,
         metrics.mesh.clone(),
     );
+    if let Some(dir) = &config.state_dir {
+        let (record, book) = AddressRecordFile::load(dir, &config.trap_cidr, metrics.mesh.clone());
+        catalog = catalog.with_address_record(record, book);
+    }
     let admin_state = AdminState {
         mesh: mesh_rx,
         catalog: catalog_status,

@@ -24,7 +24,7 @@ use lattice_contract::TrapCidrs;
 use serde::Serialize;
 use tokio::sync::watch;
 
-pub use address::{AddressBook, AddressError};
+pub use address::{AddressBook, AddressError, AddressRecord, RestoreReport};
 pub use health::HealthPolicy;
 pub use locality::{Hints, NodeLocality, TrafficDistribution};
 pub use metrics::MeshMetrics;
@@ -675,8 +675,13 @@ pub struct MeshState {
 
 impl MeshState {
     pub fn new(trap: TrapCidrs) -> Self {
+        MeshState::with_address_book(AddressBook::new(trap))
+    }
+
+    /// An empty state whose addresses start from `book` (one restored from the node's record).
+    pub fn with_address_book(book: AddressBook) -> Self {
         MeshState {
-            addresses: AddressBook::new(trap),
+            addresses: book,
             services: ServiceMap::new(),
             instance_of: imbl::HashMap::new(),
             rejected_routes: Arc::from([]),
@@ -810,6 +815,11 @@ impl MeshState {
             }
         }
         Ok(instances)
+    }
+
+    /// Who holds which address: what the node's record is written from.
+    pub fn address_book(&self) -> &AddressBook {
+        &self.addresses
     }
 
     /// The service at `path`, as last upserted.

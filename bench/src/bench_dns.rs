@@ -313,6 +313,11 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .with_context(|| format!("starting {name} ({})", program.to_string_lossy()))?;
+        Server::answering(name, child, port)
+    }
+
+    /// `child`, once it answers the first mesh name on `port`.
+    fn answering(name: &'static str, child: Child, port: u16) -> anyhow::Result<Self> {
         let mut server = Self { name, port, child };
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
@@ -554,4 +559,238 @@ fn dnsperf(server: &Server, queries: &Path, seconds: u64, load: Load) -> anyhow:
         result["p999_ms"] = json!(percentile(0.999));
     }
     Ok(result)
+}
+
+// ---------------------------------------------------------------------------------------------
+// DNS during a large translation (`--only translate`). Self-contained below this line: its own
+// helpers (fmt, env_or, free_tcp_port, logged_translations); it shares only Server, dnsperf,
+// medians, mesh_name, NAMES, free_port and Load with the comparison above.
+// ---------------------------------------------------------------------------------------------
+
+/// `cargo xtask bench --only translate`: the real agent's DNS latency while it translates a
+/// 10k-service mesh, against the same agent quiet, in one run. The agent (release; debug for a
+/// smoke run; `LATTICE_BENCH_AGENT` names another binary, such as an older build to compare
+/// with) serves a mesh file of `services` HTTP services; dnsperf asks 1000 of their names at a
+/// fixed rate, in turns: quiet, then while the file is rewritten every `REWRITE` with every
+/// service's port changed (so each rewrite makes the agent parse, merge and translate every
+/// service anew: clusters, endpoints, the listener, the routes and the name table), and so on
+/// for `rounds` rounds. Each figure is the median of the rounds. Everything listens on
+/// 127.0.0.1 only; the agent's upstream DNS is an address nothing listens on.
+pub fn during_translation(smoke: bool) -> anyhow::Result<Value> {
+    const REWRITE: Duration = Duration::from_millis(500);
+    let services: usize = env_or(
+        "LATTICE_BENCH_TRANSLATE_SERVICES",
+        if smoke { 1000 } else { 10_000 },
+    );
+    let seconds: u64 = env_or(
+        "LATTICE_BENCH_TRANSLATE_SECONDS",
+        if smoke { 2 } else { 10 },
+    );
+    let rounds: usize = env_or("LATTICE_BENCH_TRANSLATE_ROUNDS", if smoke { 1 } else { 3 });
+    let rate: u64 = env_or("LATTICE_BENCH_TRANSLATE_QPS", 2000);
+    let agent_binary = match std::env::var_os("LATTICE_BENCH_AGENT") {
+        Some(path) => PathBuf::from(path),
+        None => xtask::built_executable("lattice-agent", !smoke)?,
+    };
+    let work = crate::WorkDir::new("translate")?;
+    let dir = work.path();
+    let mesh = dir.join("mesh.yaml");
+    let write_mesh = |port: u16| -> anyhow::Result<()> {
+        let mut text = String::from("services:\n");
+        for i in 0..services {
+            let i = u32::try_from(i)?;
+            writeln!(
+                text,
+                "  - path: /ns{}/svc{i}\n    ports:\n      - {{port: {port}, protocol: http}}\n    endpoints:\n      - address: 10.1.{}.{}",
+                i % 10,
+                i / 250 % 250,
+                i % 250 + 1
+            )?;
+        }
+        let tmp = dir.join("mesh.tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &mesh)?;
+        Ok(())
+    };
+    write_mesh(8080)?;
+    let queries = dir.join("mesh.queries");
+    let names: String = (0..NAMES.min(u32::try_from(services)?))
+        .map(|i| format!("{} A\n", mesh_name(i)))
+        .collect();
+    std::fs::write(&queries, names)?;
+
+    let [dns_port, xds_port, admin_port] = [free_port()?, free_tcp_port()?, free_tcp_port()?];
+    let log_path = dir.join("agent.log");
+    // Not pinned: the agent's threads (the runtime's workers, the translators) use both cores,
+    // as on a node.
+    let child = Command::new(&agent_binary)
+        .arg("--mesh-file")
+        .arg(&mesh)
+        .arg(format!("--dns-addr=127.0.0.1:{dns_port}"))
+        .arg(format!("--xds-addr=127.0.0.1:{xds_port}"))
+        .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
+        .arg("--upstream-dns=127.0.0.1:9")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()
+        .with_context(|| format!("starting {}", agent_binary.display()))?;
+    let agent = Server::answering("lattice-agent", child, dns_port)?;
+
+    let mut quiet_runs = Vec::new();
+    let mut busy_runs = Vec::new();
+    let mut translations = Vec::new();
+    for _ in 0..rounds {
+        quiet_runs.push(dnsperf(&agent, &queries, seconds, Load::Rate(rate))?);
+        let log_before = std::fs::metadata(&log_path).map(|m| m.len()).unwrap_or(0);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let busy = std::thread::scope(|scope| -> anyhow::Result<Value> {
+            let writer = scope.spawn(|| -> anyhow::Result<usize> {
+                let mut rewrites = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    write_mesh(if rewrites % 2 == 0 { 8081 } else { 8080 })?;
+                    rewrites += 1;
+                    std::thread::sleep(REWRITE);
+                }
+                // Back to the quiet mesh's shape.
+                if rewrites % 2 == 1 {
+                    write_mesh(8080)?;
+                }
+                Ok(rewrites)
+            });
+            let run = dnsperf(&agent, &queries, seconds, Load::Rate(rate));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            writer
+                .join()
+                .map_err(|_| anyhow::anyhow!("the mesh file writer panicked"))??;
+            run
+        })?;
+        busy_runs.push(busy);
+        translations.extend(logged_translations(&log_path, log_before)?);
+        // The next quiet phase starts once the last rewrite is translated: no new log line
+        // for twice the longest translation seen (a debug build's take seconds).
+        let longest = translations
+            .iter()
+            .map(|(_, ms)| *ms)
+            .fold(1000.0, f64::max);
+        settle(&log_path, Duration::from_secs_f64(2.0 * longest / 1000.0))?;
+    }
+    drop(agent);
+    let (quiet, busy) = (medians(quiet_runs), medians(busy_runs));
+    let ratio = |key: &str| {
+        let (q, b) = (
+            quiet[key].as_f64().unwrap_or(0.0),
+            busy[key].as_f64().unwrap_or(0.0),
+        );
+        if q > 0.0 { json!(b / q) } else { Value::Null }
+    };
+    let large: Vec<f64> = translations
+        .iter()
+        .filter(|(count, _)| *count == services)
+        .map(|(_, ms)| *ms)
+        .collect();
+    let mean = |values: &[f64]| {
+        (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+    };
+    let report = json!({
+        "services": services,
+        "offered_qps": rate,
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
+        "rewrite_every_ms": REWRITE.as_millis(),
+        "agent": agent_binary.display().to_string(),
+        "quiet": quiet,
+        "during_translation": busy,
+        "p99_during_over_quiet": ratio("p99_ms"),
+        "p999_during_over_quiet": ratio("p999_ms"),
+        "translations_of_every_service": large.len(),
+        "translate_ms_mean": mean(&large),
+        "translate_ms_max": large.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
+    });
+    println!(
+        "dns during a {services}-service translation: p99 {} ms quiet, {} ms during ({}×); p99.9 {} ms, {} ms ({}×); {} translations of every service, {} ms each on average",
+        fmt(&quiet["p99_ms"], 3),
+        fmt(&busy["p99_ms"], 3),
+        fmt(&report["p99_during_over_quiet"], 2),
+        fmt(&quiet["p999_ms"], 3),
+        fmt(&busy["p999_ms"], 3),
+        fmt(&report["p999_during_over_quiet"], 2),
+        large.len(),
+        fmt(&report["translate_ms_mean"], 1),
+    );
+    Ok(report)
+}
+
+fn fmt(value: &Value, digits: usize) -> String {
+    value
+        .as_f64()
+        .map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn free_tcp_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The agent's "serving mesh snapshot" lines written after `from` bytes of its log: (services,
+/// translate_ms) of each.
+fn logged_translations(log: &Path, from: u64) -> anyhow::Result<Vec<(usize, f64)>> {
+    let text = std::fs::read(log)?;
+    let from = usize::try_from(from)?.min(text.len());
+    let field = |line: &str, key: &str| -> Option<String> {
+        let rest = line.split(&format!("{key}=")).nth(1)?;
+        rest.split_whitespace().next().map(str::to_string)
+    };
+    Ok(String::from_utf8_lossy(&text[from..])
+        .lines()
+        .filter(|l| l.contains("serving mesh snapshot"))
+        .filter_map(|l| {
+            let l = without_colours(l);
+            let l = l.as_str();
+            Some((
+                field(l, "services")?.parse().ok()?,
+                field(l, "translate_ms")?.parse().ok()?,
+            ))
+        })
+        .collect())
+}
+
+/// `line` without its ANSI colour escapes (the agent colours its log even into a file).
+fn without_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| *c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// Waits until the agent's log has not grown for `window`: its last change is applied.
+fn settle(log: &Path, window: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut size = std::fs::metadata(log)?.len();
+    loop {
+        std::thread::sleep(window);
+        let now = std::fs::metadata(log)?.len();
+        if now == size {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the agent never settled; see {}",
+            log.display()
+        );
+        size = now;
+    }
 }

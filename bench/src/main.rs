@@ -35,7 +35,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube, xds, init, hostile); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init, hostile); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -78,8 +78,9 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 5] = [
+    let runners: [(&str, BenchPart); 6] = [
         ("dns", bench_dns::run),
+        ("translate", bench_dns::during_translation),
         ("kube", bench_kube::run),
         ("xds", bench_xds::run),
         ("init", bench_init::run),

@@ -2,10 +2,12 @@
 //! DNS server, and the manifests and docs that configure them. Each value here is one that two
 //! parts must agree on; a part that needs one takes it from here instead of writing it again.
 
+mod port;
 mod trap;
 
 use std::net::Ipv4Addr;
 
+pub use port::{CapturePort, CapturePortError};
 pub use trap::{TrapCidr, TrapCidrError, TrapCidrs};
 
 /// The DNS zone mesh names live under: service `/foo/bar/buzz` is `buzz.bar.foo.system.internal`.
@@ -19,10 +21,17 @@ pub const ZONE_NAMESERVER_LABEL: &str = "ns";
 /// connection that escapes capture fails instead of leaking to a real network.
 pub const DEFAULT_TRAP_CIDR: &str = "240.240.0.0/16";
 
-/// Envoy's outbound capture listener in the pod; iptables redirects the trapped block to it.
+/// Envoy's outbound capture listener in the pod by default; iptables redirects the trapped
+/// block to it. Both binaries take `--envoy-port` to move it ([`CapturePort`]).
 pub const ENVOY_OUTBOUND_PORT: u16 = 15001;
 /// Envoy's admin interface in the pod, on loopback only.
 pub const ENVOY_ADMIN_PORT: u16 = 15000;
+/// Envoy's readiness endpoint in the pod, on every address: the kubelet probes it (the mesh
+/// pod's startup probe, so that the app starts only once its proxy holds its configuration).
+pub const ENVOY_READINESS_PORT: u16 = 15021;
+/// The path of the readiness endpoint: 200 once Envoy holds its first configuration from the
+/// agent (its server state is LIVE), 503 or no answer before, and while it drains.
+pub const ENVOY_READINESS_PATH: &str = "/healthz/ready";
 /// The UID Envoy runs as; its own connections are never captured.
 pub const ENVOY_UID: u32 = 1337;
 

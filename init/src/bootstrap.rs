@@ -24,8 +24,19 @@
 //! all: a `suffix` pattern makes Envoy spell out every statistic's name to match it). A
 //! cluster's copy on each worker thread waits for its first request too (2–3 % of the sync
 //! and 11 MiB with one worker, more with more).
+//!
+//! Readiness: the kubelet cannot reach the admin interface (loopback only, and it would give
+//! away everything), so a static listener on [`ENVOY_READINESS_PORT`] answers one path,
+//! [`ENVOY_READINESS_PATH`], by asking the admin's `/ready`: 200 once Envoy's server state is
+//! LIVE, which with the subscriptions above means it holds its first clusters and listener from
+//! the agent; 503 while it drains. Before that the listener does not even accept: Envoy starts
+//! accepting on every listener only once it is initialized. A mesh pod's startup probe on it
+//! keeps the app from starting before its proxy can carry a request.
 
-use lattice_contract::{ENVOY_ADMIN_PORT, ENVOY_REGEX_PROGRAM_SIZE_ERROR, REGEX_PROGRAM_SIZE};
+use lattice_contract::{
+    ENVOY_ADMIN_PORT, ENVOY_READINESS_PATH, ENVOY_READINESS_PORT, ENVOY_REGEX_PROGRAM_SIZE_ERROR,
+    REGEX_PROGRAM_SIZE,
+};
 use serde_json::{Value, json};
 
 use crate::config::{BootstrapConfig, EnvoyStats, XdsHost, XdsMode};
@@ -43,6 +54,10 @@ pub const XDS_PING_TIMEOUT: &str = "10s";
 /// TCP keep-alive on the xDS connection: idle seconds before the first probe, seconds between
 /// probes, probes unanswered before the connection is closed.
 pub const XDS_TCP_KEEPALIVE: (u32, u32, u32) = (60, 10, 3);
+/// The static listener that answers the kubelet's readiness probe.
+pub const READINESS_LISTENER: &str = "lattice-readiness";
+/// The static cluster that points at Envoy's own admin, for the readiness listener alone.
+pub const ADMIN_CLUSTER: &str = "lattice-admin";
 
 /// The bootstrap for `config`, ready to serialize.
 pub fn bootstrap(config: &BootstrapConfig) -> Value {
@@ -123,6 +138,10 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
     if config.stats == EnvoyStats::Mesh {
         value["stats_config"] = mesh_stats();
     }
+    value["static_resources"]["listeners"] = json!([readiness_listener()]);
+    if let Some(clusters) = value["static_resources"]["clusters"].as_array_mut() {
+        clusters.push(admin_cluster());
+    }
     value["layered_runtime"] = regex_runtime();
     value
 }
@@ -140,6 +159,61 @@ fn regex_runtime() -> Value {
             "re2.max_program_size.warn_level": REGEX_PROGRAM_SIZE,
         },
     }] })
+}
+
+/// Answers `GET` [`ENVOY_READINESS_PATH`] on every address of the pod with the admin's `/ready`,
+/// and nothing else (404): the one admin page the pod's network may see.
+fn readiness_listener() -> Value {
+    json!({
+        "name": READINESS_LISTENER,
+        "address": socket_address("0.0.0.0", ENVOY_READINESS_PORT),
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "readiness",
+                    "route_config": {
+                        "name": READINESS_LISTENER,
+                        "virtual_hosts": [{
+                            "name": "readiness",
+                            "domains": ["*"],
+                            "routes": [{
+                                "match": { "path": ENVOY_READINESS_PATH },
+                                "route": {
+                                    "cluster": ADMIN_CLUSTER,
+                                    "prefix_rewrite": "/ready",
+                                    "timeout": "1s",
+                                },
+                            }],
+                        }],
+                    },
+                    "http_filters": [{
+                        "name": "envoy.filters.http.router",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+                        },
+                    }],
+                },
+            }],
+        }],
+    })
+}
+
+fn admin_cluster() -> Value {
+    json!({
+        "name": ADMIN_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": ADMIN_CLUSTER,
+            "endpoints": [{
+                "lb_endpoints": [{
+                    "endpoint": { "address": socket_address(ADMIN_ADDRESS, ENVOY_ADMIN_PORT) },
+                }],
+            }],
+        },
+    })
 }
 
 /// The statistics `--envoy-stats mesh` keeps: those that do not grow with the mesh, and two
@@ -216,6 +290,42 @@ mod tests {
                         "socket_address": { "address": "10.0.0.1", "port_value": 15010 }
                     } } }] }]
                 }
+            }, {
+                "name": "lattice-admin",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {
+                    "cluster_name": "lattice-admin",
+                    "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {
+                        "socket_address": { "address": "127.0.0.1", "port_value": 15000 }
+                    } } }] }]
+                }
+            }],
+            "listeners": [{
+                "name": "lattice-readiness",
+                "address": { "socket_address": { "address": "0.0.0.0", "port_value": 15021 } },
+                "filter_chains": [{ "filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "readiness",
+                        "route_config": {
+                            "name": "lattice-readiness",
+                            "virtual_hosts": [{
+                                "name": "readiness",
+                                "domains": ["*"],
+                                "routes": [{
+                                    "match": { "path": "/healthz/ready" },
+                                    "route": { "cluster": "lattice-admin", "prefix_rewrite": "/ready", "timeout": "1s" }
+                                }]
+                            }]
+                        },
+                        "http_filters": [{
+                            "name": "envoy.filters.http.router",
+                            "typed_config": { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" }
+                        }]
+                    }
+                }] }]
             }] },
             "deferred_stat_options": { "enable_deferred_creation_stats": true },
             "cluster_manager": { "enable_deferred_cluster_creation": true },

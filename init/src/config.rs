@@ -8,8 +8,7 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use lattice_contract::{
-    DEFAULT_TRAP_CIDR, ENVOY_OUTBOUND_PORT, ENVOY_UID, NODE_LOCAL_DNS, TrapCidrError, TrapCidrs,
-    XDS_PORT,
+    CapturePort, DEFAULT_TRAP_CIDR, ENVOY_UID, NODE_LOCAL_DNS, TrapCidrError, TrapCidrs, XDS_PORT,
 };
 
 pub use lattice_contract::TrapCidr;
@@ -37,9 +36,11 @@ pub struct Args {
     )]
     pub trap_cidr: Vec<String>,
 
-    /// Port of Envoy's outbound capture listener.
-    #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = ENVOY_OUTBOUND_PORT)]
-    pub envoy_port: u16,
+    /// Port of Envoy's capture listener, where the trapped block is redirected: the agent's
+    /// listener is on its own --envoy-port, so give both the same value. Not Envoy's admin
+    /// (15000) or readiness (15021) port.
+    #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = CapturePort::default(), value_name = "PORT")]
+    pub envoy_port: CapturePort,
 
     /// UID Envoy runs as; its traffic is never captured.
     #[arg(long, env = "LATTICE_ENVOY_UID", default_value_t = ENVOY_UID)]
@@ -246,10 +247,6 @@ pub enum ConfigError {
     #[error(transparent)]
     Trap(#[from] TrapCidrError),
     #[error(
-        "--envoy-port 0 is not a usable port; give Envoy's capture listener port (1-65535), default 15001"
-    )]
-    EnvoyPort,
-    #[error(
         "--envoy-uid {0} is not allowed: 0 would exempt every root process from capture and 4294967295 is not a uid; give the uid Envoy runs as (default 1337)"
     )]
     EnvoyUid(u32),
@@ -343,9 +340,6 @@ impl InitConfig {
 
 fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
     let trap = TrapCidrs::parse(&args.trap_cidr)?.blocks().to_vec();
-    if args.envoy_port == 0 {
-        return Err(ConfigError::EnvoyPort);
-    }
     if args.envoy_uid == 0 || args.envoy_uid == NO_ID {
         return Err(ConfigError::EnvoyUid(args.envoy_uid));
     }
@@ -364,7 +358,7 @@ fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
 
     let capture = CaptureConfig {
         trap,
-        envoy_port: args.envoy_port,
+        envoy_port: args.envoy_port.get(),
         envoy_uid: args.envoy_uid,
         exclude_uids,
         exclude_gids,
@@ -462,7 +456,6 @@ mod tests {
             (&["--trap-cidr", "127.0.0.0/8"], "loopback"),
             (&["--trap-cidr", "240.240.0.0/16,240.240.1.0/24"], "overlap"),
             (&["--trap-cidr", ""], "empty"),
-            (&["--envoy-port", "0"], "--envoy-port 0"),
             (&["--envoy-uid", "0"], "--envoy-uid 0"),
             (&["--envoy-uid", "4294967295"], "--envoy-uid 4294967295"),
             (&["--exclude-gid", "4294967295"], "--exclude-gid"),
@@ -481,7 +474,12 @@ mod tests {
 
     #[test]
     fn out_of_range_numbers_fail_at_parse_time() {
-        for args in [["--envoy-port", "70000"], ["--envoy-uid", "abc"]] {
+        for args in [
+            ["--envoy-port", "70000"],
+            ["--envoy-port", "0"],
+            ["--envoy-port", "15021"],
+            ["--envoy-uid", "abc"],
+        ] {
             assert!(
                 Args::try_parse_from(std::iter::once("lattice-init").chain(args)).is_err(),
                 "{args:?}"

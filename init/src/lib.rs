@@ -2,14 +2,16 @@
 //! Envoy's bootstrap and installs the iptables capture of the trapped CIDR.
 //!
 //! Pure cores ([`config`], [`rules`], [`bootstrap`]) turn flags into rule text and bootstrap JSON;
-//! thin edges ([`iptables`], [`interfaces`], [`validate`]) touch the system. This module runs
-//! one invocation: every check first, then the changes, each family in one transaction, with the
-//! earlier families rolled back if a later one fails.
+//! thin edges ([`iptables`], [`interfaces`], [`validate`], [`lock`]) touch the system. This
+//! module runs one invocation: every check first, then the changes, each family in one
+//! transaction, with the earlier families rolled back if a later one fails. A run that changes
+//! anything holds the namespace's [`lock::RunLock`] throughout, so concurrent runs take turns.
 
 pub mod bootstrap;
 pub mod config;
 pub mod interfaces;
 pub mod iptables;
+pub mod lock;
 pub mod rules;
 pub mod validate;
 
@@ -22,6 +24,7 @@ use tracing::{info, warn};
 use crate::config::{Action, BackendChoice, CaptureConfig, ConfigError, InitConfig};
 use crate::interfaces::InterfaceError;
 use crate::iptables::{Backend, BackendView, Choice, IptablesError, Tools};
+use crate::lock::{LockError, RunLock};
 use crate::rules::{CaptureRules, Family, NatState};
 use crate::validate::ValidateError;
 
@@ -36,6 +39,8 @@ pub enum InitError {
     Iptables(#[from] IptablesError),
     #[error(transparent)]
     Interfaces(#[from] InterfaceError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     #[error("--validate failed for {cidr}: {source}")]
     Validate { cidr: String, source: ValidateError },
     #[error(
@@ -293,6 +298,8 @@ fn apply(config: &InitConfig, validate: bool) -> Result<(), InitError> {
         check_validate_possible(&config.capture)?;
     }
     check_pod_addresses(&config.capture)?;
+    // Held until the run ends: the plan must still be true when it is applied.
+    let _lock = RunLock::acquire(lock::LOCK_WAIT)?;
     let plan = plan_apply(&config.capture, config.backend)?;
     log_choice(&plan);
     if let (Some(path), Some(bootstrap)) = (&config.bootstrap_out, &config.bootstrap) {
@@ -345,6 +352,7 @@ fn check_validate_possible(config: &CaptureConfig) -> Result<(), InitError> {
 
 fn cleanup(backend: BackendChoice) -> Result<(), InitError> {
     let started = Instant::now();
+    let _lock = RunLock::acquire(lock::LOCK_WAIT)?;
     let plans = plan_cleanup(backend)?;
     let mut removed = false;
     for plan in &plans {
@@ -423,8 +431,13 @@ fn pretty(value: &serde_json::Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
 
-/// Writes the bootstrap atomically (temporary file, then rename) so Envoy never reads half a file.
+/// Writes the bootstrap atomically so Envoy never reads half a file: into a temporary file of
+/// its own in the same directory (a unique name: another run, or one killed half-way, cannot
+/// touch it), then renamed over `path`. Temporary files left by killed runs are removed first;
+/// the caller holds the run lock, so no live run is writing one.
 pub fn write_bootstrap(path: &Path, value: &serde_json::Value) -> Result<(), InitError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
     let error = |source| InitError::Bootstrap {
         path: path.to_owned(),
         source,
@@ -433,7 +446,45 @@ pub fn write_bootstrap(path: &Path, value: &serde_json::Value) -> Result<(), Ini
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_else(|| "bootstrap.json".into());
-    let temporary = path.with_file_name(format!(".{file_name}.tmp"));
-    std::fs::write(&temporary, format!("{}\n", pretty(value))).map_err(error)?;
-    std::fs::rename(&temporary, path).map_err(error)
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let prefix = format!(".{file_name}.");
+    remove_leftovers(dir, &prefix);
+    // Envoy runs as another user than this run (root): the bootstrap must be readable by it.
+    let mut file = tempfile::Builder::new()
+        .prefix(&prefix)
+        .suffix(TEMPORARY_SUFFIX)
+        .permissions(std::fs::Permissions::from_mode(0o644))
+        .tempfile_in(dir)
+        .map_err(error)?;
+    file.write_all(format!("{}\n", pretty(value)).as_bytes())
+        .map_err(error)?;
+    file.persist(path).map_err(|e| error(e.error))?;
+    Ok(())
+}
+
+const TEMPORARY_SUFFIX: &str = ".tmp";
+
+/// Removes the temporary files of earlier runs that died before renaming theirs. Best effort:
+/// a leftover costs a few KiB of the pod's volume, never a wrong bootstrap.
+fn remove_leftovers(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(prefix) && name.ends_with(TEMPORARY_SUFFIX) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    info!(file = %entry.path().display(), "removed the temporary bootstrap of an earlier run that did not finish")
+                }
+                Err(err) => {
+                    warn!(file = %entry.path().display(), %err, "cannot remove the temporary bootstrap of an earlier run")
+                }
+            }
+        }
+    }
 }

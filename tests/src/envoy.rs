@@ -41,7 +41,8 @@ pub enum AdsMode {
 }
 
 /// The bootstrap `lattice-init` writes (its own generator, not a copy), with admin moved to
-/// `admin_port` so an Envoy on the test host does not collide with anything on 15000.
+/// `admin_port` so an Envoy on the test host does not collide with anything on 15000, and its
+/// readiness listener to a free port (several Envoys share the test host).
 pub fn bootstrap(
     node_id: &str,
     xds: SocketAddr,
@@ -61,7 +62,36 @@ pub fn bootstrap(
         stats: EnvoyStats::Mesh,
     });
     value["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();
+    move_static(
+        &mut value["static_resources"]["clusters"],
+        lattice_init::bootstrap::ADMIN_CLUSTER,
+        |cluster| {
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+                ["socket_address"]["port_value"] = admin_port.into();
+        },
+    );
+    move_static(
+        &mut value["static_resources"]["listeners"],
+        lattice_init::bootstrap::READINESS_LISTENER,
+        |listener| {
+            listener["address"]["socket_address"]["port_value"] = free_port().into();
+        },
+    );
     value
+}
+
+/// Applies `edit` to the entry named `name` of a bootstrap's static list, if there is one.
+fn move_static(
+    list: &mut serde_json::Value,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) {
+    if let Some(item) = list
+        .as_array_mut()
+        .and_then(|items| items.iter_mut().find(|item| item["name"] == name))
+    {
+        edit(item);
+    }
 }
 
 /// How every test Envoy runs: no hot-restart shared memory (several Envoys on one machine),

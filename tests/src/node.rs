@@ -166,6 +166,12 @@ impl Node {
         ClientPod::start(self, label, host, xds, dns, &[])
     }
 
+    /// [`Node::client`] whose Envoy is started but not waited for, as the kubelet starts a
+    /// native sidecar: the test decides what to wait for ([`ClientPod::probe_ready`]).
+    pub fn client_starting(&self, label: &str, host: u8) -> anyhow::Result<ClientPod> {
+        ClientPod::launch(self, label, host, XDS, DNS, &[])
+    }
+
     /// [`Node::client_of`] with more `lattice-init` flags (`--xds-mode=sotw`).
     pub fn client_with(
         &self,
@@ -511,6 +517,30 @@ impl Backend {
     }
 }
 
+/// One HTTP/1.1 GET with the kubelet's default probe timeout (one second to connect, one for
+/// the answer): `Ok(body)` on 200.
+fn probe(target: SocketAddr, path: &str) -> Result<String, String> {
+    const TIMEOUT: Duration = Duration::from_secs(1);
+    let mut stream = TcpStream::connect_timeout(&target, TIMEOUT).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {target}\r\nUser-Agent: kube-probe/1.33\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    if head.starts_with("HTTP/1.1 200") {
+        Ok(body.to_string())
+    } else {
+        Err(format!("{head:.200}"))
+    }
+}
+
 /// `/etc/netns/<name>/resolv.conf`, which `ip netns exec` mounts over `/etc/resolv.conf`;
 /// removed on drop.
 struct ResolvConf {
@@ -551,6 +581,19 @@ pub struct ClientPod {
 
 impl ClientPod {
     fn start(
+        node: &Node,
+        label: &str,
+        host: u8,
+        xds: SocketAddr,
+        dns: SocketAddr,
+        init_args: &[&str],
+    ) -> anyhow::Result<ClientPod> {
+        let client = ClientPod::launch(node, label, host, xds, dns, init_args)?;
+        client.wait_live()?;
+        Ok(client)
+    }
+
+    fn launch(
         node: &Node,
         label: &str,
         host: u8,
@@ -608,15 +651,35 @@ impl ClientPod {
             .stdout(Stdio::null())
             .stderr(log);
         let envoy = pod.netns.spawn(command)?;
-        let client = ClientPod {
+        Ok(ClientPod {
             envoy,
             _resolv: resolv,
             pod,
             init_output,
             dir,
-        };
-        client.wait_live()?;
-        Ok(client)
+        })
+    }
+
+    /// The kubelet's HTTP probe of Envoy's readiness endpoint, made as the kubelet makes it:
+    /// from the node, to the pod's address, with its default one-second timeout. `Ok` with the
+    /// body on 200; anything else (no connection, no answer in time, another status) is a
+    /// failed probe.
+    pub fn probe_ready(&self, node: &Node) -> Result<String, String> {
+        let target = SocketAddr::from((self.pod.address, lattice_contract::ENVOY_READINESS_PORT));
+        let path = lattice_contract::ENVOY_READINESS_PATH;
+        node.netns
+            .enter(|| probe(target, path))
+            .map_err(|e| e.to_string())?
+    }
+
+    /// Envoy's server state from its admin (`PRE_INITIALIZING`, `INITIALIZING`, `LIVE`, …).
+    pub fn envoy_state(&self) -> Result<String, String> {
+        let body = self.envoy_admin("/server_info")?;
+        let info: serde_json::Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        info["state"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| format!("no state in {body:.200}"))
     }
 
     pub fn netns(&self) -> &Netns {

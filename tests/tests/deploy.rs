@@ -531,12 +531,72 @@ fn validate_envoy(pod: &PodSpec, sidecar: &Container, args: &[String]) -> anyhow
         show(&output)
     );
 
+    let args: Vec<String> = args.iter().map(|a| mapped(sidecar, a)).collect();
+    let config = args
+        .iter()
+        .skip_while(|a| *a != "--config-path" && *a != "-c")
+        .nth(1)
+        .context("the sidecar's command line names no --config-path")?;
+    let bootstrap: Value = serde_json::from_str(&std::fs::read_to_string(config)?)?;
+    check_probes(sidecar, &bootstrap)?;
     let mut command = Command::new(envoy::binary());
-    command
-        .arg("--mode")
-        .arg("validate")
-        .args(args.iter().map(|a| mapped(sidecar, a)));
+    command.arg("--mode").arg("validate").args(&args);
     run(command)
+}
+
+/// The sidecar's startup and readiness probes ask the readiness endpoint of the bootstrap
+/// lattice-init wrote: a static listener on the probe's port whose routes match its path. So
+/// the app (started after the startup probe) starts only once Envoy holds its configuration.
+fn check_probes(sidecar: &Container, bootstrap: &Value) -> anyhow::Result<()> {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    ensure!(
+        sidecar.restart_policy.as_deref() == Some("Always"),
+        "Envoy must be a native sidecar (an init container with restartPolicy Always)"
+    );
+    let probes = [
+        ("startupProbe", &sidecar.startup_probe),
+        ("readinessProbe", &sidecar.readiness_probe),
+    ];
+    for (what, probe) in probes {
+        let get = probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .with_context(|| format!("the Envoy sidecar has no httpGet {what}"))?;
+        let port = match &get.port {
+            IntOrString::Int(port) => *port,
+            IntOrString::String(name) => sidecar
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some(name))
+                .map(|p| p.container_port)
+                .with_context(|| format!("{what}: no container port named {name}"))?,
+        };
+        let path = get.path.as_deref().unwrap_or("/");
+        assert_eq!(
+            port,
+            i32::from(lattice_contract::ENVOY_READINESS_PORT),
+            "{what}"
+        );
+        assert_eq!(path, lattice_contract::ENVOY_READINESS_PATH, "{what}");
+        let listener = bootstrap["static_resources"]["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|l| l["address"]["socket_address"]["port_value"] == port)
+            .with_context(|| format!("{what}: no listener on port {port} in the bootstrap"))?;
+        let routes = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]
+            [0]["routes"];
+        ensure!(
+            routes
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|r| r["match"]["path"] == path),
+            "{what}: the listener on {port} has no route for {path}: {listener}"
+        );
+    }
+    Ok(())
 }
 
 /// A TCP relay that records the request line of every HTTP request passing through.
@@ -936,6 +996,12 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
             assert!(help.contains(&format!("`{xds}`")), "{help}");
         }
     }
+    // The capture port: where init redirects is where the agent's listener listens.
+    assert_eq!(
+        effective(&init_args, "--envoy-port", &init_defaults),
+        effective(&args, "--envoy-port", &agent_defaults),
+        "lattice-init's --envoy-port and the agent's"
+    );
     let envoy_uid: i64 = effective(&init_args, "--envoy-uid", &init_defaults)
         .context("--envoy-uid")?
         .parse()?;

@@ -835,3 +835,85 @@ fn dns_redirect_sends_app_queries_to_the_agent() {
     accept(&remote, "Envoy-UID DNS on the remote");
     assert_nothing_pending(&agent_tcp, "Envoy-UID DNS must not be redirected");
 }
+
+/// Concurrent runs in one network namespace take turns, and killed ones leave nothing half
+/// done: `RUNS` runs started at once, every third killed with SIGKILL a few milliseconds in
+/// (mid-run: reading the rules, in `iptables-restore`, or writing the bootstrap), then one more
+/// run. Every run that was not killed succeeds; the namespace then holds exactly the rule set
+/// one run installs in a fresh namespace (one jump, our chains once), and the bootstrap is
+/// whole and valid for a real Envoy, with no temporary file left beside it. On each backend.
+#[test]
+fn concurrent_and_killed_runs_leave_one_rule_set_and_a_whole_bootstrap() {
+    const RUNS: usize = 12;
+    for backend in backends() {
+        let reference = Netns::new("concurrent-ref").unwrap();
+        init_ok(&reference, &["--iptables-backend", backend]);
+        let one_run = snapshot(&reference);
+        drop(reference);
+
+        let pod = Netns::new("concurrent").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let bootstrap = dir.path().join("envoy.json");
+        let args = [
+            "--iptables-backend",
+            backend,
+            "--node-id",
+            "web-0.shop",
+            "--bootstrap-out",
+            bootstrap.to_str().unwrap(),
+        ];
+        let mut children: Vec<std::process::Child> = (0..RUNS)
+            .map(|_| {
+                pod.command(bins::path("lattice-init"))
+                    .args(args)
+                    .env("RUST_LOG", "info")
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // `ip netns exec` execs lattice-init, so each child is the run itself.
+        for (k, child) in children.iter_mut().enumerate().filter(|(k, _)| k % 3 == 0) {
+            std::thread::sleep(Duration::from_millis(2 * k as u64));
+            let _ = child.kill();
+        }
+        for (k, child) in children.into_iter().enumerate() {
+            let output = child.wait_with_output().unwrap();
+            if k % 3 != 0 {
+                assert!(
+                    output.status.success(),
+                    "{backend}: run {k} failed ({}):\n{}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+        }
+        assert_eq!(
+            snapshot(&pod),
+            one_run,
+            "{backend}: concurrent runs left other than one rule set"
+        );
+
+        init_ok(&pod, &args);
+        assert_eq!(
+            snapshot(&pod),
+            one_run,
+            "{backend}: the final run left other than one rule set"
+        );
+        envoy_validate(&bootstrap).unwrap_or_else(|err| panic!("{backend}: {err}"));
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&bootstrap).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o644,
+            "{backend}: Envoy (another user) must be able to read the bootstrap"
+        );
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name != "envoy.json")
+            .collect();
+        assert!(left.is_empty(), "{backend}: files left behind: {left:?}");
+    }
+}

@@ -63,7 +63,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, kube, xds, init, hostile); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init, hostile); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },

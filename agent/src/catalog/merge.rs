@@ -31,7 +31,7 @@ use serde::Serialize;
 use super::{CatalogStatus, ProviderStatus};
 use crate::mesh::health::HealthPolicy;
 use crate::mesh::{
-    EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
+    AddressBook, EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
     ProviderReport, RejectedRoute, Service, ServicePort, ServiceSpec, Stale,
 };
 
@@ -123,6 +123,20 @@ impl Merger {
         }
     }
 
+    /// Addresses start from `book` (restored from the node's record) instead of an empty one;
+    /// only before the first merge.
+    pub fn with_address_book(mut self, book: AddressBook) -> Self {
+        if !self.merged {
+            self.state = MeshState::with_address_book(book);
+        }
+        self
+    }
+
+    /// Who holds which address in the merged mesh.
+    pub fn address_book(&self) -> &AddressBook {
+        self.state.address_book()
+    }
+
     /// Takes a provider's report. Returns whether the merged mesh may have changed.
     pub fn update(&mut self, slot: usize, report: ProviderReport) -> bool {
         let Some(entry) = self.slots.get_mut(slot) else {
@@ -193,6 +207,7 @@ impl Merger {
                 })
                 .collect(),
             conflicts: self.conflicts.values().cloned().collect(),
+            addresses: None,
         }
     }
 
@@ -899,7 +914,8 @@ mod tests {
     /// Per port: its number, protocol and endpoints as "ip:port@provider".
     type Ports = Vec<(u16, Protocol, Vec<String>)>;
 
-    /// What the merged mesh serves, without addresses (assigned in arrival order).
+    /// What the merged mesh serves, without addresses (which depend on what came and went
+    /// before: who was first at an address, what was set aside).
     fn served(merger: &mut Merger) -> Vec<(String, Ports)> {
         let mesh = merger.snapshot().expect("merged");
         mesh.services

@@ -1,5 +1,6 @@
 //! What the mesh holds, as gauges: recorded for each snapshot the translators take.
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
@@ -14,6 +15,7 @@ pub struct MeshMetrics {
     refused_paths: Gauge,
     conflicts: Gauge,
     stale_providers: Gauge,
+    address_record_write_failures: Counter,
 }
 
 impl MeshMetrics {
@@ -56,7 +58,17 @@ impl MeshMetrics {
             "Providers whose last good view serves while they cannot refresh it",
             metrics.stale_providers.clone(),
         );
+        mesh.register(
+            "address_record_write_failures",
+            "Writes of the address record on the node (--state-dir) that failed; /debug/mesh says why",
+            metrics.address_record_write_failures.clone(),
+        );
         metrics
+    }
+
+    /// Counts a failed write of the address record.
+    pub fn address_record_write_failed(&self) {
+        self.address_record_write_failures.inc();
     }
 
     /// Records what the catalog reports: paths in conflict and stale providers.

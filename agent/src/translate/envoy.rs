@@ -45,7 +45,7 @@ use envoy_types::pb::envoy::r#type::v3::{CodecClientType, Int64Range};
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use envoy_types::util::pack_any;
 use imbl::ordmap::DiffItem;
-use lattice_contract::ENVOY_OUTBOUND_PORT;
+use lattice_contract::CapturePort;
 use prost::Message;
 
 mod routes;
@@ -62,8 +62,8 @@ use crate::parallel;
 use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a};
 use crate::xds::{ListenerBase, Part, PartsIndex, ServiceParts};
 
-/// The one listener every captured connection lands on, on
-/// [`lattice_contract::ENVOY_OUTBOUND_PORT`], where iptables in the pod sends the trapped block.
+/// The one listener every captured connection lands on, on the capture port
+/// ([`CapturePort`], `--envoy-port`), where iptables in the pod sends the trapped block.
 pub const OUTBOUND_LISTENER: &str = "lattice-outbound";
 
 /// `buzz.bar.foo.system.internal|8080`: readable in Envoy's stats and admin pages.
@@ -104,6 +104,8 @@ pub struct EnvoyTranslator {
     node: NodeLocality,
     /// How Envoy resolves the host names of external services.
     dns: ExternalDns,
+    /// Where the capture listener listens in every pod.
+    capture_port: CapturePort,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -128,11 +130,18 @@ impl EnvoyTranslator {
         EnvoyTranslator {
             node,
             dns,
+            capture_port: CapturePort::default(),
             mesh: None,
             shape_version: None,
             resources: Default::default(),
             parts: PartsIndex::default(),
         }
+    }
+
+    /// The capture listener on `port` instead of the default.
+    pub fn with_capture_port(mut self, port: CapturePort) -> Self {
+        self.capture_port = port;
+        self
     }
 
     /// The node this translator prefers endpoints for.
@@ -143,7 +152,7 @@ impl EnvoyTranslator {
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> XdsSnapshot {
         let previous = self.mesh.take().unwrap_or_default();
         if self.parts.listener.is_none() {
-            self.parts.listener = Some(listener_base(mesh));
+            self.parts.listener = Some(listener_base(mesh, self.capture_port));
         }
         // Ports whose route configuration must be rebuilt though the shape did not change: a
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
@@ -799,10 +808,10 @@ fn backends_of(service: &Service) -> Vec<Arc<str>> {
 /// There is no default chain, so Envoy closes anything no chain matches instead of passing it
 /// through. A listener with no service's chain gets one that matches only the block's network
 /// address, which is never assigned: Envoy rejects a listener without chains.
-fn listener_base(mesh: &MeshSnapshot) -> ListenerBase {
+fn listener_base(mesh: &MeshSnapshot, port: CapturePort) -> ListenerBase {
     let listener = Listener {
         name: OUTBOUND_LISTENER.to_string(),
-        address: Some(socket_address("0.0.0.0".to_string(), ENVOY_OUTBOUND_PORT)),
+        address: Some(socket_address("0.0.0.0".to_string(), port.get())),
         traffic_direction: TrafficDirection::Outbound as i32,
         listener_filters: vec![ListenerFilter {
             name: "envoy.filters.listener.original_dst".to_string(),
@@ -1639,8 +1648,18 @@ mod tests {
     #[test]
     fn listener_picks_chains_by_destination_and_has_no_default() {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        let xds = EnvoyTranslator::default().translate(&example(&mut state));
+        let mesh = example(&mut state);
+        let db = mesh.services[&"/foo/db".parse::<crate::mesh::MeshPath>().unwrap()]
+            .address
+            .ip()
+            .unwrap();
+        let xds = EnvoyTranslator::default().translate(&mesh);
         let listener: Listener = decode(&xds.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        assert_eq!(
+            listener.address,
+            Some(socket_address("0.0.0.0".into(), 15001)),
+            "the default capture port"
+        );
         assert_eq!(
             listener.listener_filters[0].name,
             "envoy.filters.listener.original_dst"
@@ -1660,12 +1679,17 @@ mod tests {
                     8080,
                     "envoy.filters.network.http_connection_manager"
                 ),
-                (
-                    "240.240.0.2".to_string(),
-                    5432,
-                    "envoy.filters.network.tcp_proxy"
-                ),
+                (db.to_string(), 5432, "envoy.filters.network.tcp_proxy"),
             ]
+        );
+        let moved = EnvoyTranslator::default()
+            .with_capture_port("15006".parse().unwrap())
+            .translate(&mesh);
+        let listener: Listener = decode(&moved.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
+        assert_eq!(
+            listener.address,
+            Some(socket_address("0.0.0.0".into(), 15006)),
+            "the capture listener follows --envoy-port"
         );
         let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
         let domains: Vec<Vec<String>> = routes
