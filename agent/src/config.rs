@@ -106,6 +106,26 @@ pub struct AgentConfig {
     )]
     pub scope_wait_ms: u64,
 
+    /// The most resource names one ADS stream may subscribe to per type (and, with Delta, say
+    /// it holds when it reconnects). A stream that names more ends with RESOURCE_EXHAUSTED,
+    /// counted in lattice_xds_refused_streams_total{reason="too_many_names"}. The default
+    /// fits a proxy of a whole mesh of 50k services with two ports each and as many instance
+    /// clusters again.
+    #[arg(
+        long,
+        env = "LATTICE_XDS_MAX_NAMES",
+        default_value_t = 200_000,
+        value_name = "N"
+    )]
+    pub xds_max_names: usize,
+
+    /// A directory for what must outlive the agent on this node: each pod's scope (the
+    /// services it resolved), so that a restarted or upgraded agent gives every pod's Envoy
+    /// what it held. The DaemonSet mounts the node's /run/lattice here. Without it, scopes live
+    /// in memory only, and an agent restart drops what pods resolved.
+    #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
     /// DNS clusters (external services' host names) resolve through it as pods reach it: on
     /// --node-local-dns, else here unless it is loopback or unspecified.
@@ -207,6 +227,8 @@ mod tests {
         assert!(!config.allow_host_network_proxies);
         assert_eq!(config.proxy_scope, ProxyScope::Used);
         assert_eq!(config.scope_wait_ms, 1000);
+        assert_eq!(config.xds_max_names, crate::xds::DEFAULT_MAX_NAMES);
+        assert_eq!(config.state_dir, None);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");

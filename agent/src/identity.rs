@@ -278,9 +278,14 @@ impl Default for RefusalLog {
 impl RefusalLog {
     /// `Some(n)`: log this one, and say `n` like it were not logged since the last.
     pub fn admit(&self, refusal: &Refusal) -> Option<u64> {
+        self.admit_reason(refusal.reason())
+    }
+
+    /// [`RefusalLog::admit`] for a refusal known by its metric label alone.
+    pub fn admit_reason(&self, reason: &'static str) -> Option<u64> {
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
-        match last.get_mut(refusal.reason()) {
+        match last.get_mut(reason) {
             Some((at, suppressed)) if now.duration_since(*at) < self.interval => {
                 *suppressed += 1;
                 None
@@ -292,7 +297,7 @@ impl RefusalLog {
                 Some(skipped)
             }
             None => {
-                last.insert(refusal.reason(), (now, 0));
+                last.insert(reason, (now, 0));
                 Some(0)
             }
         }

@@ -7,9 +7,12 @@
 pub mod connection;
 mod delta;
 mod grpc;
+mod held;
 mod inbound;
+mod interest;
 pub mod metrics;
 pub mod parts;
+mod proto;
 mod response;
 pub mod server;
 pub mod snapshot;
@@ -28,5 +31,7 @@ pub use response::{DeltaResponse, SotwResponse};
 pub use server::{ProxyRegistry, XdsServer};
 pub use snapshot::{ResourceMap, ResourceType, XdsResource, XdsRx, XdsSnapshot, XdsTx};
 pub use sotw::SotwStream;
-pub use stream::{Ads, Event, Push};
-pub use wire::{NameList, SotwRequest};
+pub use stream::{Ads, DEFAULT_MAX_NAMES, Event, Limits, Push};
+pub use wire::{DeltaRequest, NameList, SotwRequest};
+#[cfg(any(test, fuzzing))]
+pub use wire::{check_delta_request, check_request, check_sotw_request};

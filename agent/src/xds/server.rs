@@ -17,7 +17,7 @@ use super::inbound::Inbound;
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
-use super::stream::{Ads, Event, Push};
+use super::stream::{Ads, Event, Limits, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, Refusal, RefusalLog};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
@@ -91,6 +91,7 @@ pub struct XdsServer {
     refusals: Arc<RefusalLog>,
     scopes: Option<Arc<ScopeRegistry>>,
     heads: Arc<SharedHeads>,
+    limits: Limits,
 }
 
 impl XdsServer {
@@ -110,7 +111,14 @@ impl XdsServer {
             refusals: Arc::default(),
             scopes: None,
             heads: Arc::default(),
+            limits: Limits::default(),
         }
+    }
+
+    /// What one stream may make the agent keep (names per type).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// The encoded response heads the streams of this server share.
@@ -141,7 +149,7 @@ impl XdsServer {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let stream = StreamTask::<A> {
             id,
-            state: A::default(),
+            state: A::new(self.limits),
             inbound,
             tx,
             snapshots: self.snapshots.clone(),
@@ -207,6 +215,8 @@ async fn scope_changed(scoped: &mut Option<Scoped>) {
 enum Ended {
     Closed(String),
     Refused(Refusal),
+    /// It named more than its limits allow (what, said to the client).
+    Exhausted(String),
 }
 
 impl From<&str> for Ended {
@@ -249,6 +259,7 @@ impl<A: Ads> StreamTask<A> {
                 tracing::info!(stream = self.id, node = %self.node_id, mode = A::MODE, %reason, "ADS stream closed");
             }
             Ended::Refused(refusal) => self.refuse(refusal).await,
+            Ended::Exhausted(what) => self.exhausted(what).await,
         }
         self.proxies.remove(self.id);
         self.metrics.stream_closed();
@@ -272,6 +283,17 @@ impl<A: Ads> StreamTask<A> {
             _ => Status::permission_denied(refusal.to_string()),
         };
         let _ = self.tx.send(Err(status)).await;
+    }
+
+    /// Ends the stream with RESOURCE_EXHAUSTED; counted, and logged at a bounded rate.
+    async fn exhausted(&mut self, what: String) {
+        const REASON: &str = "too_many_names";
+        self.metrics.refused(REASON);
+        if let Some(suppressed) = self.refusals.admit_reason(REASON) {
+            let peer = self.peer.map(|p| p.to_string()).unwrap_or_default();
+            tracing::warn!(stream = self.id, %peer, node = %self.node_id, suppressed, "ADS stream refused: {what}");
+        }
+        let _ = self.tx.send(Err(Status::resource_exhausted(what))).await;
     }
 
     async fn serve(&mut self) -> Ended {
@@ -307,7 +329,10 @@ impl<A: Ads> StreamTask<A> {
                                 }
                             }
                         }
-                        self.on_request(&request, &view)
+                        match self.on_request(&request, &view) {
+                            Ok(pushes) => pushes,
+                            Err(ended) => return ended,
+                        }
                     }
                     Ok(None) => return "proxy closed the stream".into(),
                     Err(status) => return Ended::Closed(format!("stream error: {status}")),
@@ -396,7 +421,7 @@ impl<A: Ads> StreamTask<A> {
         &mut self,
         request: &A::Request,
         snapshot: &XdsSnapshot,
-    ) -> Vec<Push<A::Response>> {
+    ) -> Result<Vec<Push<A::Response>>, Ended> {
         if self.node_id.is_empty()
             && let Some(node) = A::node(request)
         {
@@ -428,8 +453,9 @@ impl<A: Ads> StreamTask<A> {
                 Event::UnknownType { type_url } => {
                     tracing::warn!(stream = self.id, node = %self.node_id, %type_url, "request for a type this server does not serve");
                 }
+                Event::Exhausted { what, .. } => return Err(Ended::Exhausted(what)),
             }
         }
-        pushes
+        Ok(pushes)
     }
 }
