@@ -214,6 +214,10 @@ pub(super) struct TypeState {
     pub(super) must_answer: bool,
     /// Names of this type the client named that no snapshot had.
     pub(super) unknown: UnknownNames,
+    /// A whole set of this type (SotW clusters, listeners) the client refused: a refusal of
+    /// the set, so another set is answered whole again, even where its versions are the
+    /// refused ones (the agent may not know what a reconnected client holds of them).
+    refused_whole: Option<ResourceMap>,
 }
 
 fn diff_name<'a, V>(item: DiffItem<'a, 'a, Arc<str>, V>) -> Arc<str> {
@@ -227,6 +231,16 @@ impl TypeState {
     /// How `current` differs from what the client holds and wants.
     pub(super) fn diff(&mut self, current: &ResourceMap) -> TypeDiff {
         let mut found = TypeDiff::default();
+        if self
+            .refused_whole
+            .as_ref()
+            .is_some_and(|r| !r.ptr_eq(current))
+        {
+            // Refusals were of that set: all of this one is looked at afresh.
+            self.refused_whole = None;
+            self.rejected.clear();
+            self.baseline = None;
+        }
         let dirty = std::mem::take(&mut self.dirty);
         match self.baseline.replace(current.clone()) {
             // The very same map, nothing to re-check: an ACK, or a snapshot that changed
@@ -397,7 +411,10 @@ impl TypeState {
     pub(super) fn accept(&mut self, current: &ResourceMap, whole: Whole) -> Option<Delivery> {
         let delivery = self.in_flight.take()?;
         match &delivery.whole {
-            Some((map, held)) => self.client = ClientView::whole(map, *held),
+            Some((map, held)) => {
+                self.client = ClientView::whole(map, *held);
+                self.refused_whole = None;
+            }
             None => {
                 for name in &delivery.removed {
                     self.client.remove(name);
@@ -436,6 +453,7 @@ impl TypeState {
             self.look_again(name.clone());
         }
         if let Some((map, _)) = &delivery.whole {
+            self.refused_whole = Some(map.clone());
             // What a whole response left out, it removed: looked at again too.
             let left_out: Vec<Arc<str>> = self
                 .client
@@ -690,6 +708,8 @@ impl Types {
                 for name in &delivery.removed {
                     self.warming.remove(name);
                 }
+                // What it kept warming only while on its way is looked at again.
+                self.warming_checked = None;
             }
             ResourceType::Cluster => {
                 let held = &self.types[ResourceType::Cluster.index()].client;
@@ -746,8 +766,8 @@ impl Types {
             .retain(|name| endpoints.interest.wants(name) || clusters.client.get(name).is_none());
     }
 
-    /// Drops from `warming` what no longer has an assignment, or whose assignment the client
-    /// holds, when the assignments changed.
+    /// Drops from `warming` what no longer has an assignment (but what is being sent), or
+    /// whose assignment the client holds, when the assignments changed.
     fn check_warming(&mut self, snapshot: &XdsSnapshot) {
         if self.warming.is_empty() {
             return;
@@ -761,9 +781,19 @@ impl Types {
             return;
         }
         self.warming_checked = Some(assignments.clone());
-        let held = &self.types[ResourceType::Endpoint.index()].client;
-        self.warming
-            .retain(|name| assignments.contains_key(name) && held.get(name).is_none());
+        let [clusters, endpoints, ..] = &self.types;
+        // A cluster still on its way to the client warms there whatever the snapshot says
+        // meanwhile: it may be back (with an assignment) before the client answers.
+        let on_its_way = |name: &Arc<str>| {
+            clusters
+                .in_flight
+                .as_ref()
+                .is_some_and(|d| d.sent.iter().any(|r| r.name == *name))
+        };
+        self.warming.retain(|name| {
+            endpoints.client.get(name).is_none()
+                && (assignments.contains_key(name) || on_its_way(name))
+        });
     }
 
     /// See [`Ads::holds`].

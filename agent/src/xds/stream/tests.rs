@@ -887,7 +887,16 @@ where
             }
         }
         let holds = self.machine.holds(&self.snapshot);
-        if holds != self.client.holds(&self.snapshot) {
+        let client_holds = self.client.holds(&self.snapshot);
+        // A SotW client that refused a response since it reconnected may hold, at the refused
+        // versions, what the agent could not know it held (its digest did not match): the
+        // agent does not send a refused version again, so it cannot learn it. There, only
+        // "the machine says it holds the snapshot" must be true of the client.
+        let unknowable = ResourceType::ALL.into_iter().any(|kind| {
+            !self.client.unknown[kind.index()].is_empty()
+                && !types.types[kind.index()].rejected.is_empty()
+        });
+        if holds != client_holds && (holds || !unknowable) {
             return Err(format!(
                 "the machine says holds() = {holds}, the client differs"
             ));
@@ -930,8 +939,15 @@ where
             let routed = self.client.routes_named();
             let stale_route =
                 |n: &Arc<str>| kind == RDS && wanted.contains(n) && !routed.contains(&**n);
+            // The endpoints of a cluster it still holds stay with it (the cluster's own check
+            // says whether it may hold it).
+            let clusters = &self.client.held[CDS.index()];
+            let of_held_cluster = |n: &Arc<str>| kind == EDS && clusters.contains_key(n);
             let gone = |n: &&Arc<str>| {
-                !current.contains_key(*n) && !unknown.contains(*n) && !stale_route(n)
+                !current.contains_key(*n)
+                    && !unknown.contains(*n)
+                    && !stale_route(n)
+                    && !of_held_cluster(n)
             };
             if let Some(extra) = held.keys().find(gone) {
                 return Err(format!("{kind:?} {extra}: held, gone from the snapshot"));
