@@ -70,6 +70,7 @@ impl Ads for SotwStream {
             return (Vec::new(), vec![exhausted]);
         }
         let mut events = Vec::new();
+        let mut answered = None;
         let nonce = request.response_nonce.as_str();
         if !nonce.is_empty() {
             if self.extra[kind.index()].last_nonce.as_deref() != Some(nonce) {
@@ -101,7 +102,7 @@ impl Ads for SotwStream {
                             version: request.version_info.clone(),
                         },
                     });
-                    self.common.answered(kind, &delivery, accepted);
+                    answered = Some((delivery, accepted));
                 }
             }
         }
@@ -117,6 +118,11 @@ impl Ads for SotwStream {
         }
         let extra = &mut self.extra[kind.index()];
         set_interest(state, extra, kind, &request.resource_names, snapshot, first);
+        // What the response carried is settled by what the client names now: an endpoint it
+        // stopped subscribing to before the response came, it dropped.
+        if let Some((delivery, accepted)) = answered {
+            self.common.answered(kind, &delivery, accepted);
+        }
         let reconnect = first && nonce.is_empty() && !request.version_info.is_empty();
         if reconnect {
             self.common.reconnected = true;
