@@ -177,6 +177,19 @@ pub struct AgentConfig {
     )]
     pub scope_wait_ms: u64,
 
+    /// The most resource names one ADS stream may subscribe to per type (and, with Delta, say
+    /// it holds when it reconnects). A stream that names more ends with RESOURCE_EXHAUSTED,
+    /// counted in lattice_xds_refused_streams_total{reason="too_many_names"}. The default
+    /// fits a proxy of a whole mesh of 50k services with two ports each and as many instance
+    /// clusters again.
+    #[arg(
+        long,
+        env = "LATTICE_XDS_MAX_NAMES",
+        default_value_t = 200_000,
+        value_name = "N"
+    )]
+    pub xds_max_names: usize,
+
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
     /// DNS clusters (external services' host names) resolve through it as pods reach it: on
     /// --node-local-dns, else here unless it is loopback or unspecified.
@@ -212,11 +225,13 @@ pub struct AgentConfig {
     #[arg(long, env = "LATTICE_NODE_LOCAL_DNS", value_name = "ADDR")]
     pub node_local_dns: Option<std::net::IpAddr>,
 
-    /// A directory on the node for the agent's state across restarts and upgrades: the address
-    /// record (addresses.json), so that every name keeps its own address whatever order the
-    /// providers report in after a restart. Without it addresses are derived from the names
-    /// alone, and a name that had to move (its address was taken first) may move again. The
-    /// manifests use a hostPath, /var/lib/lattice.
+    /// A directory on the node for what must outlive the agent across restarts and upgrades:
+    /// the address record (addresses.json), so that every name keeps its own address whatever
+    /// order the providers report in after a restart, and each pod's scope (scopes/, the
+    /// services it resolved), so that a restarted agent gives every pod's Envoy what it held.
+    /// Without it addresses are derived from the names alone (a name that had to move may move
+    /// again) and scopes live in memory only. The manifests mount the node's /run/lattice (a
+    /// tmpfs: it goes with a reboot, as the pods do) at /var/lib/lattice.
     #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
 
@@ -518,6 +533,8 @@ mod tests {
         assert!(!config.allow_host_network_proxies);
         assert_eq!(config.proxy_scope, ProxyScope::Used);
         assert_eq!(config.scope_wait_ms, 1000);
+        assert_eq!(config.xds_max_names, crate::xds::DEFAULT_MAX_NAMES);
+        assert_eq!(config.state_dir, None);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");
         assert_eq!(config.trap_cidr.to_string(), "240.240.0.0/16");

@@ -30,11 +30,13 @@ use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address;
 use lattice_agent::readiness::Readiness;
-use lattice_agent::scope::{ScopeRegistry, ScopedPod};
+use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::xds::{AdsService, Caps, ProxyRegistry, RequestBound, XdsLimits, XdsServer};
+use lattice_agent::xds::{
+    AdsService, Caps, Limits, ProxyRegistry, RequestBound, XdsLimits, XdsServer,
+};
 use lattice_dns::handoff::{self, BoundTcp};
 use lattice_dns::{DnsConfig, DnsServer};
 use tokio::task::JoinSet;
@@ -265,10 +267,21 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         && config.node_name.is_some()
         && config.proxy_scope == ProxyScope::Used)
         .then(|| {
-            Arc::new(ScopeRegistry::new(
+            let registry = ScopeRegistry::new(
                 Duration::from_millis(config.scope_wait_ms),
                 metrics.scope.clone(),
-            ))
+            );
+            Arc::new(match config
+                .state_dir
+                .as_deref()
+                .map(|dir| ScopeStore::open(&dir.join("scopes"))) {
+                Some(Ok(store)) => registry.with_store(store),
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "pod scopes are kept in memory only: an agent restart drops what pods resolved");
+                    registry
+                }
+                None => registry,
+            })
         });
     if let Some(scopes) = &scopes {
         dns = dns.with_observer(Arc::new(ScopeObserver(scopes.clone())));
@@ -435,7 +448,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     });
     let xds = XdsServer::new(published.xds, metrics.xds.clone(), proxies, drain.clone())
         .with_identity(identity)
-        .with_limits(xds_limits(&config.xds_limits));
+        .with_limits(xds_limits(&config.xds_limits))
+        .with_name_limits(Limits {
+            max_names: config.xds_max_names,
+        });
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
         None => xds,

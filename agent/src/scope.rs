@@ -11,17 +11,26 @@
 //! Pods that opted out (`lattice.mlab.com/scope: mesh`), proxies that cannot be identified
 //! (identity checking off, host-network pods) and addresses that are not pods of this node are
 //! not scoped: they hold the whole mesh, as before scoping.
+//!
+//! With a state directory ([`ScopeStore`]) each pod's scope outlives the agent: a service is
+//! written there before the pod's Envoy is given it, and a restarted agent gives each pod that
+//! still runs (same pod, same address) what it held, so no Envoy loses a service because the
+//! agent restarted.
+
+mod store;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
-use crate::identity::PodEntry;
+pub use store::{ScopeStore, StoreError, Stored};
+
+use crate::identity::{PodEntry, PodKey};
 
 /// What a scoped proxy holds: the services (DNS names) its pod uses, and a generation that
 /// moves with every addition.
@@ -34,6 +43,7 @@ pub struct Scope {
 /// A pod as scoping needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScopedPod {
+    pub key: PodKey,
     pub ip: IpAddr,
     /// False when the pod opted out: its proxy holds the whole mesh.
     pub scoped: bool,
@@ -46,6 +56,7 @@ impl ScopedPod {
     /// address is the node's and its proxies cannot be told apart.
     pub fn of(entry: &PodEntry) -> Option<ScopedPod> {
         (!entry.host_network).then(|| ScopedPod {
+            key: entry.key.clone(),
             ip: entry.ip,
             scoped: entry.scoped,
             declared: entry.uses.clone(),
@@ -62,6 +73,8 @@ pub struct ScopeMetrics {
     pub waited: Counter,
     /// Of those, answers sent when the wait ran out instead.
     pub timed_out: Counter,
+    /// Writes to the state directory that failed (the scope is kept in memory only).
+    pub store_errors: Counter,
 }
 
 impl ScopeMetrics {
@@ -82,11 +95,17 @@ impl ScopeMetrics {
             "DNS answers sent after the bounded wait, the pod's Envoy not holding the service yet",
             metrics.timed_out.clone(),
         );
+        registry.register(
+            "lattice_scope_store_errors",
+            "Scope changes the agent could not write to its state directory",
+            metrics.store_errors.clone(),
+        );
         metrics
     }
 }
 
 struct PodScope {
+    key: PodKey,
     scoped: bool,
     declared: Vec<Arc<str>>,
     scope: watch::Sender<Scope>,
@@ -95,9 +114,12 @@ struct PodScope {
 }
 
 impl PodScope {
-    fn new(pod: &ScopedPod) -> PodScope {
-        let services: BTreeSet<Arc<str>> = pod.declared.iter().cloned().collect();
+    /// A pod's scope: what it declares, and what it held before the agent restarted.
+    fn new(pod: &ScopedPod, restored: BTreeSet<Arc<str>>) -> PodScope {
+        let mut services = restored;
+        services.extend(pod.declared.iter().cloned());
         PodScope {
+            key: pod.key.clone(),
             scoped: pod.scoped,
             declared: pod.declared.clone(),
             scope: watch::Sender::new(Scope {
@@ -132,7 +154,15 @@ pub struct ScopeRegistry {
     /// The longest a DNS answer waits for the proxy.
     wait: Duration,
     metrics: ScopeMetrics,
+    store: Option<ScopeStore>,
+    /// The scopes read back from the store at start, until the first pod list says which of
+    /// those pods still run.
+    restored: Mutex<Option<HashMap<PodKey, Stored>>>,
+    /// When a store error was last logged (at most one in [`STORE_LOG_INTERVAL`]).
+    logged: Mutex<Option<Instant>>,
 }
+
+const STORE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl ScopeRegistry {
     pub fn new(wait: Duration, metrics: ScopeMetrics) -> Self {
@@ -140,32 +170,106 @@ impl ScopeRegistry {
             pods: RwLock::default(),
             wait,
             metrics,
+            store: None,
+            restored: Mutex::new(None),
+            logged: Mutex::new(None),
         }
+    }
+
+    /// Keeps each pod's scope in `store` too, and starts from what it holds: a pod of the
+    /// first pod list with the same name and address gets back what it held.
+    pub fn with_store(mut self, store: ScopeStore) -> Self {
+        let restored = match store.load() {
+            Ok(restored) => restored,
+            Err(error) => {
+                tracing::warn!(%error, "pod scopes kept before this start cannot be read; every pod starts from what it declares");
+                HashMap::new()
+            }
+        };
+        tracing::info!(
+            pods = restored.len(),
+            "pod scopes read back from the state directory"
+        );
+        self.restored = Mutex::new(Some(restored));
+        self.store = Some(store);
+        self
     }
 
     /// Makes the known pods exactly `pods`: a pod that stays keeps what it resolved, one that
     /// went away is forgotten, and a changed declaration adds to the scope.
     pub fn set_pods(&self, pods: impl IntoIterator<Item = ScopedPod>) {
         let mut known = self.pods.write().unwrap_or_else(|p| p.into_inner());
+        // Only the first pod list restores: a pod missing from it is gone.
+        let mut restored = lock(&self.restored).take();
         let mut next = HashMap::new();
         for pod in pods {
             let ip = pod.ip.to_canonical();
             match known.remove(&ip) {
-                Some(mut held) if held.scoped == pod.scoped => {
+                Some(mut held) if held.scoped == pod.scoped && held.key == pod.key => {
                     if held.declared != pod.declared {
                         held.add(&pod.declared);
                         held.declared = pod.declared;
                     }
                     next.insert(ip, held);
                 }
-                // New, or its opt-out changed: start afresh (a stream that follows the old
-                // entry sees its sender go and is closed by its pod check anyway).
-                _ => {
-                    next.insert(ip, PodScope::new(&pod));
+                // New, or another pod at the address, or its opt-out changed: start afresh
+                // (a stream that follows the old entry sees its sender go and is closed by its
+                // pod check anyway).
+                old => {
+                    if let Some(old) = old {
+                        self.forget(&old.key);
+                    }
+                    let back = restored.as_mut().and_then(|r| r.remove(&pod.key));
+                    next.insert(ip, self.start(&pod, back));
                 }
             }
         }
+        for gone in known.values() {
+            self.forget(&gone.key);
+        }
+        for gone in restored.iter().flat_map(|r| r.keys()) {
+            self.forget(gone);
+        }
         *known = next;
+    }
+
+    /// The scope of a pod new to the registry, with what it held before the agent started if
+    /// the store has it (the same pod at the same address), written to the store.
+    fn start(&self, pod: &ScopedPod, restored: Option<Stored>) -> PodScope {
+        let ip = pod.ip.to_canonical();
+        let services = restored
+            .filter(|r| r.ip.to_canonical() == ip && pod.scoped)
+            .map(|r| r.services)
+            .unwrap_or_default();
+        let scope = PodScope::new(pod, services);
+        if let Some(store) = self.store.as_ref().filter(|_| pod.scoped) {
+            let stored = Stored {
+                ip,
+                services: (*scope.scope.borrow().services).clone(),
+            };
+            let written = store.write(&pod.key, &stored);
+            self.report(written);
+        }
+        scope
+    }
+
+    fn forget(&self, pod: &PodKey) {
+        if let Some(store) = &self.store {
+            self.report(store.forget(pod));
+        }
+    }
+
+    /// Counts and logs (at a bounded rate) what the store could not do.
+    fn report(&self, result: Result<(), StoreError>) {
+        let Err(error) = result else {
+            return;
+        };
+        self.metrics.store_errors.inc();
+        let mut logged = lock(&self.logged);
+        if logged.is_none_or(|at| at.elapsed() >= STORE_LOG_INTERVAL) {
+            *logged = Some(Instant::now());
+            tracing::warn!(%error, "a pod's scope is kept in memory only: an agent restart would drop what it resolved since");
+        }
     }
 
     /// The scope the proxy of `pod` follows, or `None` when that proxy holds the whole mesh.
@@ -173,9 +277,16 @@ impl ScopeRegistry {
     /// the registry) is added as it is.
     pub fn attach(&self, pod: &ScopedPod) -> Option<ScopeWatch> {
         let mut pods = self.pods.write().unwrap_or_else(|p| p.into_inner());
-        let held = pods
-            .entry(pod.ip.to_canonical())
-            .or_insert_with(|| PodScope::new(pod));
+        let ip = pod.ip.to_canonical();
+        if pods.get(&ip).is_none_or(|held| held.key != pod.key) {
+            let back = lock(&self.restored)
+                .as_mut()
+                .and_then(|r| r.remove(&pod.key));
+            if let Some(old) = pods.insert(ip, self.start(pod, back)) {
+                self.forget(&old.key);
+            }
+        }
+        let held = pods.get(&ip)?;
         held.scoped.then(|| ScopeWatch {
             scope: held.scope.subscribe(),
             acked: held.acked.clone(),
@@ -185,7 +296,8 @@ impl ScopeRegistry {
     /// `client` resolved a name of `service`. `None` when nothing needs waiting for: the
     /// service was in its scope already (the common case: a read lock and a set lookup), the
     /// client is not a scoped pod, or no proxy follows its scope. Otherwise the service is added
-    /// and the future ends when the pod's proxy holds it, or after the bounded wait.
+    /// (written to the store first, so a restarted agent gives it back) and the future ends
+    /// when the pod's proxy holds it, or after the bounded wait.
     pub fn resolved(
         &self,
         client: IpAddr,
@@ -195,6 +307,9 @@ impl ScopeRegistry {
         let pod = pods.get(&client.to_canonical()).filter(|p| p.scoped)?;
         if pod.scope.borrow().services.contains(service) {
             return None;
+        }
+        if let Some(store) = &self.store {
+            self.report(store.append(&pod.key, service));
         }
         let generation = pod.add(std::slice::from_ref(service))?;
         self.metrics.added.inc();
@@ -213,6 +328,10 @@ impl ScopeRegistry {
             }
         })
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A proxy's end of its pod's scope.
@@ -245,6 +364,10 @@ mod tests {
 
     fn pod(ip: &str, scoped: bool, declared: &[&str]) -> ScopedPod {
         ScopedPod {
+            key: PodKey {
+                namespace: "default".to_string(),
+                name: format!("pod-{}", ip.replace('.', "-")),
+            },
             ip: ip.parse().unwrap(),
             scoped,
             declared: declared.iter().map(|d| Arc::from(*d)).collect(),
@@ -334,5 +457,68 @@ mod tests {
         registry.set_pods([pod("10.0.0.5", true, &[])]);
         let fresh = registry.attach(&pod("10.0.0.5", true, &[])).unwrap();
         assert!(fresh.scope.borrow().services.is_empty());
+    }
+
+    /// A restarted registry on the same state directory gives a pod that still runs, at the
+    /// same address, what it resolved before; another pod at that address, or a pod that
+    /// went, gets nothing back, and its file goes.
+    #[test]
+    fn scopes_outlive_the_registry_in_its_state_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let registry = |_: ()| {
+            ScopeRegistry::new(Duration::from_secs(1), ScopeMetrics::default())
+                .with_store(ScopeStore::open(dir.path()).unwrap())
+        };
+        let buzz: Arc<str> = Arc::from("buzz.bar.foo.system.internal");
+        let web: Arc<str> = Arc::from("web.shop.system.internal");
+        let first = registry(());
+        first.set_pods([
+            pod("10.0.0.5", true, &["db.data.system.internal"]),
+            pod("10.0.0.6", true, &[]),
+            pod("10.0.0.7", true, &[]),
+            pod("10.0.0.8", false, &[]),
+        ]);
+        for ip in ["10.0.0.5", "10.0.0.6", "10.0.0.7", "10.0.0.8"] {
+            let _ = first.resolved(ip.parse().unwrap(), &buzz);
+        }
+        let _ = first.resolved("10.0.0.5".parse().unwrap(), &web);
+        drop(first);
+
+        let again = registry(());
+        let mut moved = pod("10.0.0.9", true, &[]);
+        moved.key = pod("10.0.0.6", true, &[]).key;
+        let mut replaced = pod("10.0.0.7", true, &[]);
+        replaced.key.name = "other".to_string();
+        again.set_pods([
+            pod("10.0.0.5", true, &[]),
+            moved.clone(),
+            replaced.clone(),
+            pod("10.0.0.8", false, &[]),
+        ]);
+        let scope = |pod: &ScopedPod| again.attach(pod).unwrap().scope.borrow().clone();
+        assert_eq!(
+            names(&scope(&pod("10.0.0.5", true, &[]))),
+            [
+                "buzz.bar.foo.system.internal",
+                "db.data.system.internal",
+                "web.shop.system.internal"
+            ],
+            "what it resolved, and what it declared then"
+        );
+        assert!(
+            scope(&moved).services.is_empty(),
+            "same pod, another address"
+        );
+        assert!(
+            scope(&replaced).services.is_empty(),
+            "another pod at the address"
+        );
+        assert!(again.attach(&pod("10.0.0.8", false, &[])).is_none());
+        let kept: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(kept.len(), 3, "one file per scoped pod that runs: {kept:?}");
+        assert_eq!(again.metrics.store_errors.get(), 0);
     }
 }

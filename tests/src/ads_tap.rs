@@ -10,9 +10,12 @@
 //! The bytes are relayed unchanged, as they come; a copy of each direction is read as HTTP/2
 //! frames (DATA frames only: headers and settings are not needed) carrying gRPC messages:
 //! responses from the agent (which assignments each nonce carried) and requests from Envoy
-//! (which nonces it ACKed, with no `error_detail`).
+//! (which nonces it ACKed, with no `error_detail`). A test can also hold Envoy's side back
+//! ([`AdsTap::pause`]): what Envoy sends is read as it comes but reaches the agent only on
+//! [`AdsTap::resume`], as a slow network would deliver it, which makes a race of the two sides
+//! happen on purpose.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,6 +44,8 @@ pub struct AdsTap {
     pub addr: SocketAddr,
     acks: TapWatch,
     task: tokio::task::JoinHandle<()>,
+    /// Whether Envoy's bytes go on to the agent (see [`AdsTap::pause`]).
+    open: Arc<watch::Sender<bool>>,
 }
 
 #[derive(Default)]
@@ -51,6 +56,10 @@ struct TapState {
     held: HashMap<String, (Vec<SocketAddr>, Instant)>,
     /// Something the relay could not read: reported by the next wait.
     error: Option<String>,
+    /// Nonces of the agent's responses Envoy has not answered (ACK or NACK) yet.
+    unanswered: HashSet<String>,
+    /// Responses the agent sent.
+    responses: u64,
 }
 
 impl AdsTap {
@@ -62,13 +71,15 @@ impl AdsTap {
         let state = Arc::new(Mutex::new(TapState::default()));
         let (bump, changed) = watch::channel(0u64);
         let bump = Arc::new(bump);
+        let open = Arc::new(watch::Sender::new(true));
         let shared = state.clone();
+        let gate = open.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let (state, bump) = (shared.clone(), bump.clone());
+                let (state, bump, gate) = (shared.clone(), bump.clone(), gate.subscribe());
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream).await {
-                        relay(client, server, mode, state, bump).await;
+                        relay(client, server, mode, state, bump, gate).await;
                     }
                 });
             }
@@ -77,7 +88,36 @@ impl AdsTap {
             addr,
             acks: TapWatch { state, changed },
             task,
+            open,
         })
+    }
+
+    /// Holds back what Envoy sends: read (and seen by the waits), not passed on to the agent.
+    pub fn pause(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// Passes on what was held back, in order, and whatever Envoy sends next.
+    pub fn resume(&self) {
+        self.open.send_replace(true);
+    }
+
+    /// How many responses the agent has sent through the relay.
+    pub fn responses(&self) -> u64 {
+        let state = self.acks.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.responses
+    }
+
+    /// Waits up to `timeout` until the agent has sent more than `after` responses and Envoy has
+    /// answered every one (whether or not the answers reached the agent).
+    pub async fn answered(&mut self, after: u64, timeout: Duration) -> anyhow::Result<()> {
+        let what = format!("every response after the first {after}");
+        self.acks
+            .wait_state(&what, timeout, |state| {
+                (state.responses > after && state.unanswered.is_empty()).then(Instant::now)
+            })
+            .await
+            .map(|_| ())
     }
 
     /// When Envoy ACKed a response that gave `cluster` an assignment listing `endpoint`
@@ -143,6 +183,16 @@ impl TapWatch {
         timeout: Duration,
         done: impl Fn(&HashMap<String, (Vec<SocketAddr>, Instant)>) -> Option<Instant>,
     ) -> anyhow::Result<Instant> {
+        self.wait_state(what, timeout, |state| done(&state.held))
+            .await
+    }
+
+    async fn wait_state(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&TapState) -> Option<Instant>,
+    ) -> anyhow::Result<Instant> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             self.changed.borrow_and_update();
@@ -151,7 +201,7 @@ impl TapWatch {
                 if let Some(error) = &state.error {
                     anyhow::bail!("the ADS relay: {error}");
                 }
-                if let Some(at) = done(&state.held) {
+                if let Some(at) = done(&state) {
                     return Ok(at);
                 }
             }
@@ -159,7 +209,7 @@ impl TapWatch {
                 .await
                 .is_err()
             {
-                anyhow::bail!("Envoy did not ACK {what} within {timeout:?}");
+                anyhow::bail!("Envoy did not answer {what} within {timeout:?}");
             }
         }
     }
@@ -178,23 +228,25 @@ async fn relay(
     mode: AdsMode,
     state: Arc<Mutex<TapState>>,
     bump: Arc<watch::Sender<u64>>,
+    gate: watch::Receiver<bool>,
 ) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let requests = pipe(client_read, server_write, Reader::new(true), {
+    let requests = pipe(client_read, server_write, Reader::new(true), Some(gate), {
         let (state, bump) = (state.clone(), bump.clone());
         move |message| {
             let read = on_request(mode, &message, &state, &bump);
             failed(read, &state, &bump);
         }
     });
-    let responses = pipe(server_read, client_write, Reader::new(false), {
+    let responses = pipe(server_read, client_write, Reader::new(false), None, {
         let (state, bump) = (state.clone(), bump.clone());
         move |message| {
             let read = on_response(mode, &message, &state);
             failed(read, &state, &bump);
+            bump.send_modify(|n| *n += 1);
         }
     });
     tokio::select! {
@@ -213,24 +265,50 @@ fn failed(read: Result<(), String>, state: &Mutex<TapState>, bump: &watch::Sende
     }
 }
 
-/// Copies `from` to `to`, handing every gRPC message seen on the way to `on_message`.
+/// Copies `from` to `to`, handing every gRPC message seen on the way to `on_message`; while
+/// `gate` is closed, what is read is kept and passed on when it opens.
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut reader: Reader,
+    mut gate: Option<watch::Receiver<bool>>,
     mut on_message: impl FnMut(BytesMut),
 ) {
     let mut buf = vec![0u8; 256 << 10];
+    let mut held = Vec::new();
     loop {
-        let n = match from.read(&mut buf).await {
+        let open = gate.as_ref().is_none_or(|g| *g.borrow());
+        if open && !held.is_empty() {
+            if to.write_all(&held).await.is_err() {
+                return;
+            }
+            held.clear();
+        }
+        let read = match gate.as_mut().filter(|_| !open) {
+            Some(g) => tokio::select! {
+                read = from.read(&mut buf) => read,
+                changed = g.changed() => {
+                    if changed.is_err() {
+                        gate = None;
+                    }
+                    continue;
+                }
+            },
+            None => from.read(&mut buf).await,
+        };
+        let n = match read {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
         for message in reader.feed(&buf[..n]) {
             on_message(message);
+        }
+        if open {
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        } else {
+            held.extend_from_slice(&buf[..n]);
         }
     }
 }
@@ -308,6 +386,11 @@ fn on_response(mode: AdsMode, message: &[u8], state: &Mutex<TapState>) -> Result
             (r.type_url, r.nonce, r.resources)
         }
     };
+    {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        state.responses += 1;
+        state.unanswered.insert(nonce.clone());
+    }
     if type_url != EDS {
         return Ok(());
     }
@@ -344,7 +427,12 @@ fn on_request(
         }
     };
     let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+    let answered = state.unanswered.remove(&nonce);
     let Some(assignments) = state.sent.remove(&nonce) else {
+        drop(state);
+        if answered {
+            bump.send_modify(|n| *n += 1);
+        }
         return Ok(());
     };
     if nack {

@@ -894,6 +894,15 @@ impl ClientPod {
             }
         })
     }
+
+    /// [`ClientPod::load`] over one kept-alive connection, as an app with a connection pool
+    /// sends: a new connection only when Envoy closes the last, and a request that met a
+    /// connection closed before any answer sent once more on a new one (what HTTP clients do
+    /// for an idempotent request on a reused connection).
+    pub fn load_keepalive(&self, addr: SocketAddr, host: &str, interval: Duration) -> Load {
+        let mut pooled = KeptAlive::new(addr, host.to_string());
+        Load::start(self.pod.netns.path(), interval, move || pooled.get())
+    }
 }
 
 impl Drop for ClientPod {
@@ -1074,6 +1083,141 @@ impl Drop for Load {
             let _ = thread.join();
         }
     }
+}
+
+/// One kept-alive HTTP/1.1 connection and the GETs sent on it.
+struct KeptAlive {
+    addr: SocketAddr,
+    host: String,
+    connection: Option<BufReader<TcpStream>>,
+}
+
+/// Why a request on a kept-alive connection got no answer.
+enum Unanswered {
+    /// The connection closed before any byte of an answer: worth one more try.
+    Closed(String),
+    Failed(String),
+}
+
+impl KeptAlive {
+    fn new(addr: SocketAddr, host: String) -> KeptAlive {
+        KeptAlive {
+            addr,
+            host,
+            connection: None,
+        }
+    }
+
+    /// One GET of `/`: the body on 200, an error otherwise.
+    fn get(&mut self) -> Result<String, String> {
+        let reused = self.connection.is_some();
+        match self.exchange() {
+            Err(Unanswered::Closed(_)) if reused => {
+                self.connection = None;
+                self.exchange()
+                    .map_err(|(Unanswered::Closed(e) | Unanswered::Failed(e))| e)
+            }
+            other => other.map_err(|(Unanswered::Closed(e) | Unanswered::Failed(e))| e),
+        }
+    }
+
+    fn exchange(&mut self) -> Result<String, Unanswered> {
+        let failed = |e: String| Unanswered::Failed(e);
+        if self.connection.is_none() {
+            let stream = TcpStream::connect_timeout(&self.addr, CONNECT_TIMEOUT)
+                .map_err(|e| failed(format!("connect {}: {e}", self.addr)))?;
+            stream
+                .set_read_timeout(Some(IO_TIMEOUT))
+                .map_err(|e| failed(e.to_string()))?;
+            self.connection = Some(BufReader::new(stream));
+        }
+        let Some(reader) = self.connection.as_mut() else {
+            return Err(failed("no connection".into()));
+        };
+        let request = format!("GET / HTTP/1.1\r\nHost: {}\r\n\r\n", self.host);
+        if let Err(e) = reader.get_mut().write_all(request.as_bytes()) {
+            self.connection = None;
+            return Err(Unanswered::Closed(format!("write: {e}")));
+        }
+        let answer = read_answer(reader);
+        match &answer {
+            Ok((_, _, close)) if !close => {}
+            _ => self.connection = None,
+        }
+        let (status, body, _) = answer?;
+        if status != 200 {
+            return Err(failed(format!("{status}: {body:.200}")));
+        }
+        Ok(body.trim().to_string())
+    }
+}
+
+/// One HTTP/1.1 answer: status, body, and whether the connection closes after it.
+fn read_answer(reader: &mut BufReader<TcpStream>) -> Result<(u16, String, bool), Unanswered> {
+    let failed = |e: String| Unanswered::Failed(e);
+    let mut status_line = String::new();
+    match reader.read_line(&mut status_line) {
+        Ok(0) => return Err(Unanswered::Closed("closed before an answer".into())),
+        Err(e) => return Err(Unanswered::Closed(format!("read: {e}"))),
+        Ok(_) => {}
+    }
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| failed(format!("no status in {status_line:?}")))?;
+    let (mut length, mut chunked, mut close) = (None, false, false);
+    loop {
+        let mut line = String::new();
+        if reader
+            .read_line(&mut line)
+            .map_err(|e| failed(e.to_string()))?
+            == 0
+        {
+            return Err(failed("closed inside the headers".into()));
+        }
+        let line = line.trim_end().to_ascii_lowercase();
+        if line.is_empty() {
+            break;
+        }
+        if let Some(value) = line.strip_prefix("content-length:") {
+            length = value.trim().parse::<usize>().ok();
+        } else if line.starts_with("transfer-encoding:") && line.contains("chunked") {
+            chunked = true;
+        } else if line.starts_with("connection:") && line.contains("close") {
+            close = true;
+        }
+    }
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            reader
+                .read_line(&mut size)
+                .map_err(|e| failed(e.to_string()))?;
+            let size = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(|e| failed(format!("chunk size: {e}")))?;
+            let mut chunk = vec![0; size + 2];
+            reader
+                .read_exact(&mut chunk)
+                .map_err(|e| failed(e.to_string()))?;
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    } else if let Some(length) = length {
+        body.resize(length, 0);
+        reader
+            .read_exact(&mut body)
+            .map_err(|e| failed(e.to_string()))?;
+    } else {
+        reader
+            .read_to_end(&mut body)
+            .map_err(|e| failed(e.to_string()))?;
+        close = true;
+    }
+    Ok((status, String::from_utf8_lossy(&body).into_owned(), close))
 }
 
 /// The outcomes of a [`Load`].

@@ -10,7 +10,10 @@
 //! - that Envoy holds the clusters of what its pod resolved, of what its annotation declares
 //!   and of a mesh-file service whose `clients:` name the pod, and no other service's;
 //! - an endpoint change reaches the proxies that hold the service and no other (their ACKed
-//!   endpoint versions on `/debug/xds`).
+//!   endpoint versions on `/debug/xds`);
+//! - after a kill -9 of the agent, the restarted agent gives each pod's Envoy (Delta and SotW)
+//!   what it held: their clusters, polled throughout, never lack a service the pod resolved,
+//!   and requests through them over kept-alive connections all succeed.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -253,4 +256,145 @@ fn each_envoy_holds_what_its_pod_uses_and_a_first_request_finds_it() {
         "before {before:?}, after {after:?}"
     );
     assert!(!clusters(&client).contains("other.shop"));
+}
+
+/// The services of `names` whose clusters the pod's Envoy lacks, if any (an admin query that
+/// fails counts as lacking them all: Envoy itself is expected up throughout).
+fn lacking(client: &ClientPod, names: &[String]) -> Vec<String> {
+    match client.envoy_admin("/config_dump?resource=dynamic_active_clusters") {
+        Ok(_) => {
+            let held = clusters(client);
+            names
+                .iter()
+                .filter(|n| !held.contains(&format!("{n}.shop")))
+                .cloned()
+                .collect()
+        }
+        Err(e) => vec![format!("admin: {e}")],
+    }
+}
+
+/// kill -9 of the agent under scoped proxies, Delta and SotW, that resolved services before:
+/// with the state directory the restarted agent gives each pod what it held, so their Envoys
+/// never lose a cluster (their admin API polled throughout) and requests over kept-alive
+/// connections through them all succeed. Fails when scopes live in memory only (every scoped
+/// Envoy is told to drop what its pod resolved, then 404s).
+#[test]
+fn scoped_proxies_keep_what_they_resolved_across_an_agent_restart() {
+    let node = Node::new("scr").unwrap();
+    let web = node.http_backend("web", 11, PORT).unwrap();
+    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+    let names: Vec<String> = (0..12).map(|i| format!("svc-{i}")).collect();
+    for name in &names {
+        service(&server, name, &[&web]);
+    }
+    server.apply_json(pod("client", 2, json!({}))).unwrap();
+    server.apply_json(pod("peer", 4, json!({}))).unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let mut agent = node
+        .agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &[
+                "--node-local-dns",
+                &NODE_LOCAL.to_string(),
+                "--kubernetes",
+                "--state-dir",
+                state_dir,
+            ],
+            &[
+                ("KUBECONFIG", kubeconfig.as_str()),
+                ("NODE_NAME", NODE_NAME),
+            ],
+        )
+        .unwrap();
+    let client = node.client_of("client", 2, XDS, DNS).unwrap();
+    let peer = node
+        .client_with("peer", 4, (XDS, DNS), &["--xds-mode=sotw"])
+        .unwrap();
+    let (mine, theirs) = names.split_at(6);
+    first_requests_succeed(&client, mine, "web");
+    first_requests_succeed(&peer, theirs, "web");
+    let target = |name: &str| {
+        (
+            SocketAddr::from((SHARED, PORT)),
+            format!("{}:{PORT}", host(name)),
+        )
+    };
+    let (to, at) = target(&mine[0]);
+    let client_load = client.load_keepalive(to, &at, Duration::from_millis(5));
+    let (to, at) = target(&theirs[0]);
+    let peer_load = peer.load_keepalive(to, &at, Duration::from_millis(5));
+
+    let watching = std::sync::atomic::AtomicBool::new(true);
+    let (lost, polls) = std::thread::scope(|scope| {
+        let watcher = scope.spawn(|| {
+            let (mut lost, mut polls) = (Vec::new(), 0);
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                for (who, pod, held) in [("client", &client, mine), ("peer", &peer, theirs)] {
+                    let missing = lacking(pod, held);
+                    if !missing.is_empty() {
+                        lost.push(format!("{who}: {missing:?}"));
+                    }
+                }
+                polls += 1;
+            }
+            (lost, polls)
+        });
+        agent.restart();
+        agent.wait_ready().unwrap();
+        // Both proxies back on the restarted agent, in sync, and traffic through both since.
+        wait::until("both proxies on the restarted agent", WITHIN, || {
+            let (_, body) = agent.get("/debug/xds").map_err(|e| e.to_string())?;
+            let proxies: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+            let mut back: Vec<&str> = proxies
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p["node_id"].as_str())
+                .collect();
+            back.sort();
+            (back == ["client.default", "peer.default"])
+                .then_some(())
+                .ok_or(body.clone())
+        })
+        .unwrap();
+        let served = web.server.stats.served();
+        wait::until("traffic after the restart", WITHIN, || {
+            (web.server.stats.served() > served + 100)
+                .then_some(())
+                .ok_or_else(|| "not yet".to_string())
+        })
+        .unwrap();
+        watching.store(false, std::sync::atomic::Ordering::Relaxed);
+        watcher.join().unwrap()
+    });
+    let (client_report, peer_report) = (client_load.stop(), peer_load.stop());
+    println!(
+        "restart under scoped proxies: {polls} polls of both Envoys' clusters, {} lost; \
+         {} + {} requests, {} + {} failed",
+        lost.len(),
+        client_report.outcomes.len(),
+        peer_report.outcomes.len(),
+        client_report.failures().len(),
+        peer_report.failures().len()
+    );
+    assert!(
+        lost.is_empty(),
+        "clusters lost across the restart: {:?}",
+        &lost[..lost.len().min(5)]
+    );
+    client_report.assert_no_failures();
+    peer_report.assert_no_failures();
+    assert_eq!(clusters(&client), names_of(mine));
+    assert_eq!(clusters(&peer), names_of(theirs));
+}
+
+fn names_of(names: &[String]) -> BTreeSet<String> {
+    names.iter().map(|n| format!("{n}.shop")).collect()
 }

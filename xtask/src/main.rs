@@ -70,12 +70,16 @@ enum Task {
     /// The whole data path on a simulated node, narrated: DNS, capture, Envoy, backends, a
     /// live mesh change, a blue-green release by routing rules, then teardown. Needs root.
     Demo,
-    /// Fuzz the DNS query path (dns/fuzz, cargo-fuzz with libFuzzer) for a while; installs
-    /// cargo-fuzz when missing. Runs on the stable toolchain through RUSTC_BOOTSTRAP.
+    /// Fuzz a decoder (cargo-fuzz with libFuzzer) for a while: the DNS query path (dns/fuzz),
+    /// or the ADS request decoders (agent/fuzz); installs cargo-fuzz when missing. Runs on the
+    /// stable toolchain through RUSTC_BOOTSTRAP.
     Fuzz {
         /// How long to fuzz, in seconds.
         #[arg(long, default_value_t = 30)]
         seconds: u64,
+        /// What to fuzz: `query` (DNS), `sotw_request` or `delta_request` (ADS).
+        #[arg(long, default_value = "query")]
+        target: String,
     },
     /// Render the Kubernetes manifests (deploy/ and deploy/examples/) for users without
     /// kustomize: to stdout, or as lattice.yaml and lattice-example.yaml under --out.
@@ -112,7 +116,7 @@ fn main() -> anyhow::Result<()> {
             bench(smoke, &only)
         }
         Task::Demo => lattice_bench(&["demo".to_string()]),
-        Task::Fuzz { seconds } => fuzz(seconds),
+        Task::Fuzz { seconds, target } => fuzz(&target, seconds),
         Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
     }
 }
@@ -177,15 +181,22 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
 
 /// cargo-fuzz needs nightly-only compiler flags (sanitizers); RUSTC_BOOTSTRAP lets the one
 /// stable toolchain these machines have accept them.
-fn fuzz(seconds: u64) -> anyhow::Result<()> {
+fn fuzz(target: &str, seconds: u64) -> anyhow::Result<()> {
+    let crate_dir = match target {
+        "query" => "dns/fuzz",
+        "sotw_request" | "delta_request" => "agent/fuzz",
+        other => bail!(
+            "unknown fuzz target {other:?}; the targets are query, sotw_request, delta_request"
+        ),
+    };
     if !have("cargo-fuzz") {
         run(cargo().args(["install", "--locked", "cargo-fuzz"]))?;
     }
-    let dir = workspace_root().join("dns/fuzz");
+    let dir = workspace_root().join(crate_dir);
     run(cargo()
         .current_dir(&dir)
         .env("RUSTC_BOOTSTRAP", "1")
-        .args(["fuzz", "run", "query", "--"])
+        .args(["fuzz", "run", target, "--"])
         .arg(format!("-max_total_time={seconds}")))
 }
 

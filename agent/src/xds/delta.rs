@@ -6,32 +6,26 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
+use super::held::ClientView;
 use super::inbound::Plain;
+use super::interest::{Subscription, UnknownNames};
 use super::response::DeltaResponse;
-use super::snapshot::{Names, ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, Subscription, TypeState, nonce};
+use super::snapshot::{Names, ResourceType, XdsResource, XdsSnapshot, parse_version};
+use super::stream::{Ads, Delivery, Event, Flavour, Limits, NameSet, Push, Types, nonce, too_many};
 use super::wire::{DeltaRequest, VersionList};
 
+/// What a Delta stream keeps per type beside [`TypeState`].
 #[derive(Debug, Default)]
-struct DeltaTypeState {
-    /// What both flavours keep.
-    common: TypeState,
+struct DeltaExtra {
     /// Explicitly subscribed names we already told the client do not exist.
     told_absent: NameSet,
-    /// Versions sent in the in-flight response; a NACK leaves the client on its old ones.
-    in_flight: Vec<(Arc<str>, u64)>,
-    /// The snapshot version of the in-flight response, reported on its ACK or NACK.
-    in_flight_version: String,
-    /// The interest's narrowings when the in-flight response was sent: while they stand, every
-    /// resource in it is still wanted.
-    in_flight_narrowings: u64,
 }
 
 /// One `DeltaAggregatedResources` stream.
 #[derive(Debug, Default)]
 pub struct DeltaStream {
-    types: [DeltaTypeState; 4],
-    nonces: u64,
+    pub(super) common: Types,
+    extra: [DeltaExtra; 4],
 }
 
 impl Ads for DeltaStream {
@@ -39,6 +33,13 @@ impl Ads for DeltaStream {
     type Response = DeltaResponse;
     type Decoder = Plain<DeltaRequest>;
     const MODE: &'static str = "delta";
+
+    fn new(limits: Limits) -> Self {
+        DeltaStream {
+            common: Types::new(limits),
+            extra: Default::default(),
+        }
+    }
 
     fn node(request: &DeltaRequest) -> Option<&Node> {
         request.node.as_ref()
@@ -55,27 +56,48 @@ impl Ads for DeltaStream {
             };
             return (Vec::new(), vec![event]);
         };
-        let current = snapshot.names(
-            kind,
-            request.initial_resource_versions.len() + request.resource_names_subscribe.len(),
-        );
-        let state = &mut self.types[kind.index()];
-        let common = &mut state.common;
+        let limits = self.common.limits;
+        let subscribe = &request.resource_names_subscribe;
+        let listed = request.initial_resource_versions.len();
+        if let Some(exhausted) = too_many(kind, subscribe.len().max(listed), limits) {
+            return (Vec::new(), vec![exhausted]);
+        }
+        let current = snapshot.names(kind, listed + subscribe.len());
+        if !self.common.of(kind).requested
+            && matches!(kind, ResourceType::Listener | ResourceType::Route)
+        {
+            self.common.names_clusters_now(snapshot);
+        }
+        let state = self.common.of(kind);
+        let told_absent = &mut self.extra[kind.index()].told_absent;
         let mut events = Vec::new();
+        let mut reconnected = false;
+        let first = !state.requested;
 
-        if !common.requested {
-            common.requested = true;
-            common.must_answer = true;
+        if first {
+            state.requested = true;
+            state.must_answer = true;
             // Legacy wildcard: the first request for a wildcard type that names nothing.
-            common.interest.wildcard =
-                request.resource_names_subscribe.is_empty() && kind.is_wildcard_by_default();
+            let legacy = subscribe.is_empty() && kind.is_wildcard_by_default();
+            state.interest.wildcard = legacy;
+            state.interest.legacy = legacy;
             // A reconnecting client says what it holds. A version this agent did not make
             // (another control plane's) matches nothing, so the resource is sent again.
-            common.client = held_view(&request.initial_resource_versions, &current, snapshot, kind);
-            common.baseline = None;
+            state.client = held_view(
+                &request.initial_resource_versions,
+                &current,
+                snapshot,
+                kind,
+                &mut state.unknown,
+            );
+            state.baseline = None;
+            reconnected = listed > 0;
+        } else if state.interest.legacy && !subscribe.is_empty() {
+            // Named something: an empty subscription no longer means everything; the wildcard
+            // itself stays until `*` is unsubscribed.
+            state.interest.legacy = false;
         }
-        let subscribe = &request.resource_names_subscribe;
-        let everything = common.interest.names.is_empty().then(|| {
+        let everything = state.interest.names.is_empty().then(|| {
             let names = subscribe.iter().map(|name| (name.as_str(), None));
             snapshot.every_resource(kind, subscribe.len(), names)
         });
@@ -83,67 +105,97 @@ impl Ads for DeltaStream {
             // A first subscription to every name of the type (Envoy's to the endpoints of all
             // its clusters): the snapshot's index, shared. Nothing was subscribed before, so
             // nothing was told absent, and without a baseline nothing is queued.
-            common.interest.names = Subscription::whole(index.clone());
-            state.told_absent.clear();
-            common.baseline = None;
+            state.interest.names = Subscription::whole(index.clone());
+            told_absent.clear();
+            state.baseline = None;
         } else {
             for name in subscribe {
                 if name == "*" {
-                    common.interest.wildcard = true;
-                    common.baseline = None;
-                } else if !common.interest.names.contains(name.as_str()) {
-                    let name = current.intern(name);
-                    common.interest.names.insert(name.clone());
-                    state.told_absent.remove(&name);
-                    common.look_again(name);
+                    state.interest.wildcard = true;
+                    state.baseline = None;
+                } else if !state.interest.names.contains(name.as_str()) {
+                    let name = state.unknown.intern(&current, name);
+                    state.interest.names.insert(name.clone());
+                    told_absent.remove(&name);
+                    state.look_again(name);
                 }
             }
             // Counted first: the index is built only for a subscription as large as the type.
-            let names = &mut common.interest.names;
+            let names = &mut state.interest.names;
             if !subscribe.is_empty() && names.len() == snapshot.of(kind).len() {
                 names.compact(snapshot.name_index(kind));
             }
         }
         if !request.resource_names_unsubscribe.is_empty() {
-            common.interest.narrowed();
+            state.interest.narrowed();
         }
         for name in &request.resource_names_unsubscribe {
             if name == "*" {
-                common.interest.wildcard = false;
-            } else {
-                common.interest.names.remove(name.as_str());
-                state.told_absent.remove(name.as_str());
+                // What it held through the wildcard alone, it dropped with it.
+                state.interest.wildcard = false;
+                state.interest.legacy = false;
+                let interest = &state.interest;
+                let unnamed: Vec<Arc<str>> = state
+                    .client
+                    .names()
+                    .filter(|n| !interest.wants(n))
+                    .cloned()
+                    .collect();
+                for name in unnamed {
+                    state.forget(&name);
+                }
+                continue;
             }
-            if !common.interest.wants(name) {
-                common.client.remove(name);
+            let named = state.interest.names.get(name).cloned();
+            state.interest.names.remove(name);
+            told_absent.remove(name.as_str());
+            match named {
+                // Still wanted through the wildcard: the client dropped it, and is told its
+                // state again (as the protocol asks of a name unsubscribed under a wildcard).
+                Some(name) if state.interest.wildcard => {
+                    state.forget(&name);
+                    state.look_again(name);
+                }
+                _ if state.interest.wildcard => {}
+                _ => state.forget(name),
             }
+        }
+        if reconnected {
+            self.common.reconnected = true;
+        }
+        if kind == ResourceType::Endpoint {
+            if first {
+                self.common.endpoints_requested();
+            }
+            self.common.endpoints_asked();
         }
 
         if !request.response_nonce.is_empty() {
-            if common.pending.as_deref() == Some(request.response_nonce.as_str()) {
-                common.pending = None;
-                let version = std::mem::take(&mut state.in_flight_version);
-                match &request.error_detail {
-                    Some(status) => events.push(Event::Nack {
-                        kind,
-                        version,
-                        error: status.message.clone(),
-                    }),
-                    None => events.push(Event::Ack { kind, version }),
-                }
-                // Either way the client has seen these versions: after an ACK it holds them,
-                // after a NACK re-sending the same bytes would only be rejected again. Names it
-                // unsubscribed from meanwhile are gone from its view.
-                let in_flight = std::mem::take(&mut state.in_flight);
-                if state.in_flight_narrowings == common.interest.narrowings() {
-                    let sent = in_flight.iter().map(|(name, version)| (name, *version));
-                    common.client.extend(snapshot.of(kind), sent);
+            let state = self.common.of(kind);
+            if state
+                .in_flight
+                .as_ref()
+                .is_some_and(|d| d.nonce == request.response_nonce)
+            {
+                let accepted = request.error_detail.is_none();
+                let delivery = if accepted {
+                    self.common.accept(kind, snapshot)
                 } else {
-                    for (name, version) in in_flight {
-                        if common.interest.wants(&name) {
-                            common.client.insert(name, version);
-                        }
-                    }
+                    self.common.of(kind).reject()
+                };
+                if let Some(delivery) = delivery {
+                    events.push(match &request.error_detail {
+                        Some(status) => Event::Nack {
+                            kind,
+                            version: delivery.version.clone(),
+                            error: status.message.clone(),
+                        },
+                        None => Event::Ack {
+                            kind,
+                            version: delivery.version.clone(),
+                        },
+                    });
+                    self.common.answered(kind, &delivery, accepted);
                 }
             } else {
                 events.push(Event::StaleNonce {
@@ -151,6 +203,10 @@ impl Ads for DeltaStream {
                     nonce: request.response_nonce.clone(),
                 });
             }
+        }
+        if let Err(exhausted) = self.common.of(kind).check_names(kind, limits) {
+            events.push(exhausted);
+            return (Vec::new(), events);
         }
         (self.push(snapshot), events)
     }
@@ -160,22 +216,22 @@ impl Ads for DeltaStream {
     }
 
     fn holds(&self, snapshot: &XdsSnapshot) -> bool {
-        ResourceType::ALL
-            .into_iter()
-            .all(|kind| self.types[kind.index()].common.holds(snapshot.of(kind)))
+        self.common.holds(snapshot)
     }
 }
 
-/// What a reconnecting client says it holds, as a view. Usually it holds exactly the whole
-/// type of the current snapshot (nothing changed while it was away, or it reconnected to
-/// another agent of the same mesh): then the view is the snapshot's map itself, with no map
-/// built. A profile of a restart at 10k services had building these views entry by entry as a
-/// fifth of the agent's CPU.
+/// What a reconnecting client says it holds, as a view: the snapshot's resource where the
+/// version is the snapshot's, a resource known only by its version otherwise. Usually it holds
+/// exactly the whole type of the current snapshot (nothing changed while it was away, or it
+/// reconnected to another agent of the same mesh): then the view is the snapshot's map itself,
+/// with no map built (a profile of a restart at 10k services had building these views entry by
+/// entry as a fifth of the agent's CPU).
 fn held_view(
     listed: &VersionList,
     current: &Names<'_>,
     snapshot: &XdsSnapshot,
     kind: ResourceType,
+    unknown: &mut UnknownNames,
 ) -> ClientView {
     // A version this agent did not make (another control plane's) matches nothing.
     let version = |version: &str| parse_version(version).unwrap_or(u64::MAX);
@@ -186,36 +242,34 @@ fn held_view(
     let mut view = ClientView::default();
     view.reserve(listed.len());
     for (name, v) in listed.iter() {
-        view.insert(current.intern(name), version(v));
+        let v = version(v);
+        let resource = match current.get_key_value(name) {
+            Some((_, resource)) if resource.version == v => resource.clone(),
+            Some((name, _)) => XdsResource::held_at(name.clone(), v),
+            None => XdsResource::held_at(unknown.intern(current, name), v),
+        };
+        view.insert(resource);
     }
     view
 }
 
 impl DeltaStream {
     fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<DeltaResponse>> {
+        let mut found = self.common.plan(snapshot, Flavour::Delta);
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
-            let state = &mut self.types[kind.index()];
-            let common = &mut state.common;
-            if !common.requested || common.pending.is_some() {
+            let Some(mut found) = found[kind.index()].take() else {
                 continue;
-            }
-            let mut found = common.diff(snapshot.of(kind));
+            };
             // Explicitly subscribed names that do not exist: say so once, so Envoy does not
             // wait for them until its fetch timeout.
-            found
-                .absent
-                .retain(|name| !state.told_absent.contains(name));
-            common.limit(&mut found.changed);
-            if found.is_empty() && !common.must_answer {
-                common.settle(snapshot.of(kind));
+            let told_absent = &mut self.extra[kind.index()].told_absent;
+            found.absent.retain(|name| !told_absent.contains(name));
+            if found.is_empty() && !self.common.of(kind).must_answer {
                 continue;
             }
-            let resend = common.changed_clusters(kind, &found.changed);
-            for name in &found.removed {
-                common.client.remove(name);
-            }
-            state.told_absent.extend(found.absent.iter().cloned());
+            let told_absent = &mut self.extra[kind.index()].told_absent;
+            told_absent.extend(found.absent.iter().cloned());
             let mut removed: Vec<String> = found
                 .removed
                 .iter()
@@ -223,18 +277,18 @@ impl DeltaStream {
                 .map(|name| name.to_string())
                 .collect();
             removed.sort();
-            let nonce = nonce(&mut self.nonces);
-            let state = &mut self.types[kind.index()];
-            state.in_flight = found
-                .changed
-                .iter()
-                .map(|r| (r.name.clone(), r.version))
-                .collect();
-            state.in_flight_narrowings = state.common.interest.narrowings();
-            state.common.pending = Some(nonce.clone());
-            state.common.must_answer = false;
+            let nonce = nonce(&mut self.common.nonces);
             let version = snapshot.version.to_string();
-            state.in_flight_version = version.clone();
+            let state = self.common.of(kind);
+            state.in_flight = Some(Delivery {
+                nonce: nonce.clone(),
+                sent: found.changed.clone(),
+                removed: found.removed,
+                whole: None,
+                narrowings: state.interest.narrowings(),
+                version: version.clone(),
+            });
+            state.must_answer = false;
             out.push(Push {
                 kind,
                 response: DeltaResponse {
@@ -245,14 +299,10 @@ impl DeltaStream {
                     nonce,
                 },
             });
-            self.types[ResourceType::Endpoint.index()]
-                .common
-                .resend(resend);
         }
         out
     }
 }
-
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -262,7 +312,7 @@ mod tests {
     use super::*;
     use crate::mesh::Protocol;
     use crate::xds::stream::RESPONSE_BUDGET;
-    use crate::xds::testing::{BUZZ, CDS, EDS, Tested, World, big_world, names_of};
+    use crate::xds::testing::{BUZZ, CDS, EDS, LDS, RDS, Tested, World, big_world, names_of};
 
     fn delta(
         type_url: &str,
@@ -455,7 +505,33 @@ mod tests {
             ["other.foo.system.internal|8080"],
             "only what differs"
         );
-        assert_eq!(out[0].removed_resources, ["gone|1"]);
+        // What it held and is gone goes once its listeners (on their way) are in sync.
+        assert!(out[0].removed_resources.is_empty());
+        assert_eq!(
+            removals_after_the_listeners(&mut stream, &snap, out),
+            [(CDS, "gone|1".to_string())]
+        );
+    }
+
+    /// Acknowledges `out`, asks for listeners (as a reconnecting Envoy does right after its
+    /// clusters) and acknowledges what follows: the removals sent, in order.
+    fn removals_after_the_listeners(
+        stream: &mut Tested<DeltaStream>,
+        snap: &XdsSnapshot,
+        out: Vec<DeltaResponse>,
+    ) -> Vec<(&'static str, String)> {
+        let mut seen = ack_all(stream, snap, out);
+        let (out, _) = stream.on_request(&delta(LDS, &[], &[], ""), snap);
+        seen.extend(ack_all(stream, snap, out));
+        seen.iter()
+            .flat_map(|r| {
+                let url = [CDS, EDS, LDS, RDS]
+                    .into_iter()
+                    .find(|u| *u == r.type_url)
+                    .unwrap();
+                r.removed_resources.iter().map(move |n| (url, n.clone()))
+            })
+            .collect()
     }
 
     /// A reconnect that names more than a few names looks them up through the snapshot's hash
@@ -475,10 +551,9 @@ mod tests {
         let mut request = delta(CDS, &[], &[], "");
         request.initial_resource_versions = held.into_iter().collect();
         let mut stream = Tested::<DeltaStream>::default();
-        let (out, _) = stream.on_request(&request, &snap);
+        let (cds, _) = stream.on_request(&request, &snap);
         assert!(snap.indexes.built(ResourceType::Cluster));
-        assert_eq!(names(&out[0]), [stale], "only what differs");
-        assert_eq!(out[0].removed_resources, ["gone|1"]);
+        assert_eq!(names(&cds[0]), [stale], "only what differs");
 
         // Every assignment held and subscribed, and one name that does not exist.
         let assignments = snap.of(ResourceType::Endpoint);
@@ -489,9 +564,21 @@ mod tests {
             .values()
             .map(|r| (r.name.to_string(), r.version_string()))
             .collect();
-        let (out, _) = stream.on_request(&request, &snap);
-        assert!(out[0].resources.is_empty(), "nothing to send again");
-        assert_eq!(out[0].removed_resources, ["absent|1"]);
+        let (eds, _) = stream.on_request(&request, &snap);
+        assert!(eds[0].resources.is_empty(), "nothing to send again");
+        let mut out = cds;
+        out.extend(eds);
+        let removals = removals_after_the_listeners(&mut stream, &snap, out);
+        assert_eq!(
+            removals,
+            [(CDS, "gone|1".to_string()), (EDS, "absent|1".to_string())]
+        );
+        // The cluster it held as another it re-created: its endpoints went out again, alone.
+        let sent = &stream.machine.common.types[ResourceType::Endpoint.index()];
+        assert!(
+            sent.client
+                .is_exactly(assignments, snap.whole(ResourceType::Endpoint))
+        );
     }
 
     /// A client that lists exactly the snapshot's clusters holds the snapshot's own map, with
@@ -511,13 +598,11 @@ mod tests {
         let mut stream = Tested::<DeltaStream>::default();
         let (out, _) = stream.on_request(&request, &snap);
         assert!(out[0].resources.is_empty() && out[0].removed_resources.is_empty());
-        let view = &stream.machine.types[ResourceType::Cluster.index()]
-            .common
-            .client;
-        assert!(view.is_exactly(clusters), "the snapshot's map, shared");
+        let view = &stream.machine.common.types[ResourceType::Cluster.index()].client;
+        assert!(view.is_based_on(clusters), "the snapshot's map, shared");
         let mut by_name = ClientView::default();
         for resource in clusters.values() {
-            by_name.insert(resource.name.clone(), resource.version);
+            by_name.insert(resource.clone());
         }
         assert_eq!(view.version_info(), by_name.version_info());
         assert_eq!(view.len(), clusters.len());
@@ -545,8 +630,7 @@ mod tests {
         repeated[3] = all[4];
         let mut other = Tested::<DeltaStream>::default();
         other.on_request(&delta(EDS, &repeated, &[], ""), &snap);
-        let subscription = &other.machine.types[ResourceType::Endpoint.index()]
-            .common
+        let subscription = &other.machine.common.types[ResourceType::Endpoint.index()]
             .interest
             .names;
         assert!(!subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
@@ -554,8 +638,7 @@ mod tests {
         // The one left out, in a later request (Envoy subscribes batch by batch, as clusters
         // arrive): every name now, held as the index.
         other.on_request(&delta(EDS, &[all[3]], &[], ""), &snap);
-        let subscription = &other.machine.types[ResourceType::Endpoint.index()]
-            .common
+        let subscription = &other.machine.common.types[ResourceType::Endpoint.index()]
             .interest
             .names;
         assert!(subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
@@ -563,8 +646,7 @@ mod tests {
 
         let mut stream = Tested::<DeltaStream>::default();
         let (mut out, _) = stream.on_request(&delta(EDS, &all, &[], ""), &snap);
-        let subscription = &stream.machine.types[ResourceType::Endpoint.index()]
-            .common
+        let subscription = &stream.machine.common.types[ResourceType::Endpoint.index()]
             .interest
             .names;
         assert!(subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
@@ -620,8 +702,7 @@ mod tests {
         assert!(matches!(&events[..], [Event::StaleNonce { .. }]));
         stream.on_request(&delta(EDS, &[], &[], &pending), &snap);
         assert!(
-            stream.machine.types[ResourceType::Endpoint.index()]
-                .common
+            stream.machine.common.types[ResourceType::Endpoint.index()]
                 .client
                 .get(BUZZ)
                 .is_none(),
@@ -642,8 +723,12 @@ mod tests {
         let snap2 = world.set("/foo/bar/buzz", Protocol::Grpc, &["10.0.0.1:8080"]);
         let out = stream.on_snapshot(&snap2);
         let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
-        assert_eq!(urls, [CDS, EDS]);
-        assert_eq!(names(&out[1]), [BUZZ]);
+        assert_eq!(urls, [CDS]);
+        // Once Envoy has re-created the cluster (its ACK), its endpoints again.
+        let (out, _) = stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(urls, [EDS]);
+        assert_eq!(names(&out[0]), [BUZZ]);
     }
 
     #[test]
@@ -669,6 +754,159 @@ mod tests {
         assert!(
             stream.on_snapshot(&snap3).is_empty(),
             "nothing left to send"
+        );
+    }
+
+    /// ACKs `out` and whatever follows; the responses seen, in order. Endpoints and routes are
+    /// subscribed as they are named, as Envoy does.
+    fn ack_all(
+        stream: &mut Tested<DeltaStream>,
+        snap: &XdsSnapshot,
+        out: Vec<DeltaResponse>,
+    ) -> Vec<DeltaResponse> {
+        let mut seen = Vec::new();
+        let mut pending: std::collections::VecDeque<DeltaResponse> = out.into();
+        while let Some(response) = pending.pop_front() {
+            let (more, _) =
+                stream.on_request(&delta(&response.type_url, &[], &[], &response.nonce), snap);
+            pending.extend(more);
+            seen.push(response);
+        }
+        seen
+    }
+
+    fn synced(snap: &XdsSnapshot) -> Tested<DeltaStream> {
+        let mut stream = Tested::<DeltaStream>::default();
+        for (url, kind) in [
+            (CDS, None),
+            (EDS, Some(ResourceType::Endpoint)),
+            (LDS, None),
+            (RDS, Some(ResourceType::Route)),
+        ] {
+            let names = kind.map(|k| names_of(snap, k)).unwrap_or_default();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let (out, _) = stream.on_request(&delta(url, &names, &[], ""), snap);
+            ack_all(&mut stream, snap, out);
+        }
+        assert!(stream.machine.holds(snap));
+        stream
+    }
+
+    /// Make before break in Delta: a backend's port moves (a new cluster, the old one to go)
+    /// with the route that names it. The new cluster, its endpoints (once subscribed) and the
+    /// routes go first, in that order; the old cluster's removal waits for the routes'
+    /// acknowledgement, and its endpoints' removal for the clusters'.
+    #[test]
+    fn delta_a_port_change_goes_cluster_endpoints_routes_then_removals() {
+        use crate::xds::testing::routed;
+        let mut world = World::new();
+        let specs = |port: u16| {
+            vec![
+                routed(
+                    "/shop/web",
+                    8080,
+                    Protocol::Http,
+                    &["10.0.0.1:8080"],
+                    &[("/shop/api", port, 1)],
+                ),
+                routed("/shop/api", port, Protocol::Http, &["10.0.0.2:8080"], &[]),
+            ]
+        };
+        let snap = world.replace(specs(8080));
+        let mut stream = synced(&snap);
+        let snap2 = world.replace(specs(9090));
+        let (old, new) = (
+            "api.shop.system.internal|8080",
+            "api.shop.system.internal|9090",
+        );
+        let out = stream.on_snapshot(&snap2);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].type_url.as_str(), names(&out[0])), (CDS, vec![new]));
+        assert!(
+            out[0].removed_resources.is_empty(),
+            "the old cluster stays for now"
+        );
+        let (more, _) = stream.on_request(&delta(CDS, &[], &[], &out[0].nonce), &snap2);
+        assert!(
+            more.is_empty(),
+            "routes wait for the new cluster's endpoints"
+        );
+        // Envoy subscribes to the new cluster's endpoints.
+        let (out, _) = stream.on_request(&delta(EDS, &[new], &[], ""), &snap2);
+        let seen = ack_all(&mut stream, &snap2, out);
+        let steps: Vec<(&str, Vec<&str>, Vec<&str>)> = seen
+            .iter()
+            .map(|r| {
+                let removed = r.removed_resources.iter().map(String::as_str).collect();
+                (r.type_url.as_str(), names(r), removed)
+            })
+            .collect();
+        assert_eq!(steps[0], (EDS, vec![new], vec![]));
+        let (routes_at, cds_at, eds_at) = (
+            steps.iter().position(|s| s.0 == RDS).unwrap(),
+            steps
+                .iter()
+                .position(|s| s.0 == CDS && s.2 == [old])
+                .unwrap(),
+            steps
+                .iter()
+                .position(|s| s.0 == EDS && s.2 == [old])
+                .unwrap(),
+        );
+        assert!(routes_at < cds_at && cds_at < eds_at, "{steps:?}");
+    }
+
+    /// After `*` is unsubscribed, what the client held through the wildcard alone is gone from
+    /// its view: no removal is sent for it later.
+    #[test]
+    fn delta_what_a_dropped_wildcard_held_is_not_removed_again() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<DeltaStream>::default();
+        let (out, _) = stream.on_request(&delta(EDS, &["*", BUZZ], &[], ""), &snap);
+        ack_all(&mut stream, &snap, out);
+        stream.on_request(&delta(EDS, &[], &["*"], ""), &snap);
+        let snap2 = world.remove("/foo/other");
+        let out = stream.on_snapshot(&snap2);
+        assert!(
+            out.iter().all(|r| r.removed_resources.is_empty()),
+            "{out:?}"
+        );
+        let view = &stream.machine.common.types[ResourceType::Endpoint.index()].client;
+        assert_eq!(view.names().map(|n| &**n).collect::<Vec<_>>(), [BUZZ]);
+    }
+
+    /// A reconnect listing more held names than a stream may name per type, or a subscription
+    /// that grows past it, ends the stream.
+    #[test]
+    fn delta_names_beyond_the_limit_end_the_stream() {
+        let snap = World::new().add_many(3);
+        let limits = Limits { max_names: 10 };
+        let mut stream = DeltaStream::new(limits);
+        let mut request = delta(CDS, &[], &[], "");
+        request.initial_resource_versions = (0..11)
+            .map(|i| (format!("c{i}"), "1".to_string()))
+            .collect();
+        let (out, events) = stream.on_request(&request, &snap);
+        assert!(out.is_empty());
+        assert!(matches!(
+            &events[..],
+            [Event::Exhausted {
+                kind: ResourceType::Cluster,
+                ..
+            }]
+        ));
+
+        let mut stream = DeltaStream::new(limits);
+        let names: Vec<String> = (0..11).map(|i| format!("e{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let (_, events) = stream.on_request(&delta(EDS, &names[..6], &[], ""), &snap);
+        assert!(events.is_empty());
+        let (_, events) = stream.on_request(&delta(EDS, &names[6..], &[], ""), &snap);
+        assert!(
+            matches!(&events[..], [Event::Exhausted { .. }]),
+            "{events:?}"
         );
     }
 }

@@ -2,8 +2,7 @@
 //! the server that envoy-types generates, for two reasons:
 //! - Requests: the generated server decodes state-of-the-world requests into the generated
 //!   `DiscoveryRequest`, a `String` per resource name; this one decodes them into
-//!   [`super::wire::SotwRequest`], through a decoder per stream that recognises a list of names
-//!   the stream sent before ([`super::wire::SotwDecoder`]); Delta requests into
+//!   [`super::wire::SotwRequest`], whose names are kept as their wire bytes; Delta requests into
 //!   [`super::wire::DeltaRequest`], whose `initial_resource_versions` are packed rather than a
 //!   `HashMap` of `String`s. Both straight from the HTTP/2 frames, without tonic's copy of them
 //!   into one buffer ([`super::inbound`]).

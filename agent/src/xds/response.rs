@@ -30,8 +30,8 @@ use prost::encoding::{
     skip_field, string,
 };
 
+use super::proto::{encode_string, string_len};
 use super::snapshot::XdsResource;
-use super::wire::{encode_string, string_len};
 
 /// An ADS `DiscoveryResponse` (envoy.service.discovery.v3) whose resources are shared.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -28,7 +28,7 @@ use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
-use super::stream::{Ads, Event, Push};
+use super::stream::{Ads, Event, Limits, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
@@ -115,6 +115,8 @@ pub struct XdsServer {
     admission: Arc<Admission>,
     budget: Arc<RequestBudget>,
     bounds: Arc<RequestBounds>,
+    /// What one stream may make the agent keep (names per type).
+    names: Limits,
 }
 
 /// What [`XdsServer::open`] hands the response body: the responses, and the status the stream
@@ -150,8 +152,15 @@ impl XdsServer {
             ),
             bounds: Arc::new(RequestBounds::new(limits.request)),
             limits: Arc::new(limits),
+            names: Limits::default(),
             metrics,
         }
+    }
+
+    /// What one stream may make the agent keep (names per type).
+    pub fn with_name_limits(mut self, names: Limits) -> Self {
+        self.names = names;
+        self
     }
 
     /// Keeps `limits` instead of the defaults.
@@ -245,7 +254,7 @@ impl XdsServer {
         let guard = StreamGuard::new(id, A::MODE, peer, slot, &self.proxies, &self.metrics);
         let stream = StreamTask::<A> {
             id,
-            state: A::default(),
+            state: A::new(self.names),
             inbound: inbound
                 .with_budget(self.budget.clone())
                 .with_timeout(self.limits.request_timeout),
@@ -411,6 +420,8 @@ enum Ended {
     Failed(InboundError),
     /// The agent is shutting down: the proxy should reconnect, to the next agent.
     ShuttingDown,
+    /// It named more than its limits allow (what, said to the client).
+    Exhausted(String),
 }
 
 impl From<&str> for Ended {
@@ -455,6 +466,10 @@ impl<A: Ads> StreamTask<A> {
                     }
                 }
                 status
+            }
+            Ended::Exhausted(what) => {
+                self.refused("too_many_names", &what);
+                Status::resource_exhausted(what)
             }
             Ended::ShuttingDown => Status::unavailable("the agent is shutting down; reconnect"),
         };
@@ -514,7 +529,10 @@ impl<A: Ads> StreamTask<A> {
             }
         }
         let mut view = self.view_of(&snapshot);
-        let mut pushes = self.on_request(&first, &view);
+        let mut pushes = match self.on_request(&first, &view) {
+            Ok(pushes) => pushes,
+            Err(ended) => return ended,
+        };
         loop {
             for push in pushes {
                 if self.tx.send(push.response).await.is_err() {
@@ -533,7 +551,10 @@ impl<A: Ads> StreamTask<A> {
             }
             pushes = tokio::select! {
                 message = self.inbound.message() => match message {
-                    Ok(Some(request)) => self.on_request(&request, &view),
+                    Ok(Some(request)) => match self.on_request(&request, &view) {
+                        Ok(pushes) => pushes,
+                        Err(ended) => return ended,
+                    },
                     Ok(None) => return "proxy closed the stream".into(),
                     Err(error) => return Ended::Failed(error),
                 },
@@ -607,7 +628,7 @@ impl<A: Ads> StreamTask<A> {
         &mut self,
         request: &A::Request,
         snapshot: &XdsSnapshot,
-    ) -> Vec<Push<A::Response>> {
+    ) -> Result<Vec<Push<A::Response>>, Ended> {
         if self.node_id.is_empty()
             && let Some(node) = A::node(request)
         {
@@ -646,9 +667,10 @@ impl<A: Ads> StreamTask<A> {
                         tracing::warn!(stream = self.id, node = %self.node_id, type_url = %shown(&type_url), suppressed, "request for a type this server does not serve");
                     }
                 }
+                Event::Exhausted { what, .. } => return Err(Ended::Exhausted(what)),
             }
         }
-        pushes
+        Ok(pushes)
     }
 }
 

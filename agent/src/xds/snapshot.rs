@@ -97,6 +97,17 @@ impl XdsResource {
         })
     }
 
+    /// A resource known only by its name and version: what a reconnecting Delta client says it
+    /// holds of a version no snapshot here has. Never sent (it has no content); held so that
+    /// what the client holds is known exactly.
+    pub fn held_at(name: Arc<str>, version: u64) -> Arc<XdsResource> {
+        Arc::new(XdsResource {
+            name,
+            version,
+            body: Any::default(),
+        })
+    }
+
     /// The version as it goes on the wire.
     pub fn version_string(&self) -> String {
         format_version(self.version)

@@ -1,24 +1,31 @@
 //! The state-of-the-world ADS machine (`StreamAggregatedResources`): every response of a type
-//! carries a version for the client's whole view of that type. Clusters and listeners go out
-//! whole, endpoints and routes by change (see [`super::stream`] for the rules both flavours
-//! keep).
+//! carries a version for the client's whole view of that type (its digest, see
+//! [`super::held`]). Clusters and listeners go out whole, endpoints and routes by change (see
+//! [`super::stream`] for the rules both flavours keep).
 
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
+use super::held::ClientView;
+use super::inbound::Plain;
+use super::interest::Subscription;
 use super::response::SotwResponse;
-use super::snapshot::{ResourceType, XdsSnapshot, parse_version};
-use super::stream::{Ads, ClientView, Event, NameSet, Push, Subscription, TypeState, nonce};
-use super::wire::{NameList, SotwDecoder, SotwRequest};
+use super::snapshot::{
+    ResourceType, XdsResource, XdsSnapshot, entry_hash, format_version, parse_version,
+};
+use super::stream::{
+    Ads, Delivery, Event, Flavour, Limits, NameSet, Push, TypeDiff, TypeState, Types, nonce,
+    too_many,
+};
+use super::wire::{NameList, SotwRequest};
 
+/// What a SotW stream keeps per type beside [`TypeState`].
 #[derive(Debug, Default)]
-struct SotwTypeState {
-    /// What both flavours keep.
-    common: TypeState,
+struct SotwExtra {
+    /// The nonce of the last response of this type: a request that names it is current (an
+    /// ACK or NACK while the response is in flight, a subscription update after).
     last_nonce: Option<String>,
-    /// Version of the last response sent.
-    sent_version: Option<String>,
     /// Of the names of the last request (see [`NameList::fingerprint`]).
     names_fingerprint: Option<(u64, usize)>,
 }
@@ -26,15 +33,22 @@ struct SotwTypeState {
 /// One `StreamAggregatedResources` stream.
 #[derive(Debug, Default)]
 pub struct SotwStream {
-    types: [SotwTypeState; 4],
-    nonces: u64,
+    pub(super) common: Types,
+    extra: [SotwExtra; 4],
 }
 
 impl Ads for SotwStream {
     type Request = SotwRequest;
     type Response = SotwResponse;
-    type Decoder = SotwDecoder;
+    type Decoder = Plain<SotwRequest>;
     const MODE: &'static str = "sotw";
+
+    fn new(limits: Limits) -> Self {
+        SotwStream {
+            common: Types::new(limits),
+            extra: Default::default(),
+        }
+    }
 
     fn node(request: &SotwRequest) -> Option<&Node> {
         request.node.as_ref()
@@ -51,40 +65,82 @@ impl Ads for SotwStream {
             };
             return (Vec::new(), vec![event]);
         };
-        let state = &mut self.types[kind.index()];
+        let limits = self.common.limits;
+        if let Some(exhausted) = too_many(kind, request.resource_names.len(), limits) {
+            return (Vec::new(), vec![exhausted]);
+        }
         let mut events = Vec::new();
-        if !request.response_nonce.is_empty() {
-            if state.last_nonce.as_deref() != Some(request.response_nonce.as_str()) {
+        let mut answered = None;
+        let nonce = request.response_nonce.as_str();
+        if !nonce.is_empty() {
+            if self.extra[kind.index()].last_nonce.as_deref() != Some(nonce) {
                 // Envoy sends a fresh request after it handles our newer response; this one
                 // answers something already superseded.
                 events.push(Event::StaleNonce {
                     kind,
-                    nonce: request.response_nonce.clone(),
+                    nonce: nonce.to_string(),
                 });
                 return (Vec::new(), events);
             }
-            state.common.pending = None;
-            match &request.error_detail {
-                Some(status) => events.push(Event::Nack {
-                    kind,
-                    version: state.sent_version.clone().unwrap_or_default(),
-                    error: status.message.clone(),
-                }),
-                None => events.push(Event::Ack {
-                    kind,
-                    version: request.version_info.clone(),
-                }),
+            let state = self.common.of(kind);
+            if state.in_flight.as_ref().is_some_and(|d| d.nonce == nonce) {
+                let accepted = request.error_detail.is_none();
+                let delivery = if accepted {
+                    self.common.accept(kind, snapshot)
+                } else {
+                    self.common.of(kind).reject()
+                };
+                if let Some(delivery) = delivery {
+                    events.push(match &request.error_detail {
+                        Some(status) => Event::Nack {
+                            kind,
+                            version: delivery.version.clone(),
+                            error: status.message.clone(),
+                        },
+                        None => Event::Ack {
+                            kind,
+                            version: request.version_info.clone(),
+                        },
+                    });
+                    answered = Some((delivery, accepted));
+                }
             }
         }
-        let first = !state.common.requested;
-        if first {
-            // Always answer the first request of a type on a stream (but see below).
-            state.common.requested = true;
-            state.common.must_answer = true;
+        let first = !self.common.of(kind).requested;
+        if first && matches!(kind, ResourceType::Listener | ResourceType::Route) {
+            self.common.names_clusters_now(snapshot);
         }
-        set_sotw_interest(state, kind, &request.resource_names, snapshot);
-        if first && request.response_nonce.is_empty() {
-            adopt_held(state, kind, &request.version_info, snapshot);
+        let state = self.common.of(kind);
+        if first {
+            // Always answer the first request of a type on a stream (but see `adopt_held`).
+            state.requested = true;
+            state.must_answer = true;
+        }
+        let extra = &mut self.extra[kind.index()];
+        set_interest(state, extra, kind, &request.resource_names, snapshot, first);
+        // What the response carried is settled by what the client names now: an endpoint it
+        // stopped subscribing to before the response came, it dropped.
+        if let Some((delivery, accepted)) = answered {
+            self.common.answered(kind, &delivery, accepted);
+        }
+        let reconnect = first && nonce.is_empty() && !request.version_info.is_empty();
+        if reconnect {
+            self.common.reconnected = true;
+            let adopted = adopt_held(self.common.of(kind), kind, &request.version_info, snapshot);
+            if kind == ResourceType::Cluster && !adopted {
+                self.common.clusters_unknown = true;
+            }
+        }
+        if kind == ResourceType::Endpoint {
+            if first {
+                self.common.endpoints_requested();
+            }
+            self.common.endpoints_asked();
+        }
+        let state = self.common.of(kind);
+        if let Err(exhausted) = state.check_names(kind, limits) {
+            events.push(exhausted);
+            return (Vec::new(), events);
         }
         (self.push(snapshot), events)
     }
@@ -94,60 +150,49 @@ impl Ads for SotwStream {
     }
 
     fn holds(&self, snapshot: &XdsSnapshot) -> bool {
-        ResourceType::ALL
-            .into_iter()
-            .all(|kind| self.types[kind.index()].common.holds(snapshot.of(kind)))
+        self.common.holds(snapshot)
     }
 }
 
 impl SotwStream {
     fn push(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<SotwResponse>> {
+        let mut found = self.common.plan(snapshot, Flavour::Sotw);
         let mut out = Vec::new();
         for kind in ResourceType::ALL {
-            let common = &mut self.types[kind.index()].common;
-            if !common.requested || common.pending.is_some() {
+            let Some(found) = found[kind.index()].take() else {
                 continue;
-            }
-            let current = snapshot.of(kind);
-            let mut found = common.diff(current);
+            };
             let whole = kind.is_state_of_the_world();
-            if !whole {
-                common.limit(&mut found.changed);
-            }
+            let state = self.common.of(kind);
             // Without removals in the protocol, a type sent by change has nothing to say when
             // its resources only went away (Envoy drops them with their cluster or listener).
-            if found.changed.is_empty()
-                && (found.removed.is_empty() || !whole)
-                && !common.must_answer
-            {
-                if found.is_empty() {
-                    common.settle(current);
-                }
+            if found.changed.is_empty() && found.removed.is_empty() && !state.must_answer {
                 continue;
             }
-            let resend = common.changed_clusters(kind, &found.changed);
-            for name in &found.removed {
-                common.client.remove(name);
-            }
-            common
-                .client
-                .extend(current, found.changed.iter().map(|r| (&r.name, r.version)));
-            let resources = if whole {
-                current
-                    .values()
-                    .filter(|r| common.interest.wants(&r.name))
-                    .cloned()
-                    .collect()
+            let state = self.common.of(kind);
+            let (resources, delivery) = if whole {
+                whole_response(state, kind, snapshot, &found)
             } else {
-                found.changed
+                let digest = state.client.digest_after(&found.changed, []);
+                let delivery = Delivery {
+                    nonce: String::new(),
+                    sent: found.changed.clone(),
+                    removed: Vec::new(),
+                    whole: None,
+                    narrowings: state.interest.narrowings(),
+                    version: format_version(digest),
+                };
+                (found.changed, delivery)
             };
-            let version = common.client.version_info();
-            let nonce = nonce(&mut self.nonces);
-            let state = &mut self.types[kind.index()];
-            state.common.pending = Some(nonce.clone());
-            state.common.must_answer = false;
-            state.last_nonce = Some(nonce.clone());
-            state.sent_version = Some(version.clone());
+            let nonce = nonce(&mut self.common.nonces);
+            let version = delivery.version.clone();
+            let state = self.common.of(kind);
+            state.in_flight = Some(Delivery {
+                nonce: nonce.clone(),
+                ..delivery
+            });
+            state.must_answer = false;
+            self.extra[kind.index()].last_nonce = Some(nonce.clone());
             out.push(Push {
                 kind,
                 response: SotwResponse {
@@ -157,34 +202,92 @@ impl SotwStream {
                     nonce,
                 },
             });
-            self.types[ResourceType::Endpoint.index()]
-                .common
-                .resend(resend);
         }
         out
     }
 }
 
+/// A whole type's response: every resource the client wants, but that a version it refused is
+/// replaced by the one it holds (or left out), and with the resources whose removal waits
+/// (`found.deferred`, make before break) kept in. Its delivery says what the client then holds.
+fn whole_response(
+    state: &TypeState,
+    kind: ResourceType,
+    snapshot: &XdsSnapshot,
+    found: &TypeDiff,
+) -> (Vec<Arc<XdsResource>>, Delivery) {
+    let current = snapshot.of(kind);
+    let interest = &state.interest;
+    let mut resources = Vec::with_capacity(current.len() + found.deferred.len());
+    let mut substituted = false;
+    for (name, resource) in current {
+        if !interest.wants(name) {
+            continue;
+        }
+        if state.rejected.get(name) == Some(&resource.version) {
+            substituted = true;
+            resources.extend(state.client.get(name).cloned());
+        } else {
+            resources.push(resource.clone());
+        }
+    }
+    let kept = found
+        .deferred
+        .iter()
+        .filter_map(|name| state.client.get(name));
+    resources.extend(kept.cloned());
+    let exact = interest.wildcard && !substituted && found.deferred.is_empty();
+    let (whole, digest, removed) = if exact {
+        let all = snapshot.whole(kind);
+        (Some((current.clone(), all)), all.digest, Vec::new())
+    } else {
+        resources.sort_by(|a, b| a.name.cmp(&b.name));
+        let digest = resources
+            .iter()
+            .fold(0, |digest, r| digest ^ entry_hash(&r.name, r.version));
+        let sent: NameSet = resources.iter().map(|r| r.name.clone()).collect();
+        let removed = state
+            .client
+            .names()
+            .filter(|name| !sent.contains(*name))
+            .cloned()
+            .collect();
+        (None, digest, removed)
+    };
+    let delivery = Delivery {
+        nonce: String::new(),
+        sent: resources.clone(),
+        removed,
+        whole,
+        narrowings: state.interest.narrowings(),
+        version: format_version(digest),
+    };
+    (resources, delivery)
+}
+
 /// A client that reconnects (to this agent after a restart, or to another agent of the same
 /// build) sends the version it last accepted. Versions are digests of what a client holds, so
 /// when it equals the digest of what the client wants now, the client already holds exactly
-/// that: nothing is re-sent. A type sent by change (endpoints, routes) is answered with no
-/// resources, which changes nothing; a whole type is not answered at all (a response would
-/// have to repeat every resource), as control planes do when the client is up to date.
+/// that: a whole type (clusters, listeners) is not re-sent, nor answered at all (a response
+/// would have to repeat every resource), as control planes do when the client is up to date.
+/// Whether the client was found to hold what it wants.
 fn adopt_held(
-    state: &mut SotwTypeState,
+    state: &mut TypeState,
     kind: ResourceType,
     version: &str,
     snapshot: &XdsSnapshot,
-) {
-    if parse_version(version).is_none() {
-        return;
+) -> bool {
+    // Types sent by change (endpoints, routes) are not taken on a digest: Envoy drops what it
+    // stops subscribing to, and the assignment of a cluster it re-creates, without changing
+    // the version it reports, so the digest may name what it no longer holds. They go out
+    // again, once.
+    if !kind.is_state_of_the_world() || parse_version(version).is_none() {
+        return false;
     }
-    let common = &mut state.common;
-    let interest = &common.interest;
+    let interest = &state.interest;
     // Usually the client wants the whole type (Envoy subscribes to the endpoints of every
-    // cluster it has, which `set_sotw_interest` has just held as the snapshot's index): then
-    // what it should hold is the snapshot's map itself, whose digest is computed once per
+    // cluster it has, which `set_interest` has just held as the snapshot's index): then what
+    // it should hold is the snapshot's map itself, whose digest is computed once per
     // snapshot, not once per stream.
     let wanted = if interest.wildcard || interest.names.is_all_of(snapshot.name_index(kind)) {
         ClientView::whole(snapshot.of(kind), snapshot.whole(kind))
@@ -192,42 +295,47 @@ fn adopt_held(
         let current = snapshot.names(kind, interest.names.len());
         let mut wanted = ClientView::default();
         for resource in interest.names.iter().filter_map(|n| current.get(n)) {
-            wanted.insert(resource.name.clone(), resource.version);
+            wanted.insert(resource.clone());
         }
         wanted
     };
     if wanted.version_info() != version {
-        return;
+        return false;
     }
-    common.client = wanted;
-    common.dirty.clear();
-    common.backlog.clear();
-    common.must_answer = !kind.is_state_of_the_world();
-    state.sent_version = Some(version.to_string());
+    state.client = wanted;
+    state.dirty.clear();
+    state.backlog.clear();
+    state.must_answer = !kind.is_state_of_the_world();
+    true
 }
 
-/// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on
-/// every request (ten thousand names on each endpoint ACK at that scale), so the usual case,
-/// the same list as last time, is recognised by its fingerprint (a hash of the names' bytes as
-/// they came, see [`super::wire`]) without a lookup per name; the same names in another order
-/// are compared name by name below.
-fn set_sotw_interest(
-    state: &mut SotwTypeState,
+/// Takes a SotW request's names as the type's subscription. Envoy repeats the whole list on every request (ten thousand names on each endpoint
+/// ACK at that scale), so the usual case, the same list as last time, is recognised by its
+/// fingerprint (a hash of the names' bytes as they came, see [`super::wire`]) without a lookup
+/// per name; the same names in another order are compared name by name below.
+fn set_interest(
+    state: &mut TypeState,
+    extra: &mut SotwExtra,
     kind: ResourceType,
     names: &NameList,
     snapshot: &XdsSnapshot,
+    first: bool,
 ) {
     let fingerprint = names.fingerprint();
-    if state.names_fingerprint == Some(fingerprint) {
+    if extra.names_fingerprint == Some(fingerprint) {
         return;
     }
-    state.names_fingerprint = Some(fingerprint);
-    let common = &mut state.common;
+    extra.names_fingerprint = Some(fingerprint);
     let stars = names.iter().filter(|n| *n == "*").count();
-    let wildcard = stars > 0 || (names.is_empty() && kind.is_wildcard_by_default());
+    // An empty list subscribes to a whole type only while the client has named nothing on
+    // this stream (see `super::interest`); after that it means no interest.
+    let legacy =
+        (first || state.interest.legacy) && names.is_empty() && kind.is_wildcard_by_default();
+    let wildcard = stars > 0 || legacy;
     let named = || names.iter().filter(|n| *n != "*");
     let named_count = names.len() - stars;
-    let interest = &mut common.interest;
+    let interest = &mut state.interest;
+    interest.legacy = legacy;
     // A list with duplicates could pass this check while dropping a name; Envoy sends sets,
     // and the cost of a miss is only that a dropped name keeps being sent.
     if wildcard == interest.wildcard
@@ -245,13 +353,13 @@ fn set_sotw_interest(
             let current = snapshot.names(kind, names.len());
             // Sized up front: collected from a filter, the set would grow by rehashing.
             let mut fresh = NameSet::with_capacity_and_hasher(names.len(), Default::default());
-            fresh.extend(named().map(|n| {
-                interest
-                    .names
-                    .get(n)
-                    .cloned()
-                    .unwrap_or_else(|| current.intern(n))
-            }));
+            for name in named() {
+                let name = match interest.names.get(name) {
+                    Some(held) => held.clone(),
+                    None => state.unknown.intern(&current, name),
+                };
+                fresh.insert(name);
+            }
             fresh.into_iter().collect()
         }
     };
@@ -266,26 +374,35 @@ fn set_sotw_interest(
         .filter(|n| !fresh.contains(n))
         .cloned()
         .collect();
-    if wildcard != interest.wildcard {
-        common.baseline = None;
+    let was_wildcard = interest.wildcard;
+    if wildcard != was_wildcard {
+        state.baseline = None;
     }
-    if !dropped.is_empty() || (interest.wildcard && !wildcard) {
+    if !dropped.is_empty() || (was_wildcard && !wildcard) {
         interest.narrowed();
     }
     interest.wildcard = wildcard;
     interest.names = fresh;
-    for name in dropped {
-        if !interest.wants(&name) {
-            common.client.remove(&name);
+    // A type sent by change loses what the client stopped naming: Envoy drops a resource it no
+    // longer watches. A whole type holds what its responses carry (the next one is due).
+    if !kind.is_state_of_the_world() {
+        let mut unwanted = dropped;
+        if was_wildcard && !wildcard {
+            let interest = &state.interest;
+            unwanted.extend(state.client.names().filter(|n| !interest.wants(n)).cloned());
+        }
+        for name in unwanted {
+            if !state.interest.wants(&name) {
+                state.forget(&name);
+            }
         }
     }
     // A changed subscription is answered: whole types always, the others when names were added.
-    common.must_answer |= kind.is_state_of_the_world() || !added.is_empty();
+    state.must_answer |= kind.is_state_of_the_world() || !added.is_empty();
     for name in added {
-        common.look_again(name);
+        state.look_again(name);
     }
 }
-
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeSet, HashMap};
@@ -388,9 +505,10 @@ mod tests {
     }
 
     /// After an agent restart (a new stream, the same snapshot), a client that says which
-    /// versions it holds gets nothing again; one that holds something else gets it all.
+    /// versions it holds gets no clusters again (endpoints, sent by change, go again); one that
+    /// holds something else gets it all.
     #[test]
-    fn sotw_reconnect_with_the_versions_held_resends_nothing() {
+    fn sotw_reconnect_with_the_versions_held_resends_no_clusters() {
         let mut world = World::new();
         world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
         let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
@@ -406,7 +524,11 @@ mod tests {
         assert!(out.is_empty(), "clusters held whole: no answer");
         let (out, _) = again.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap);
         assert_eq!(out.len(), 1, "endpoints are answered");
-        assert!(out[0].resources.is_empty(), "with nothing in it");
+        assert_eq!(
+            out[0].resources.len(),
+            2,
+            "in full: a digest of them is not trusted"
+        );
         assert_eq!(&out[0].version_info, eds_version);
         // And it goes on from there: a change sends that change only.
         again.on_request(&ack(&out[0], &[BUZZ, OTHER]), &snap);
@@ -439,7 +561,7 @@ mod tests {
         let mut stream = Tested::<SotwStream>::default();
         let (mut out, _) = stream.on_request(&sotw(EDS, &all, "", ""), &snap);
         let eds = ResourceType::Endpoint.index();
-        let subscription = &stream.machine.types[eds].common.interest.names;
+        let subscription = &stream.machine.common.types[eds].interest.names;
         assert!(subscription.is_all_of(snap.name_index(ResourceType::Endpoint)));
         let mut got = BTreeSet::new();
         while let Some(response) = out.pop() {
@@ -454,7 +576,7 @@ mod tests {
         );
         let fewer: Vec<&str> = all.iter().copied().filter(|n| *n != dropped).collect();
         stream.on_request(&sotw(EDS, &fewer, "", ""), &snap);
-        let subscription = &stream.machine.types[eds].common.interest.names;
+        let subscription = &stream.machine.common.types[eds].interest.names;
         assert!(!subscription.contains(dropped) && subscription.len() == fewer.len());
         world.set("/many/s7", Protocol::Http, &["10.9.9.7:8080"]);
         let snap2 = world.set("/many/s8", Protocol::Http, &["10.9.9.8:8080"]);
@@ -533,9 +655,9 @@ mod tests {
         );
         assert!(stream.on_snapshot(&snap2).is_empty());
 
-        // New content does go out.
+        // Back to what the client holds (an HTTP/1 cluster, as TCP's is): nothing to send.
         let snap3 = world.set("/foo/bar/buzz", Protocol::Tcp, &["10.0.0.1:8080"]);
-        assert_eq!(stream.on_snapshot(&snap3).len(), 1);
+        assert!(stream.on_snapshot(&snap3).is_empty());
     }
 
     #[test]
@@ -604,29 +726,36 @@ mod tests {
             stream.on_request(&ack(&response, &names), &snap);
             last.insert(url, response);
         }
-        // The cluster changes shape (HTTP → HTTP/2) but its endpoints do not.
+        // The cluster changes shape (HTTP → HTTP/2) but its endpoints do not: once Envoy has
+        // the new cluster (its ACK), the unchanged endpoints again.
         let snap2 = world.set("/foo/bar/buzz", Protocol::Http2, &["10.0.0.1:8080"]);
         let out = stream.on_snapshot(&snap2);
         let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
-        assert_eq!(
-            urls,
-            [CDS, EDS],
-            "CDS first, then the unchanged endpoints again"
-        );
-        assert_eq!(out[1].version_info, last[EDS].version_info);
+        assert_eq!(urls, [CDS]);
+        let (out, _) = stream.on_request(&ack(&out[0], &[]), &snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(urls, [EDS], "the unchanged endpoints again");
+        assert_eq!(out[0].version_info, last[EDS].version_info);
 
         // The service turns TCP and moves to an address of its own: CDS, EDS, LDS and RDS all
-        // change, and go out in order.
-        for r in &out {
-            let names: &[&str] = if r.type_url == EDS { &[BUZZ] } else { &[] };
-            stream.on_request(&ack(r, names), &snap2);
-        }
+        // change, and go out in order, the listeners and routes once the clusters are held.
+        stream.on_request(&ack(&out[0], &[BUZZ]), &snap2);
         let snap3 = world.set("/foo/bar/buzz", Protocol::Tcp, &["10.0.0.9:8080"]);
-        let urls: Vec<String> = stream
-            .on_snapshot(&snap3)
-            .into_iter()
-            .map(|r| r.type_url)
-            .collect();
+        let mut urls = Vec::new();
+        let mut out = stream.on_snapshot(&snap3);
+        while !out.is_empty() {
+            let mut next = Vec::new();
+            for r in &out {
+                urls.push(r.type_url.clone());
+                let names: &[&str] = match r.type_url.as_str() {
+                    EDS => &[BUZZ],
+                    RDS => &["http.8080"],
+                    _ => &[],
+                };
+                next.extend(stream.on_request(&ack(r, names), &snap3).0);
+            }
+            out = next;
+        }
         assert_eq!(urls, [CDS, EDS, LDS, RDS]);
     }
 
@@ -648,5 +777,206 @@ mod tests {
         }
         assert!(responses > 2);
         assert_eq!(got.len(), names.len());
+    }
+
+    /// The names a client of the whole mesh subscribes to for each type of `snap`.
+    fn wanted(snap: &XdsSnapshot, type_url: &str) -> Vec<String> {
+        match type_url {
+            EDS => names_of(snap, ResourceType::Endpoint),
+            RDS => names_of(snap, ResourceType::Route),
+            _ => Vec::new(),
+        }
+    }
+
+    /// ACKs `out` and whatever follows, as Envoy does as a client of the whole mesh: its
+    /// endpoint subscription (`eds`) follows the clusters it holds; the responses seen, in
+    /// order.
+    fn ack_all(
+        stream: &mut Tested<SotwStream>,
+        snap: &XdsSnapshot,
+        eds: &mut Vec<String>,
+        out: Vec<SotwResponse>,
+    ) -> Vec<SotwResponse> {
+        let mut seen = Vec::new();
+        let mut pending: std::collections::VecDeque<SotwResponse> = out.into();
+        while let Some(response) = pending.pop_front() {
+            let names = match response.type_url.as_str() {
+                EDS => eds.clone(),
+                url => wanted(snap, url),
+            };
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let (more, _) = stream.on_request(&ack(&response, &names), snap);
+            pending.extend(more);
+            if response.type_url == CDS {
+                let mut held: Vec<String> = cluster_names(&response)
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect();
+                held.sort();
+                if held != *eds {
+                    *eds = held;
+                    let eds_state = &stream.machine.extra[ResourceType::Endpoint.index()];
+                    let nonce = eds_state.last_nonce.clone().unwrap_or_default();
+                    let names: Vec<&str> = eds.iter().map(String::as_str).collect();
+                    let (more, _) = stream.on_request(&sotw(EDS, &names, "", &nonce), snap);
+                    pending.extend(more);
+                }
+            }
+            seen.push(response);
+        }
+        seen
+    }
+
+    /// A client of every type, in sync with `snap`, and its endpoint subscription.
+    fn synced(snap: &XdsSnapshot) -> (Tested<SotwStream>, Vec<String>) {
+        let mut stream = Tested::<SotwStream>::default();
+        let mut eds = wanted(snap, EDS);
+        for url in [CDS, EDS, LDS, RDS] {
+            let names = if url == EDS {
+                eds.clone()
+            } else {
+                wanted(snap, url)
+            };
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let (out, _) = stream.on_request(&sotw(url, &names, "", ""), snap);
+            ack_all(&mut stream, snap, &mut eds, out);
+        }
+        assert!(stream.machine.holds(snap));
+        (stream, eds)
+    }
+
+    fn cluster_names(response: &SotwResponse) -> Vec<&str> {
+        response.resources.iter().map(|r| &*r.name).collect()
+    }
+
+    /// A blue-green release's last step in one edit: the route flips to green and blue goes.
+    /// Blue's cluster stays (the clusters, when sent, keep it) until the route configuration
+    /// without it is acknowledged; a new cluster of the same edit is warm (its endpoints
+    /// acknowledged) before any route may name it.
+    #[test]
+    fn sotw_removes_a_cluster_only_after_the_routes_that_named_it_are_acknowledged() {
+        use crate::xds::testing::routed;
+        let ep = |a: &str| vec![a.to_string()];
+        let spec = |path: &str, address: &str, to: &[(&str, u16, u32)]| {
+            let address = ep(address);
+            let address: Vec<&str> = address.iter().map(String::as_str).collect();
+            routed(path, 8080, Protocol::Http, &address, to)
+        };
+        let mut world = World::new();
+        let snap = world.replace(vec![
+            spec("/shop/web", "10.0.0.1:8080", &[("/shop/blue", 8080, 1)]),
+            spec("/shop/blue", "10.0.0.2:8080", &[]),
+            spec("/shop/green", "10.0.0.3:8080", &[]),
+        ]);
+        let (mut stream, mut eds) = synced(&snap);
+        let blue = "blue.shop.system.internal|8080";
+        let snap2 = world.replace(vec![
+            spec("/shop/web", "10.0.0.1:8080", &[("/shop/green", 8080, 1)]),
+            spec("/shop/green", "10.0.0.3:8080", &[]),
+            spec("/shop/new", "10.0.0.4:8080", &[]),
+        ]);
+        let out = stream.on_snapshot(&snap2);
+        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
+        assert_eq!(
+            urls,
+            [CDS],
+            "the new cluster first, routes wait for it to warm"
+        );
+        assert!(cluster_names(&out[0]).contains(&blue), "blue is kept");
+        assert!(cluster_names(&out[0]).contains(&"new.shop.system.internal|8080"));
+        let seen = ack_all(&mut stream, &snap2, &mut eds, out);
+        let order: Vec<(&str, bool)> = seen
+            .iter()
+            .map(|r| {
+                (
+                    r.type_url.as_str(),
+                    r.type_url == CDS && cluster_names(r).contains(&blue),
+                )
+            })
+            .collect();
+        assert_eq!(
+            order,
+            [(CDS, true), (EDS, false), (RDS, false), (CDS, false)],
+            "new's endpoints, then the route, then the clusters without blue"
+        );
+        assert!(stream.machine.holds(&snap2));
+    }
+
+    /// A refused version does not count as held: a DNS answer waiting for the proxy to hold
+    /// the mesh is not freed by it, and it is not sent again until it changes.
+    #[test]
+    fn sotw_a_refused_resource_is_not_held() {
+        let mut world = World::new();
+        let snap = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let (mut stream, mut eds) = synced(&snap);
+        let snap2 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.2:8080"]);
+        let out = stream.on_snapshot(&snap2);
+        assert_eq!(out[0].type_url, EDS);
+        let refused = nack(sotw(EDS, &[BUZZ], "", &out[0].nonce));
+        let (again, _) = stream.on_request(&refused, &snap2);
+        assert!(again.is_empty() && stream.on_snapshot(&snap2).is_empty());
+        assert!(!stream.machine.holds(&snap2), "refused: not held");
+        let snap3 = world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.3:8080"]);
+        let out = stream.on_snapshot(&snap3);
+        assert_eq!(assignments(&out[0]), [BUZZ], "new content goes out");
+        ack_all(&mut stream, &snap3, &mut eds, out);
+        assert!(stream.machine.holds(&snap3));
+    }
+
+    /// An empty list subscribes to a whole type only while the client has named nothing: once
+    /// it named a cluster, an empty list is no interest, and the clusters it sends are none.
+    #[test]
+    fn sotw_an_empty_list_is_a_wildcard_only_before_any_name() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<SotwStream>::default();
+        let (out, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        assert_eq!(out[0].resources.len(), 2, "legacy wildcard");
+        let (out, _) = stream.on_request(&ack(&out[0], &[BUZZ]), &snap);
+        assert_eq!(
+            cluster_names(&out[0]),
+            [BUZZ],
+            "named: no longer a wildcard"
+        );
+        let (out, _) = stream.on_request(&ack(&out[0], &[]), &snap);
+        assert!(out[0].resources.is_empty(), "an empty list now: nothing");
+        let (out, _) = stream.on_request(&ack(&out[0], &["*"]), &snap);
+        assert_eq!(out[0].resources.len(), 2, "`*`: everything again");
+    }
+
+    /// More names than a stream may name in one type, or names no resource has past their byte
+    /// budget, end the stream (RESOURCE_EXHAUSTED at the server).
+    #[test]
+    fn sotw_names_beyond_the_limits_end_the_stream() {
+        let snap = World::new().add_many(3);
+        let mut stream = SotwStream::new(Limits { max_names: 10 });
+        let many: Vec<String> = (0..11).map(|i| format!("n{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let (out, events) = stream.on_request(&sotw(EDS, &many[..10], "", ""), &snap);
+        assert!(!out.is_empty() && events.is_empty(), "ten are allowed");
+        let (out, events) = stream.on_request(&sotw(EDS, &many, "", ""), &snap);
+        assert!(out.is_empty());
+        assert!(matches!(
+            &events[..],
+            [Event::Exhausted {
+                kind: ResourceType::Endpoint,
+                ..
+            }]
+        ));
+
+        // Unknown names: their bytes are bounded, however few they are.
+        let mut stream = SotwStream::default();
+        let long: Vec<String> = (0..5)
+            .map(|i| format!("{i}{}", "x".repeat(1 << 20)))
+            .collect();
+        let long: Vec<&str> = long.iter().map(String::as_str).collect();
+        let (_, events) = stream.on_request(&sotw(EDS, &long[..3], "", ""), &snap);
+        assert!(events.is_empty(), "3 MiB of names is within the budget");
+        let (_, events) = stream.on_request(&sotw(EDS, &long, "", ""), &snap);
+        assert!(
+            matches!(&events[..], [Event::Exhausted { .. }]),
+            "{events:?}"
+        );
     }
 }

@@ -1,16 +1,23 @@
 //! What the per-stream ADS state machines share: the [`Ads`] trait the server drives them
-//! through, and the per-type bookkeeping both flavours keep. The machines themselves are in
+//! through, the per-type bookkeeping both flavours keep ([`TypeState`]), and the order in which a
+//! push may send what it found ([`Types::plan`]). The machines themselves are in
 //! [`super::sotw`] and [`super::delta`]; neither does I/O: requests and snapshots in, responses
 //! out.
 //!
 //! Rules they keep (from the xDS protocol):
-//! - versions and nonces per type; an ACK (matching nonce, no error) advances, a NACK (matching
-//!   nonce, error detail) keeps the client's last good version and is not answered with the
-//!   same content again, a stale nonce is ignored (SotW) or only its subscription changes are
-//!   taken (Delta, where requests are incremental);
+//! - versions and nonces per type; an ACK (matching nonce, no error) makes what the response
+//!   carried held, a NACK (matching nonce, error detail) leaves the client with what it held
+//!   and the refused versions are not sent again until they change; a stale nonce is ignored
+//!   (SotW) or only its subscription changes are taken (Delta, where requests are incremental);
 //! - at most one un-ACKed response per type; a newer snapshot waits for the ACK;
-//! - types go out in CDS → EDS → LDS → RDS order, and after a cluster changes its endpoints
-//!   are sent again, because Envoy re-creates the cluster and waits for them;
+//! - make before break: types go out CDS → EDS → LDS → RDS, and a listener or route
+//!   configuration change waits while a cluster new to the client lacks its endpoints (Envoy
+//!   warms a new cluster until they come; a route to it meanwhile finds no cluster). A
+//!   removal waits until what may refer to the removed resource is acknowledged without it:
+//!   a cluster until the listeners and route configurations are in sync, an assignment until
+//!   the clusters are, a route configuration until the listeners are;
+//! - after a cluster changes, its endpoints are sent again, because Envoy re-creates the
+//!   cluster and waits for them;
 //! - SotW: clusters and listeners go out whole (the protocol requires it: what a response
 //!   leaves out is removed), endpoints and routes only where they changed (the protocol allows
 //!   it: Envoy updates only the watched resources a response names), so an endpoint change
@@ -18,10 +25,12 @@
 //! - the first request of each type is always answered, even with nothing, so Envoy's
 //!   initialisation never waits on us.
 //!
-//! Both flavours keep, per type, what the client holds as far as we know, and look on each push
-//! only at what differs between the last snapshot they reconciled and the current one: a push
-//! costs the change, not the mesh. Names are the snapshot's shared `Arc<str>`s and versions are
-//! numbers, so a stream's memory is a few words per resource it holds.
+//! Both flavours keep, per type, exactly what the client holds (its acknowledged responses,
+//! [`ClientView`]) apart from what is in flight, and look on each push only at what differs
+//! between the last snapshot they reconciled and the current one: a push costs the change, not
+//! the mesh. Names are the snapshot's shared `Arc<str>`s, so a stream's memory is a few words
+//! per resource it holds; names no snapshot has are bounded ([`UnknownNames`]), and so is the
+//! count of names per type ([`Limits`]).
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -29,11 +38,10 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use imbl::ordmap::DiffItem;
 
+use super::held::ClientView;
 use super::inbound::RequestDecoder;
-use super::snapshot::{
-    NameIndex, ResourceMap, ResourceType, Whole, XdsResource, XdsSnapshot, entry_hash,
-    format_version,
-};
+use super::interest::{Interest, UNKNOWN_NAME_BYTES, UnknownNames};
+use super::snapshot::{ResourceMap, ResourceType, Whole, XdsResource, XdsSnapshot};
 
 /// The two ADS flavours, as the server drives them: one value per stream, fed the proxy's
 /// requests and every new snapshot, answering with what to send.
@@ -45,10 +53,13 @@ pub trait Ads: Default + Send + 'static {
     /// `sotw` or `delta`, for logs and `/debug/xds`.
     const MODE: &'static str;
 
+    /// A stream that keeps to `limits`.
+    fn new(limits: Limits) -> Self;
+
     fn node(request: &Self::Request) -> Option<&Node>;
 
     /// Handles a request; returns what to send (now, or after the in-flight response of a type
-    /// is ACKed) and what happened.
+    /// is ACKed) and what happened. After [`Event::Exhausted`] the stream must end.
     fn on_request(
         &mut self,
         request: &Self::Request,
@@ -60,8 +71,28 @@ pub trait Ads: Default + Send + 'static {
     fn on_snapshot(&mut self, snapshot: &XdsSnapshot) -> Vec<Push<Self::Response>>;
 
     /// Whether the client holds every resource of `snapshot`, acknowledged, with nothing in
-    /// flight: what a DNS answer for a service new to the proxy waits for.
+    /// flight or waiting: what a DNS answer for a service new to the proxy waits for.
     fn holds(&self, snapshot: &XdsSnapshot) -> bool;
+}
+
+/// What one stream may make the agent keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The most names a stream may subscribe to per type (and, in Delta, say it holds when it
+    /// reconnects).
+    pub max_names: usize,
+}
+
+/// A proxy of the whole mesh names every cluster and assignment: 50k services with two ports
+/// each and as many instance clusters again are 200k names per type.
+pub const DEFAULT_MAX_NAMES: usize = 200_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_names: DEFAULT_MAX_NAMES,
+        }
+    }
 }
 
 /// A response to send, and the type it carries.
@@ -90,6 +121,11 @@ pub enum Event {
     UnknownType {
         type_url: String,
     },
+    /// The client named more than [`Limits`] allow: the stream must end (RESOURCE_EXHAUSTED).
+    Exhausted {
+        kind: ResourceType,
+        what: String,
+    },
 }
 
 pub(super) fn nonce(counter: &mut u64) -> String {
@@ -104,403 +140,49 @@ pub(super) fn nonce(counter: &mut u64) -> String {
 pub(super) type NameSet = HashSet<Arc<str>, foldhash::fast::RandomState>;
 pub(super) type NameMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 
-/// Which resources of a type the client wants.
-#[derive(Debug, Default)]
-pub(super) struct Interest {
-    pub(super) wildcard: bool,
-    pub(super) names: Subscription,
-    /// How many times the interest may have lost names (see [`Interest::narrowed`]): what was
-    /// found wanted at one count is still wanted while the count stands, so the resources of a
-    /// response or a backlog are not looked up one by one again (a lookup per resource per
-    /// stream was a tenth of the agent's CPU in a 10k-service sync).
-    narrowings: u64,
-}
-
-/// The names a client subscribed to. Envoy subscribes to the endpoints of every cluster it has,
-/// so a proxy of the whole mesh names every assignment of the snapshot (10k at 10k services): such
-/// a subscription is held as the snapshot's name index itself (`base`, shared by every stream
-/// that subscribed to the same snapshot's names), and later subscriptions and unsubscriptions as
-/// differences. A set of its own per stream was about 280 KiB at 10k names.
-#[derive(Debug, Default)]
-pub(super) struct Subscription {
-    base: Option<Arc<NameIndex>>,
-    /// Subscribed, not in `base`.
-    added: NameSet,
-    /// In `base`, not subscribed.
-    removed: NameSet,
-}
-
-impl Subscription {
-    /// Every name of `index`.
-    pub(super) fn whole(index: Arc<NameIndex>) -> Subscription {
-        Subscription {
-            base: Some(index),
-            ..Subscription::default()
-        }
-    }
-
-    /// The subscription's own `Arc` of a name.
-    pub(super) fn get(&self, name: &str) -> Option<&Arc<str>> {
-        match self.base.as_ref().and_then(|base| base.get_key_value(name)) {
-            Some(_) if !self.removed.is_empty() && self.removed.contains(name) => None,
-            Some((key, _)) => Some(key),
-            None => self.added.get(name),
-        }
-    }
-
-    /// Whether this is every name of `index` and nothing else, known without a lookup.
-    pub(super) fn is_all_of(&self, index: &Arc<NameIndex>) -> bool {
-        self.added.is_empty()
-            && self.removed.is_empty()
-            && self
-                .base
-                .as_ref()
-                .is_some_and(|base| Arc::ptr_eq(base, index))
-    }
-
-    pub(super) fn contains(&self, name: &str) -> bool {
-        self.get(name).is_some()
-    }
-
-    /// Adds a name; whether it was new.
-    pub(super) fn insert(&mut self, name: Arc<str>) -> bool {
-        if self
-            .base
-            .as_ref()
-            .is_some_and(|base| base.contains_key(&name))
-        {
-            self.removed.remove(&name)
-        } else {
-            self.added.insert(name)
-        }
-    }
-
-    /// Removes a name; whether it was there.
-    pub(super) fn remove(&mut self, name: &str) -> bool {
-        match self.base.as_ref().and_then(|base| base.get_key_value(name)) {
-            Some((key, _)) => self.removed.insert(key.clone()),
-            None => self.added.remove(name),
-        }
-    }
-
-    /// When the names subscribed one by one have come to be every name of `index` and no
-    /// other, holds them as the index. Envoy subscribes to the endpoints of each batch of
-    /// clusters it receives, and a first sync's clusters come in several responses, so its
-    /// subscription to the whole mesh grows request by request instead of arriving whole:
-    /// 50 Delta clients at 10k services kept a set of their own each, about 280 KiB.
-    pub(super) fn compact(&mut self, index: &Arc<NameIndex>) {
-        if self.base.is_none()
-            && self.removed.is_empty()
-            && self.added.len() == index.len()
-            && index.keys().all(|name| self.added.contains(name))
-        {
-            *self = Subscription::whole(index.clone());
-        }
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.base.as_ref().map_or(0, |base| base.len()) - self.removed.len() + self.added.len()
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub(super) fn iter(&self) -> impl Iterator<Item = &Arc<str>> {
-        let based = self
-            .base
-            .iter()
-            .flat_map(|base| base.keys())
-            .filter(|name| self.removed.is_empty() || !self.removed.contains(*name));
-        based.chain(&self.added)
-    }
-}
-
-impl FromIterator<Arc<str>> for Subscription {
-    fn from_iter<I: IntoIterator<Item = Arc<str>>>(names: I) -> Self {
-        Subscription {
-            added: names.into_iter().collect(),
-            ..Subscription::default()
-        }
-    }
-}
-
-impl Interest {
-    pub(super) fn wants(&self, name: &str) -> bool {
-        self.wildcard || self.names.contains(name)
-    }
-
-    /// Says that names may have left the interest (an unsubscription, wildcard dropped, a
-    /// replaced subscription). Every change that can lose a name calls this.
-    pub(super) fn narrowed(&mut self) {
-        self.narrowings += 1;
-    }
-
-    pub(super) fn narrowings(&self) -> u64 {
-        self.narrowings
-    }
-}
-
-/// The resources of one type a client holds (Delta: has ACKed or NACKed; SotW: was sent), by
-/// version, and a digest of them all kept up to date entry by entry, which makes a content
-/// version of the client's whole view without hashing the view.
-///
-/// Held as a snapshot map the client held entirely when it was last in sync (`base`, shared
-/// with the snapshot: no memory of its own) and the names where it differs since (`changes`).
-/// A client that holds the whole mesh costs a few words instead of a hash map of every name:
-/// at 10k services and a hundred proxies those maps were a quarter of the agent's heap.
-///
-/// During a first sync the client receives the snapshot's resources in name order, a budget's
-/// worth per response: it then holds the first part of a map, up to a name (`held`), which
-/// grows response by response ([`ClientView::extend`]) instead of a map of its own growing by
-/// a name at a time. Those maps, ten thousand names per type and stream until each stream was
-/// in sync, were the largest part of the agent's peak heap at 10k services (heaptrack).
-#[derive(Debug, Default)]
-pub(super) struct ClientView {
-    base: ResourceMap,
-    /// How much of `base` the client holds, in its name order.
-    held: Held,
-    /// `Some(version)`: held at that version; `None`: in the held part of `base`, but not held.
-    changes: NameMap<Option<u64>>,
-    len: usize,
-    digest: u64,
-}
-
-/// The part of a [`ClientView`]'s base the client holds.
-#[derive(Debug, Default, PartialEq)]
-enum Held {
-    #[default]
-    All,
-    /// The names up to this one, included.
-    Through(Arc<str>),
-}
-
-impl Held {
-    fn covers(&self, name: &str) -> bool {
-        match self {
-            Held::All => true,
-            Held::Through(last) => name <= &**last,
-        }
-    }
-}
-
-impl ClientView {
-    pub(super) fn get(&self, name: &str) -> Option<u64> {
-        match self.changes.get(name) {
-            Some(held) => *held,
-            None => self.based(name).map(|(_, r)| r.version),
-        }
-    }
-
-    /// The entry of `name` in the part of the base the client holds.
-    fn based(&self, name: &str) -> Option<(&Arc<str>, &Arc<XdsResource>)> {
-        if !self.held.covers(name) {
-            return None;
-        }
-        self.base.get_key_value(name)
-    }
-
-    /// The view of a client that holds exactly `current`, whose [`Whole`] is `whole`: the map
-    /// itself, shared, and nothing of its own.
-    pub(super) fn whole(current: &ResourceMap, whole: Whole) -> ClientView {
-        ClientView {
-            base: current.clone(),
-            held: Held::All,
-            changes: NameMap::default(),
-            len: current.len(),
-            digest: whole.digest,
-        }
-    }
-
-    /// Whether the client holds exactly `current`, known without looking at any resource.
-    pub(super) fn is_exactly(&self, current: &ResourceMap) -> bool {
-        self.changes.is_empty() && self.held == Held::All && self.base.ptr_eq(current)
-    }
-
-    /// Room for `additional` more differences from the base: a reconnecting client names
-    /// everything it holds at once (20k at 10k services), which would otherwise grow the map
-    /// by rehashing it several times.
-    pub(super) fn reserve(&mut self, additional: usize) {
-        self.changes.reserve(additional);
-    }
-
-    /// The client now holds `sent` too, names in increasing order with the versions it was
-    /// sent. When it held nothing, or the first part of `current` alone, and `sent` is the
-    /// very next run of `current`'s entries, the part held grows by a name and no entry is
-    /// made; otherwise each goes in through [`ClientView::insert`].
-    pub(super) fn extend<'a>(
-        &mut self,
-        current: &ResourceMap,
-        sent: impl Iterator<Item = (&'a Arc<str>, u64)> + Clone,
-    ) {
-        let Some(held) = self.next_run(current, sent.clone()) else {
-            for (name, version) in sent {
-                self.insert(name.clone(), version);
-            }
-            return;
-        };
-        for (name, version) in sent {
-            self.digest ^= entry_hash(name, version);
-            self.len += 1;
-        }
-        self.base = current.clone();
-        self.held = held;
-    }
-
-    /// What the client holds of `current` once it also holds `sent`, when that is a first part
-    /// of `current` (see [`ClientView::extend`]); `None` when `sent` is not the next run.
-    fn next_run<'a>(
-        &self,
-        current: &ResourceMap,
-        sent: impl Iterator<Item = (&'a Arc<str>, u64)>,
-    ) -> Option<Held> {
-        use std::ops::Bound;
-        if !self.changes.is_empty() {
-            return None;
-        }
-        let after = match &self.held {
-            _ if self.len == 0 => Bound::Unbounded,
-            Held::Through(last) if self.base.ptr_eq(current) => Bound::Excluded(&**last),
-            _ => return None,
-        };
-        let mut entries = current.range::<_, str>((after, Bound::Unbounded));
-        let mut last = None;
-        for (name, version) in sent {
-            let (key, resource) = entries.next()?;
-            if **key != **name || resource.version != version {
-                return None;
-            }
-            last = Some(key);
-        }
-        match (last?, entries.next()) {
-            (_, None) => Some(Held::All),
-            (last, Some(_)) => Some(Held::Through(last.clone())),
-        }
-    }
-
-    pub(super) fn insert(&mut self, name: Arc<str>, version: u64) {
-        use std::collections::hash_map::Entry;
-        // One lookup into the base and one into the differences (an entry, hashed once).
-        let based = self.based(&name).map(|(_, r)| r.version);
-        let entry = self.changes.entry(name);
-        let old = match &entry {
-            Entry::Occupied(held) => *held.get(),
-            Entry::Vacant(_) => based,
-        };
-        if old == Some(version) {
-            return;
-        }
-        self.digest ^= entry_hash(entry.key(), version);
-        match old {
-            Some(old) => self.digest ^= entry_hash(entry.key(), old),
-            None => self.len += 1,
-        }
-        match entry {
-            Entry::Occupied(held) if based == Some(version) => {
-                held.remove();
-            }
-            Entry::Occupied(mut held) => {
-                held.insert(Some(version));
-            }
-            // Vacant: the base holds `old`, which is not `version`.
-            Entry::Vacant(slot) => {
-                slot.insert(Some(version));
-            }
-        }
-    }
-
-    pub(super) fn remove(&mut self, name: &str) {
-        let Some(old) = self.get(name) else {
-            return;
-        };
-        self.digest ^= entry_hash(name, old);
-        self.len -= 1;
-        match self.based(name) {
-            Some((key, _)) => {
-                let key = key.clone();
-                self.changes.insert(key, None);
-            }
-            None => {
-                self.changes.remove(name);
-            }
-        }
-    }
-
-    /// How many resources the client holds.
-    pub(super) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// The names of what the client holds.
-    pub(super) fn names(&self) -> impl Iterator<Item = &Arc<str>> {
-        use std::ops::Bound;
-        let range = match &self.held {
-            Held::All => (Bound::Unbounded, Bound::Unbounded),
-            Held::Through(last) => (Bound::Unbounded, Bound::Included(&**last)),
-        };
-        let based = self
-            .base
-            .range::<_, str>(range)
-            .map(|(name, _)| name)
-            .filter(|name| !matches!(self.changes.get(*name), Some(None)));
-        let added = self
-            .changes
-            .iter()
-            .filter(|(name, held)| held.is_some() && self.based(name).is_none())
-            .map(|(name, _)| name);
-        based.chain(added)
-    }
-
-    /// The client holds exactly `current`: keep that map as the base, and nothing of its own.
-    pub(super) fn rebase(&mut self, current: &ResourceMap) {
-        if self.is_exactly(current) {
-            return;
-        }
-        self.base = current.clone();
-        self.held = Held::All;
-        // A new map, not a cleared one: a cleared map keeps its capacity.
-        self.changes = NameMap::default();
-        self.len = current.len();
-    }
-
-    pub(super) fn version_info(&self) -> String {
-        format_version(self.digest)
-    }
-}
-
 /// The most resource bytes a response that may be split carries (every Delta response; SotW
 /// endpoints and routes, sent by change): the rest follows after the ACK. This paces a large
-/// first sync and bounds the memory in flight.
-///
-/// SotW: Envoy's ACK of endpoints repeats its whole subscription (10k names at 10k services),
-/// which the client builds and the agent reads for every response: a first sync of 6 MB of
-/// assignments in 24 responses of 256 KiB made each SotW client send, and the agent read, 240k
-/// names. In 1 MiB responses, at 10k services with 50 SotW clients: sync 4.5–5.0 → 3.2–3.9 s,
-/// agent CPU to sync 2.85–3.16 → 2.13–2.83 s, peak RSS 250–254 → 251–262 MiB (2 MiB took the
-/// peak to 348 MiB and 4 MiB to 401, for no shorter sync).
-///
-/// Delta kept 256 KiB while every stream's responses were buffers of their own; since the
-/// streams of a sync share their large responses' bytes ([`super::response::SharedHeads`]) the
-/// larger budget costs no memory: at 10k services with 100 clients and Envoy (twelve
-/// interleaved pairs), agent CPU to sync 1.92 → 1.70 s on average, peak RSS 195–233 → 185–218
-/// MiB.
+/// first sync and bounds the memory in flight; 1 MiB measured best for SotW, whose ACKs repeat
+/// the whole subscription, and costs Delta no memory since the streams of a sync share their
+/// large responses' bytes (docs/benchmarks.md, "SotW responses of 1 MiB").
 pub(super) const RESPONSE_BUDGET: usize = 1 << 20;
 
 /// How one type of the snapshot differs from what the client holds: what a push must say.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct TypeDiff {
-    /// Wanted, and not at the version the client holds; sorted by name.
+    /// Wanted, and not at the version the client holds (nor refused at it); sorted by name.
     pub(super) changed: Vec<Arc<XdsResource>>,
     /// Held by the client, but gone from the snapshot or no longer wanted.
     pub(super) removed: Vec<Arc<str>>,
     /// Subscribed by name, but not in the snapshot (and not held).
     pub(super) absent: Vec<Arc<str>>,
+    /// Removals that must wait (make before break, see [`Types::plan`]); the client keeps them.
+    pub(super) deferred: Vec<Arc<str>>,
 }
 
 impl TypeDiff {
+    /// Nothing to send.
     pub(super) fn is_empty(&self) -> bool {
         self.changed.is_empty() && self.removed.is_empty() && self.absent.is_empty()
     }
+}
+
+/// A response sent and not yet acknowledged: what the client holds once it applies it.
+#[derive(Debug)]
+pub(super) struct Delivery {
+    pub(super) nonce: String,
+    /// The resources it carries, in name order.
+    pub(super) sent: Vec<Arc<XdsResource>>,
+    /// The names it removes.
+    pub(super) removed: Vec<Arc<str>>,
+    /// When the client holds exactly a snapshot map once it applies this (a SotW response of a
+    /// whole type): that map and its [`Whole`].
+    pub(super) whole: Option<(ResourceMap, Whole)>,
+    /// The interest's narrowings when it was sent: while they stand, every resource in it is
+    /// still wanted.
+    pub(super) narrowings: u64,
+    /// Reported on its ACK or NACK.
+    pub(super) version: String,
 }
 
 /// Per type, the state both flavours keep for one stream.
@@ -509,31 +191,56 @@ pub(super) struct TypeState {
     /// Has the client asked for this type on this stream.
     pub(super) requested: bool,
     pub(super) interest: Interest,
+    /// What the client holds: its acknowledged responses.
     pub(super) client: ClientView,
-    /// Nonce of the response in flight (sent, not yet ACKed or NACKed).
-    pub(super) pending: Option<String>,
+    /// The response sent and not yet ACKed or NACKed.
+    pub(super) in_flight: Option<Delivery>,
+    /// Versions the client refused (NACKed), by name: not sent again until they change.
+    pub(super) rejected: NameMap<u64>,
     /// The resources this type was last compared against; the next push looks only at what
     /// differs from them, plus `dirty`. `None` means look at everything.
     pub(super) baseline: Option<ResourceMap>,
     /// Names to look at on the next push whatever the snapshot says (new subscriptions,
-    /// endpoints to re-send).
+    /// endpoints to re-send, removals that waited).
     pub(super) dirty: BTreeSet<Arc<str>>,
     /// Resources found to send that did not fit in the last response (see [`Self::limit`]),
     /// in name order. They stay valid until the snapshot changes them or the client's interest
     /// does, so the next response takes from here without looking at them again: a first sync
     /// of N resources in N/k responses costs O(N), not O(N²/k).
     pub(super) backlog: VecDeque<Arc<XdsResource>>,
-    /// The interest's [`Interest::narrowings`] when every backlog resource was last known
-    /// wanted.
+    /// The interest's narrowings when every backlog resource was last known wanted.
     backlog_narrowings: u64,
     /// Answer on the next push even with nothing new.
     pub(super) must_answer: bool,
+    /// Names of this type the client named that no snapshot had.
+    pub(super) unknown: UnknownNames,
+    /// A whole set of this type (SotW clusters, listeners) the client refused: a refusal of
+    /// the set, so another set is answered whole again, even where its versions are the
+    /// refused ones (the agent may not know what a reconnected client holds of them).
+    refused_whole: Option<ResourceMap>,
+}
+
+fn diff_name<'a, V>(item: DiffItem<'a, 'a, Arc<str>, V>) -> Arc<str> {
+    match item {
+        DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
+        DiffItem::Update { new: (name, _), .. } => name.clone(),
+    }
 }
 
 impl TypeState {
     /// How `current` differs from what the client holds and wants.
     pub(super) fn diff(&mut self, current: &ResourceMap) -> TypeDiff {
         let mut found = TypeDiff::default();
+        if self
+            .refused_whole
+            .as_ref()
+            .is_some_and(|r| !r.ptr_eq(current))
+        {
+            // Refusals were of that set: all of this one is looked at afresh.
+            self.refused_whole = None;
+            self.rejected.clear();
+            self.baseline = None;
+        }
         let dirty = std::mem::take(&mut self.dirty);
         match self.baseline.replace(current.clone()) {
             // The very same map, nothing to re-check: an ACK, or a snapshot that changed
@@ -541,10 +248,7 @@ impl TypeState {
             Some(baseline) if baseline.ptr_eq(current) && dirty.is_empty() => {}
             Some(baseline) => {
                 let mut names = dirty;
-                names.extend(baseline.diff(current).map(|d| match d {
-                    DiffItem::Add(name, _) | DiffItem::Remove(name, _) => name.clone(),
-                    DiffItem::Update { new: (name, _), .. } => name.clone(),
-                }));
+                names.extend(baseline.diff(current).map(diff_name));
                 // What is looked at again is decided again, backlog or not.
                 if !self.backlog.is_empty() && !names.is_empty() {
                     self.backlog.retain(|r| !names.contains(&r.name));
@@ -567,51 +271,7 @@ impl TypeState {
                 found.absent.sort();
             }
             None => {
-                // Everything, most of the snapshot: one walk over it in name order (no lookup
-                // into it per name, and `changed` comes out sorted), then what the client holds
-                // or named that it lacks.
-                self.backlog.clear();
-                // How many of the client's names, and of the names it subscribed to, the walk
-                // met: when all of them, none is missing from the snapshot, and the two lookups
-                // per name below are skipped (at 10k, 20k ordered lookups per type and stream).
-                let (mut held_met, mut named_met) = (0, 0);
-                // A reconnected client found to hold exactly this map (see
-                // `ClientView::whole`): its versions are the map's, no lookup per name.
-                let exact = self.client.is_exactly(current);
-                for (name, resource) in current {
-                    let held = if exact {
-                        Some(resource.version)
-                    } else {
-                        self.client.get(name)
-                    };
-                    held_met += usize::from(held.is_some());
-                    if !self.interest.wildcard && self.interest.names.contains(name) {
-                        named_met += 1;
-                    }
-                    if self.interest.wants(name) {
-                        if held != Some(resource.version) {
-                            found.changed.push(resource.clone());
-                        }
-                    } else if held.is_some() {
-                        found.removed.push(name.clone());
-                    }
-                }
-                if held_met < self.client.len() {
-                    for name in self.client.names() {
-                        if !current.contains_key(name) {
-                            found.removed.push(name.clone());
-                        }
-                    }
-                }
-                if named_met < self.interest.names.len() {
-                    for name in self.interest.names.iter() {
-                        if !current.contains_key(name) && self.client.get(name).is_none() {
-                            found.absent.push(name.clone());
-                        }
-                    }
-                }
-                found.removed.sort();
-                found.absent.sort();
+                self.walk(current, &mut found);
                 return found;
             }
         }
@@ -619,35 +279,85 @@ impl TypeState {
         found
     }
 
-    /// Puts one name where it belongs in `found`, if anywhere.
-    fn classify(&self, current: &ResourceMap, name: &Arc<str>, found: &mut TypeDiff) {
-        let held = self.client.get(name);
-        match current.get(name) {
-            Some(resource) if self.interest.wants(name) && held != Some(resource.version) => {
-                found.changed.push(resource.clone());
+    /// Everything, most of the snapshot: one walk over it in name order (no lookup into it per
+    /// name, and `changed` comes out sorted), then what the client holds or named that it
+    /// lacks.
+    fn walk(&mut self, current: &ResourceMap, found: &mut TypeDiff) {
+        self.backlog.clear();
+        // How many of the client's names, and of the names it subscribed to, the walk met:
+        // when all of them, none is missing from the snapshot, and the two lookups per name
+        // below are skipped (at 10k, 20k ordered lookups per type and stream).
+        let (mut held_met, mut named_met) = (0, 0);
+        // A reconnected client found to hold exactly this map: its versions are the map's, no
+        // lookup per name.
+        let exact = self.client.is_based_on(current);
+        let interest = &self.interest;
+        for (name, resource) in current {
+            let held = if exact {
+                Some(resource.version)
+            } else {
+                self.client.version(name)
+            };
+            held_met += usize::from(held.is_some());
+            if !interest.wildcard && interest.names.contains(name) {
+                named_met += 1;
             }
-            Some(_) if self.interest.wants(name) => {}
-            _ if held.is_some() => found.removed.push(name.clone()),
-            None if self.interest.names.contains(name) => found.absent.push(name.clone()),
-            _ => {}
+            if interest.wants(name) {
+                let refused = self.rejected.get(name) == Some(&resource.version);
+                if held != Some(resource.version) && !refused {
+                    found.changed.push(resource.clone());
+                }
+            } else if held.is_some() {
+                found.removed.push(name.clone());
+            }
         }
+        if held_met < self.client.len() {
+            for name in self.client.names() {
+                if !current.contains_key(name) {
+                    found.removed.push(name.clone());
+                }
+            }
+        }
+        if named_met < interest.names.len() {
+            for name in interest.names.iter() {
+                if !current.contains_key(name) && self.client.get(name).is_none() {
+                    found.absent.push(name.clone());
+                }
+            }
+        }
+        // Refusals of versions no longer current, or of what is no longer wanted, are over.
+        self.rejected.retain(|name, version| {
+            interest.wants(name) && current.get(name).is_some_and(|r| r.version == *version)
+        });
+        found.removed.sort();
+        found.absent.sort();
     }
 
-    /// Of the clusters about to be sent, the ones the client already holds at another version:
-    /// Envoy re-creates those and waits for their endpoints again.
-    pub(super) fn changed_clusters(
-        &self,
-        kind: ResourceType,
-        changed: &[Arc<XdsResource>],
-    ) -> Vec<Arc<str>> {
-        if kind != ResourceType::Cluster {
-            return Vec::new();
+    /// Puts one name where it belongs in `found`, if anywhere.
+    fn classify(&mut self, current: &ResourceMap, name: &Arc<str>, found: &mut TypeDiff) {
+        let held = self.client.version(name);
+        match current.get(name) {
+            Some(resource) if self.interest.wants(name) => {
+                match self.rejected.get(name) {
+                    Some(&refused) if refused == resource.version => return,
+                    Some(_) => {
+                        self.rejected.remove(name);
+                    }
+                    None => {}
+                }
+                if held != Some(resource.version) {
+                    found.changed.push(resource.clone());
+                }
+            }
+            resource => {
+                self.rejected.remove(name);
+                if held.is_some() {
+                    found.removed.push(name.clone());
+                } else if resource.is_none() && self.interest.names.contains(name) {
+                    found.absent.push(name.clone());
+                }
+            }
         }
-        changed
-            .iter()
-            .filter(|r| self.client.get(&r.name).is_some())
-            .map(|r| r.name.clone())
-            .collect()
     }
 
     /// Keeps in `changed` the first resources up to [`RESPONSE_BUDGET`] bytes (at least one)
@@ -681,30 +391,6 @@ impl TypeState {
         }
     }
 
-    /// Nothing in flight or waiting, and the client holds every resource of `current` at its
-    /// version (for endpoints and routes, it has subscribed to them all).
-    pub(super) fn holds(&self, current: &ResourceMap) -> bool {
-        self.pending.is_none()
-            && self.backlog.is_empty()
-            && (self.client.is_exactly(current)
-                || current
-                    .iter()
-                    .all(|(name, resource)| self.client.get(name) == Some(resource.version)))
-    }
-
-    /// A push found nothing to send: when nothing is in flight or waiting and the client holds
-    /// as many resources as `current` has, it holds exactly `current` (every one it wants at
-    /// its version, none it should not), so its view becomes that map, shared.
-    pub(super) fn settle(&mut self, current: &ResourceMap) {
-        if self.pending.is_none()
-            && self.backlog.is_empty()
-            && self.dirty.is_empty()
-            && self.client.len() == current.len()
-        {
-            self.client.rebase(current);
-        }
-    }
-
     /// Makes the next push look at `name` whatever the snapshot says. Without a baseline the
     /// next push is a full diff of everything the client names or holds, so nothing is queued:
     /// a first request naming 10k resources does not insert them one by one.
@@ -714,166 +400,496 @@ impl TypeState {
         }
     }
 
-    /// Makes the endpoints of re-created clusters go out again on the next push.
-    pub(super) fn resend(&mut self, names: Vec<Arc<str>>) {
+    /// The client dropped `name` (it unsubscribed, or stopped wanting it): it holds it no more.
+    pub(super) fn forget(&mut self, name: &str) {
+        self.client.remove(name);
+        self.rejected.remove(name);
+    }
+
+    /// The in-flight response was acknowledged: the client holds what it carried (but what it
+    /// unsubscribed from meanwhile).
+    pub(super) fn accept(&mut self, current: &ResourceMap, whole: Whole) -> Option<Delivery> {
+        let delivery = self.in_flight.take()?;
+        match &delivery.whole {
+            Some((map, held)) => {
+                self.client = ClientView::whole(map, *held);
+                self.refused_whole = None;
+            }
+            None => {
+                for name in &delivery.removed {
+                    self.client.remove(name);
+                }
+                if delivery.narrowings == self.interest.narrowings() {
+                    self.client.extend(current, delivery.sent.iter());
+                } else {
+                    for resource in &delivery.sent {
+                        if self.interest.wants(&resource.name) {
+                            self.client.insert(resource.clone());
+                        }
+                    }
+                }
+            }
+        }
+        if !self.rejected.is_empty() {
+            for resource in &delivery.sent {
+                self.rejected.remove(&resource.name);
+            }
+        }
+        self.client.compact(current, whole);
+        Some(delivery)
+    }
+
+    /// The in-flight response was refused: the client holds what it held; what the response
+    /// carried is not sent again until it changes, and what it removed is looked at again.
+    pub(super) fn reject(&mut self) -> Option<Delivery> {
+        let delivery = self.in_flight.take()?;
+        for resource in &delivery.sent {
+            let name = &resource.name;
+            if self.interest.wants(name) && self.client.version(name) != Some(resource.version) {
+                self.rejected.insert(name.clone(), resource.version);
+            }
+        }
+        for name in &delivery.removed {
+            self.look_again(name.clone());
+        }
+        if let Some((map, _)) = &delivery.whole {
+            self.refused_whole = Some(map.clone());
+            // What a whole response left out, it removed: looked at again too.
+            let left_out: Vec<Arc<str>> = self
+                .client
+                .names()
+                .filter(|name| !map.contains_key(*name))
+                .cloned()
+                .collect();
+            for name in left_out {
+                self.look_again(name);
+            }
+        }
+        Some(delivery)
+    }
+
+    /// Nothing in flight, waiting or refused, and the client holds exactly `current`.
+    pub(super) fn in_sync(&self, current: &ResourceMap, whole: Whole) -> bool {
+        self.in_flight.is_none()
+            && self.backlog.is_empty()
+            && self.dirty.is_empty()
+            && self.rejected.is_empty()
+            && !self.must_answer
+            && self.client.is_exactly(current, whole)
+    }
+
+    /// Nothing sent is unacknowledged and nothing found waits to be sent: what may refer to
+    /// this type's resources is what the client holds, and it will hold nothing else until
+    /// the snapshot changes (a version it refused is not sent again, so waiting for it would
+    /// keep what it names for as long; what it names broke with the refusal anyway).
+    fn settled(&self, found: Option<&TypeDiff>) -> bool {
+        !self.requested
+            || (self.in_flight.is_none()
+                && self.backlog.is_empty()
+                && !self.must_answer
+                && found.is_some_and(|d| d.is_empty() && d.deferred.is_empty()))
+    }
+
+    /// Checks what the client named against `limits`, after a request: an error to end the
+    /// stream with when over.
+    pub(super) fn check_names(&mut self, kind: ResourceType, limits: Limits) -> Result<(), Event> {
+        let named = self.interest.names.len();
+        if named > limits.max_names {
+            return Err(Event::Exhausted {
+                kind,
+                what: format!(
+                    "{named} {} names subscribed, more than the {} a stream may name per type",
+                    kind.short(),
+                    limits.max_names
+                ),
+            });
+        }
+        if self.unknown.bytes() > UNKNOWN_NAME_BYTES && self.unknown.prune() > UNKNOWN_NAME_BYTES {
+            return Err(Event::Exhausted {
+                kind,
+                what: format!(
+                    "{} bytes of {} names no resource has, more than the {UNKNOWN_NAME_BYTES} a \
+                     stream may name per type",
+                    self.unknown.bytes(),
+                    kind.short()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The limit on names a request may carry at once, checked before they are read into the
+/// stream's state.
+pub(super) fn too_many(kind: ResourceType, count: usize, limits: Limits) -> Option<Event> {
+    (count > limits.max_names).then(|| Event::Exhausted {
+        kind,
+        what: format!(
+            "a request naming {count} {} resources, more than the {} a stream may name per type",
+            kind.short(),
+            limits.max_names
+        ),
+    })
+}
+
+/// How a flavour sends what a push found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Flavour {
+    Sotw,
+    Delta,
+}
+
+impl Flavour {
+    /// Whether responses of `kind` may be split (see [`RESPONSE_BUDGET`]).
+    fn splits(self, kind: ResourceType) -> bool {
+        self == Flavour::Delta || !kind.is_state_of_the_world()
+    }
+
+    /// Whether responses of `kind` can remove: SotW ones only by leaving a resource out of a
+    /// whole type (the rest go with the cluster or listener that named them).
+    fn removes(self, kind: ResourceType) -> bool {
+        self == Flavour::Delta || kind.is_state_of_the_world()
+    }
+}
+
+/// The per-type states of one stream, and what they share.
+#[derive(Debug, Default)]
+pub(super) struct Types {
+    pub(super) types: [TypeState; 4],
+    /// Clusters new to the client (sent, acknowledged or not) whose endpoints it does not hold
+    /// yet: Envoy warms such a cluster until they come, and a listener or route that names it
+    /// meanwhile sends its traffic nowhere, so listener and route changes wait for them.
+    warming: NameSet,
+    /// The assignments `warming` was last checked against.
+    warming_checked: Option<ResourceMap>,
+    /// The client said it held resources when it opened the stream (a reconnect): it may hold
+    /// listeners it has not asked for on this stream yet (its request is on its way), so
+    /// removals wait for its listeners to be asked for and settled.
+    pub(super) reconnected: bool,
+    /// A SotW client reconnected holding clusters other than the snapshot's, and which is not
+    /// known (its version is a digest): every cluster of the next response may be re-created.
+    pub(super) clusters_unknown: bool,
+    /// Clusters re-created by the client before it asked for endpoints on this stream.
+    recreated: NameSet,
+    pub(super) nonces: u64,
+    pub(super) limits: Limits,
+}
+
+impl Types {
+    pub(super) fn new(limits: Limits) -> Types {
+        Types {
+            limits,
+            ..Types::default()
+        }
+    }
+
+    pub(super) fn of(&mut self, kind: ResourceType) -> &mut TypeState {
+        &mut self.types[kind.index()]
+    }
+
+    /// What a push sends of each requested type not in flight, found and ordered so that
+    /// nothing the client holds refers to what is not there (make before break, see the top):
+    /// listeners and routes wait while a new cluster warms; a removal waits (`deferred`, and
+    /// looked at again on the next push) until the types that may refer to what it removes
+    /// are settled.
+    pub(super) fn plan(
+        &mut self,
+        snapshot: &XdsSnapshot,
+        flavour: Flavour,
+    ) -> [Option<TypeDiff>; 4] {
+        self.check_warming(snapshot);
+        let mut found: [Option<TypeDiff>; 4] = Default::default();
+        for kind in ResourceType::ALL {
+            let state = &mut self.types[kind.index()];
+            if !state.requested || state.in_flight.is_some() {
+                continue;
+            }
+            // Listeners and routes may name clusters the client does not have yet: they wait
+            // for the clusters sent before to be acknowledged, and all of them sent, and for
+            // the new ones to be warm.
+            let names_clusters = matches!(kind, ResourceType::Listener | ResourceType::Route);
+            let clusters = &self.types[ResourceType::Cluster.index()];
+            let clusters_pending = clusters.in_flight.is_some() || !clusters.backlog.is_empty();
+            if names_clusters && (clusters_pending || !self.warming.is_empty()) {
+                // Left as it is: the next push finds what changed meanwhile too.
+                continue;
+            }
+            let state = &mut self.types[kind.index()];
+            let mut diff = state.diff(snapshot.of(kind));
+            if flavour.splits(kind) {
+                state.limit(&mut diff.changed);
+            }
+            if !flavour.removes(kind) {
+                diff.removed.clear();
+            }
+            if flavour == Flavour::Sotw {
+                diff.absent.clear();
+            }
+            if kind == ResourceType::Cluster && !diff.changed.is_empty() {
+                // Before the listeners' and routes' turn.
+                self.clusters_sent(&diff.changed, snapshot);
+            }
+            found[kind.index()] = Some(diff);
+        }
+        let mut settled = [false; 4];
+        for (kind, waits_on) in [
+            (ResourceType::Listener, &[][..]),
+            (ResourceType::Route, &[ResourceType::Listener][..]),
+            (
+                ResourceType::Cluster,
+                &[ResourceType::Listener, ResourceType::Route][..],
+            ),
+            (ResourceType::Endpoint, &[ResourceType::Cluster][..]),
+        ] {
+            let i = kind.index();
+            let ready = waits_on.iter().all(|k| settled[k.index()]);
+            // A name told absent is removed as well, as far as the client is concerned.
+            if let Some(diff) = &mut found[i]
+                && !ready
+                && (!diff.removed.is_empty() || !diff.absent.is_empty())
+            {
+                diff.deferred = std::mem::take(&mut diff.removed);
+                diff.deferred.append(&mut diff.absent);
+                for name in &diff.deferred {
+                    self.types[i].look_again(name.clone());
+                }
+            }
+            let unasked_listeners =
+                kind == ResourceType::Listener && self.reconnected && !self.types[i].requested;
+            settled[i] = !unasked_listeners && self.types[i].settled(found[i].as_ref());
+        }
+        found
+    }
+
+    /// Clusters about to be sent: those new to the client whose endpoints it will subscribe to
+    /// warm until it holds them. Kept only once the client asked for listeners or routes, the
+    /// only types that wait on them: a client asks for those once its first clusters are warm
+    /// (Envoy's start), so a first sync of the whole mesh keeps no set of every cluster.
+    fn clusters_sent(&mut self, sent: &[Arc<XdsResource>], snapshot: &XdsSnapshot) {
+        let [clusters, endpoints, listeners, routes] = &self.types;
+        if !listeners.requested && !routes.requested {
+            return;
+        }
+        let assignments = snapshot.of(ResourceType::Endpoint);
+        for resource in sent {
+            let name = &resource.name;
+            if clusters.client.get(name).is_none()
+                && endpoints.client.get(name).is_none()
+                && assignments.contains_key(name)
+            {
+                self.warming.insert(name.clone());
+            }
+        }
+    }
+
+    /// The client answered a response of `kind` (`accepted` it or not): the clusters that are
+    /// no longer warming for it.
+    pub(super) fn answered(&mut self, kind: ResourceType, delivery: &Delivery, accepted: bool) {
+        if self.warming.is_empty() {
+            return;
+        }
+        match kind {
+            // What it took, or refused while it wanted it (Envoy then gives up waiting).
+            ResourceType::Endpoint => {
+                let endpoints = &self.types[ResourceType::Endpoint.index()];
+                for resource in &delivery.sent {
+                    let name = &resource.name;
+                    let settled = if accepted {
+                        endpoints.client.get(name).is_some()
+                    } else {
+                        endpoints.interest.wants(name)
+                    };
+                    if settled {
+                        self.warming.remove(name);
+                    }
+                }
+            }
+            ResourceType::Cluster if accepted => {
+                for name in &delivery.removed {
+                    self.warming.remove(name);
+                }
+                // What it kept warming only while on its way is looked at again.
+                self.warming_checked = None;
+            }
+            ResourceType::Cluster => {
+                let held = &self.types[ResourceType::Cluster.index()].client;
+                for resource in &delivery.sent {
+                    if held.get(&resource.name).is_none() {
+                        self.warming.remove(&resource.name);
+                    }
+                }
+            }
+            ResourceType::Listener | ResourceType::Route => {}
+        }
+    }
+
+    /// The client's first request for listeners or routes: the clusters it holds or is being
+    /// sent whose endpoints it does not hold warm (see [`Types::clusters_sent`]).
+    pub(super) fn names_clusters_now(&mut self, snapshot: &XdsSnapshot) {
+        let [clusters, endpoints, listeners, routes] = &self.types;
+        if listeners.requested || routes.requested {
+            // Followed since the first of them was.
+            return;
+        }
+        let assignments = snapshot.of(ResourceType::Endpoint);
+        let lacking = |name: &Arc<str>| {
+            assignments
+                .get(name)
+                .is_some_and(|a| endpoints.rejected.get(name) != Some(&a.version))
+                && endpoints.client.get(name).is_none()
+        };
+        // Being sent: its endpoints will be asked for. Held: only if they are.
+        let in_flight = clusters
+            .in_flight
+            .iter()
+            .flat_map(|d| d.sent.iter().map(|r| &r.name));
+        let held = clusters
+            .client
+            .names()
+            .filter(|name| endpoints.interest.wants(name));
+        for name in in_flight.chain(held) {
+            if lacking(name) {
+                self.warming.insert(name.clone());
+            }
+        }
+    }
+
+    /// The client asked for endpoints: a cluster it holds (acknowledged) whose endpoints it
+    /// does not ask for is not waited on (a client that never asks would otherwise hold back
+    /// its listeners for good).
+    pub(super) fn endpoints_asked(&mut self) {
+        if self.warming.is_empty() {
+            return;
+        }
+        let [clusters, endpoints, ..] = &self.types;
+        self.warming
+            .retain(|name| endpoints.interest.wants(name) || clusters.client.get(name).is_none());
+    }
+
+    /// Drops from `warming` what no longer has an assignment (but what is being sent), or
+    /// whose assignment the client holds, when the assignments changed.
+    fn check_warming(&mut self, snapshot: &XdsSnapshot) {
+        if self.warming.is_empty() {
+            return;
+        }
+        let assignments = snapshot.of(ResourceType::Endpoint);
+        if self
+            .warming_checked
+            .as_ref()
+            .is_some_and(|checked| checked.ptr_eq(assignments))
+        {
+            return;
+        }
+        self.warming_checked = Some(assignments.clone());
+        let [clusters, endpoints, ..] = &self.types;
+        // A cluster still on its way to the client warms there whatever the snapshot says
+        // meanwhile: it may be back (with an assignment) before the client answers.
+        let on_its_way = |name: &Arc<str>| {
+            clusters
+                .in_flight
+                .as_ref()
+                .is_some_and(|d| d.sent.iter().any(|r| r.name == *name))
+        };
+        self.warming.retain(|name| {
+            endpoints.client.get(name).is_none()
+                && (assignments.contains_key(name) || on_its_way(name))
+        });
+    }
+
+    /// See [`Ads::holds`].
+    pub(super) fn holds(&self, snapshot: &XdsSnapshot) -> bool {
+        self.warming.is_empty()
+            && ResourceType::ALL.into_iter().all(|kind| {
+                self.types[kind.index()].in_sync(snapshot.of(kind), snapshot.whole(kind))
+            })
+    }
+
+    /// The client acknowledged the in-flight response of `kind` (see [`TypeState::accept`]).
+    /// The clusters it held as others before, it re-creates (Envoy does) and waits for their
+    /// endpoints again: they go out again. With a cluster it drops the cluster's endpoints.
+    pub(super) fn accept(
+        &mut self,
+        kind: ResourceType,
+        snapshot: &XdsSnapshot,
+    ) -> Option<Delivery> {
+        let state = &mut self.types[kind.index()];
+        let dropped: Vec<Arc<str>> = match (&state.in_flight, kind) {
+            (Some(delivery), ResourceType::Cluster) => match &delivery.whole {
+                Some((map, _)) => state
+                    .client
+                    .names()
+                    .filter(|name| !map.contains_key(*name))
+                    .cloned()
+                    .collect(),
+                None => delivery.removed.clone(),
+            },
+            _ => Vec::new(),
+        };
+        let recreated: Vec<Arc<str>> = match (&state.in_flight, kind) {
+            (Some(delivery), ResourceType::Cluster) => {
+                // Not known what a reconnecting SotW client held: any may be re-created.
+                let unknown = std::mem::take(&mut self.clusters_unknown);
+                delivery
+                    .sent
+                    .iter()
+                    .filter(|r| {
+                        unknown
+                            || state
+                                .client
+                                .version(&r.name)
+                                .is_some_and(|v| v != r.version)
+                    })
+                    .map(|r| r.name.clone())
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let delivery = state.accept(snapshot.of(kind), snapshot.whole(kind))?;
+        if !recreated.is_empty() {
+            self.resend_endpoints_of(recreated, &delivery.nonce);
+        }
+        let endpoints = &mut self.types[ResourceType::Endpoint.index()];
+        for name in dropped {
+            endpoints.client.remove(&name);
+            self.warming.remove(&name);
+        }
+        Some(delivery)
+    }
+
+    /// Endpoints of clusters the client re-created on applying the response `nonce`: it holds
+    /// them no more, nor those of an endpoint response sent before `nonce` (it reached the
+    /// client first); a client that has not asked for endpoints on this stream yet is told when
+    /// it does (its request, on its way, says it holds them).
+    fn resend_endpoints_of(&mut self, names: Vec<Arc<str>>, nonce: &str) {
+        let endpoints = &mut self.types[ResourceType::Endpoint.index()];
+        if !endpoints.requested {
+            self.recreated.extend(names);
+            return;
+        }
+        let before = |other: &str| match (other.parse::<u64>(), nonce.parse::<u64>()) {
+            (Ok(other), Ok(nonce)) => other < nonce,
+            _ => false,
+        };
         for name in names {
-            self.client.remove(&name);
-            self.look_again(name);
+            endpoints.client.remove(&name);
+            if let Some(delivery) = &mut endpoints.in_flight
+                && before(&delivery.nonce)
+            {
+                delivery.sent.retain(|r| r.name != name);
+            }
+            endpoints.look_again(name);
+        }
+    }
+
+    /// The first endpoint request of the stream was read: what it says the client holds of
+    /// clusters re-created since (see [`Types::resend_endpoints_of`]) it holds no more.
+    pub(super) fn endpoints_requested(&mut self) {
+        let endpoints = &mut self.types[ResourceType::Endpoint.index()];
+        for name in self.recreated.drain() {
+            endpoints.client.remove(&name);
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::mesh::Protocol;
-    use crate::xds::testing::World;
-
-    /// The same view built entry by entry, without a base.
-    fn plain(view: &ClientView) -> ClientView {
-        let mut plain = ClientView::default();
-        for name in view.names() {
-            plain.insert(name.clone(), view.get(name).unwrap());
-        }
-        plain
-    }
-
-    /// A subscription held as a snapshot's index, with names taken out and put back and one
-    /// added, answers as a set of its own would.
-    #[test]
-    fn a_subscription_based_on_an_index_reads_as_a_set_of_its_own() {
-        let snap = World::new().add_many(20);
-        let index = snap.name_index(ResourceType::Endpoint).clone();
-        let mut names = Subscription::whole(index.clone());
-        let mut plain: NameSet = index.keys().cloned().collect();
-        let some: Vec<Arc<str>> = index.keys().take(3).cloned().collect();
-        for (name, present) in [(&some[0], false), (&some[1], false), (&some[0], true)] {
-            if present {
-                assert!(names.insert(name.clone()) && plain.insert(name.clone()));
-            } else {
-                assert!(names.remove(name) && plain.remove(name));
-            }
-        }
-        assert!(!names.remove("absent|1"));
-        assert!(names.insert(Arc::from("extra|1")) && plain.insert(Arc::from("extra|1")));
-        assert!(!names.insert(some[2].clone()), "already there");
-        assert_eq!(names.len(), plain.len());
-        let listed: NameSet = names.iter().cloned().collect();
-        assert_eq!(listed, plain);
-        for name in index.keys().chain(&plain) {
-            assert_eq!(names.contains(name), plain.contains(name), "{name}");
-        }
-        assert!(!names.contains(&some[1]) && names.contains("extra|1"));
-        assert!(
-            Arc::ptr_eq(names.get(&some[0]).unwrap(), &some[0]),
-            "the index's own name"
-        );
-    }
-
-    /// Everything `view` answers, as a view built entry by entry answers it.
-    fn reads_as(view: &ClientView, plain: &ClientView, current: &ResourceMap) {
-        assert_eq!(view.len(), plain.len());
-        assert_eq!(view.version_info(), plain.version_info());
-        for name in current.keys().map(|n| &**n).chain(["absent|1"]) {
-            assert_eq!(view.get(name), plain.get(name), "{name}");
-        }
-        let mut names: Vec<&Arc<str>> = view.names().collect();
-        let mut expected: Vec<&Arc<str>> = plain.names().collect();
-        names.sort();
-        expected.sort();
-        assert_eq!(names, expected);
-    }
-
-    /// A first sync sent in name order, a budget's worth at a time, is held as a growing first
-    /// part of the snapshot's map, with no entry of its own; anything else goes entry by entry.
-    #[test]
-    fn a_view_sent_in_order_holds_a_first_part_of_the_map() {
-        let snap = World::new().add_many(20);
-        let current = snap.of(ResourceType::Endpoint);
-        let entries: Vec<(&Arc<str>, u64)> = current.iter().map(|(n, r)| (n, r.version)).collect();
-        assert_eq!(entries.len(), 20);
-        let mut view = ClientView::default();
-        let mut plain = ClientView::default();
-        for chunk in entries.chunks(6) {
-            view.extend(current, chunk.iter().copied());
-            for &(name, version) in chunk {
-                plain.insert(name.clone(), version);
-            }
-            assert!(view.changes.is_empty(), "a part of the map, no entries");
-            reads_as(&view, &plain, current);
-        }
-        assert!(view.is_exactly(current));
-
-        // A gap, or a version other than the map's: entry by entry.
-        let mut gap = ClientView::default();
-        gap.extend(current, entries[..3].iter().copied());
-        gap.extend(current, entries[4..6].iter().copied());
-        assert_eq!(gap.changes.len(), 2);
-        let mut plain = ClientView::default();
-        for &(name, version) in entries[..3].iter().chain(&entries[4..6]) {
-            plain.insert(name.clone(), version);
-        }
-        reads_as(&gap, &plain, current);
-        let mut other = ClientView::default();
-        other.extend(current, [(entries[0].0, entries[0].1 + 1)].into_iter());
-        assert_eq!(other.changes.len(), 1);
-        assert_eq!(other.get(entries[0].0), Some(entries[0].1 + 1));
-
-        // A part held, then one of its names dropped and one past it added: entries on top,
-        // and the part no longer grows (the next run goes entry by entry).
-        let mut view = ClientView::default();
-        view.extend(current, entries[..8].iter().copied());
-        view.remove(entries[2].0);
-        view.insert(entries[12].0.clone(), entries[12].1);
-        let mut plain = ClientView::default();
-        for &(name, version) in &entries[..8] {
-            plain.insert(name.clone(), version);
-        }
-        plain.remove(entries[2].0);
-        plain.insert(entries[12].0.clone(), entries[12].1);
-        reads_as(&view, &plain, current);
-        view.extend(current, entries[8..10].iter().copied());
-        for &(name, version) in &entries[8..10] {
-            plain.insert(name.clone(), version);
-        }
-        reads_as(&view, &plain, current);
-        view.rebase(current);
-        assert!(view.is_exactly(current) && view.len() == 20);
-    }
-
-    #[test]
-    fn a_view_based_on_a_snapshot_map_reads_and_digests_as_one_built_entry_by_entry() {
-        let mut world = World::new();
-        world.set("/a/one", Protocol::Http, &["10.0.0.1:80"]);
-        let snapshot = world.set("/a/two", Protocol::Http, &["10.0.0.2:80"]);
-        let current = snapshot.of(ResourceType::Endpoint);
-        let mut view = ClientView::default();
-        for (name, resource) in current {
-            view.insert(name.clone(), resource.version);
-        }
-        let digest = view.version_info();
-        view.rebase(current);
-        assert!(view.changes.is_empty() && view.base.ptr_eq(current));
-        assert_eq!((view.len(), view.version_info()), (2, digest.clone()));
-
-        // Changes on top of the base: one held at another version, one dropped, one added.
-        let (one, two) = ("one.a.system.internal|8080", "two.a.system.internal|8080");
-        view.insert(Arc::from(one), 7);
-        view.remove(two);
-        view.insert(Arc::from("three|8080"), 9);
-        assert_eq!(view.get(one), Some(7));
-        assert_eq!(view.get(two), None);
-        assert_eq!(view.get("three|8080"), Some(9));
-        let mut names: Vec<&str> = view.names().map(|n| &**n).collect();
-        names.sort();
-        assert_eq!(names, ["one.a.system.internal|8080", "three|8080"]);
-        assert_eq!(view.len(), 2);
-        assert_eq!(view.version_info(), plain(&view).version_info());
-        // Undone: the base's versions again, and the same digest as before.
-        view.insert(Arc::from(one), current[one].version);
-        view.insert(Arc::from(two), current[two].version);
-        view.remove("three|8080");
-        assert_eq!(view.version_info(), digest);
-        assert!(view.changes.is_empty(), "nothing of its own again");
-    }
-}
+mod tests;

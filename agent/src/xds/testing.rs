@@ -3,7 +3,10 @@
 
 use super::snapshot::{ResourceType, XdsSnapshot};
 use super::stream::{Ads, Event};
-use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
+use std::sync::Arc;
+
+use crate::mesh::route::{Backend, BackendTarget, RequestMatch, test_rule};
+use crate::mesh::{EndpointSet, MeshPath, MeshState, Protocol, ServicePort, ServiceSpec};
 use crate::translate::envoy::EnvoyTranslator;
 
 pub(super) const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -15,6 +18,8 @@ pub(super) const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteCon
 pub(super) struct World {
     state: MeshState,
     translator: EnvoyTranslator,
+    /// The services [`World::replace`] set.
+    paths: Vec<MeshPath>,
 }
 
 impl World {
@@ -22,6 +27,7 @@ impl World {
         World {
             state: MeshState::new("240.240.0.0/16".parse().unwrap()),
             translator: EnvoyTranslator::default(),
+            paths: Vec::new(),
         }
     }
 
@@ -60,6 +66,21 @@ impl World {
             );
             self.state.upsert(spec).unwrap();
         }
+        self.snapshot()
+    }
+
+    /// Makes the mesh exactly `specs` (services not among them go), translated once.
+    pub(super) fn replace(&mut self, specs: Vec<ServiceSpec>) -> XdsSnapshot {
+        let paths: Vec<_> = specs.iter().map(|s| s.path.clone()).collect();
+        for old in std::mem::take(&mut self.paths) {
+            if !paths.contains(&old) {
+                self.state.remove(&old);
+            }
+        }
+        for spec in specs {
+            self.state.upsert(spec).unwrap();
+        }
+        self.paths = paths;
         self.snapshot()
     }
 
@@ -171,4 +192,39 @@ where
             })
             .collect()
     }
+}
+
+/// A service `path` on `port` with `protocol`, its endpoints `endpoints`, every request routed
+/// to `backends` (service path, port, weight), or to itself without any.
+pub(super) fn routed(
+    path: &str,
+    port: u16,
+    protocol: Protocol,
+    endpoints: &[&str],
+    backends: &[(&str, u16, u32)],
+) -> ServiceSpec {
+    let mut spec = ServiceSpec::new(
+        path.parse().unwrap(),
+        vec![ServicePort {
+            name: None,
+            port,
+            protocol,
+            endpoints: EndpointSet::parsed(endpoints),
+            hosts: Default::default(),
+        }],
+    );
+    if !backends.is_empty() {
+        let backends = backends
+            .iter()
+            .map(|(path, port, weight)| Backend {
+                target: BackendTarget::Service {
+                    path: path.parse().unwrap(),
+                    port: *port,
+                },
+                weight: *weight,
+            })
+            .collect();
+        spec.routes = Arc::from([test_rule(0, vec![RequestMatch::any()], backends)]);
+    }
+    spec
 }
