@@ -450,6 +450,59 @@ async fn bad_requests_end_their_stream_with_the_status_that_says_why() {
     );
 }
 
+/// Names per stream per type: a Delta stream that subscribes to more than `--xds-max-names`
+/// endpoint names, or a SotW stream that asks for more, ends with RESOURCE_EXHAUSTED, counted;
+/// a stream within the cap is served on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_naming_more_than_the_cap_is_refused_and_counted() {
+    let mesh = mesh(2);
+    let agent = file_agent(&mesh, &["--xds-max-names=100"]);
+    let mut connection = RawConnection::connect(agent.xds, Connect::default())
+        .await
+        .unwrap();
+    let names = |count: usize| -> Vec<String> {
+        (0..count)
+            .map(|i| format!("x{i}.lim.system.internal|8080"))
+            .collect()
+    };
+
+    let mut call = connection.call(DELTA).await.unwrap();
+    let request = DeltaDiscoveryRequest {
+        node: node("greedy-delta"),
+        type_url: EDS.to_string(),
+        resource_names_subscribe: names(101),
+        ..DeltaDiscoveryRequest::default()
+    };
+    call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
+    let ended = call.ended(WITHIN).await.unwrap();
+    assert_eq!(ended.code, RESOURCE_EXHAUSTED, "{ended:?}");
+    assert_eq!(refused(&agent, "too_many_names"), 1.0);
+
+    let mut call = connection.call(SOTW).await.unwrap();
+    let request = DiscoveryRequest {
+        node: node("greedy-sotw"),
+        type_url: EDS.to_string(),
+        resource_names: names(101),
+        ..DiscoveryRequest::default()
+    };
+    call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
+    let ended = call.ended(WITHIN).await.unwrap();
+    assert_eq!(ended.code, RESOURCE_EXHAUSTED, "{ended:?}");
+    assert_eq!(refused(&agent, "too_many_names"), 2.0);
+
+    // At the cap, a stream is served.
+    let mut call = connection.call(SOTW).await.unwrap();
+    let request = DiscoveryRequest {
+        node: node("modest"),
+        type_url: EDS.to_string(),
+        resource_names: names(100),
+        ..DiscoveryRequest::default()
+    };
+    call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
+    assert!(call.start(WITHIN).await.unwrap().is_some());
+    assert_eq!(refused(&agent, "too_many_names"), 2.0);
+}
+
 /// Clients that never read: each holds at most the response h2 is sending it, the next one
 /// hyper has taken, and h2's send buffer (`--xds-send-buffer-bytes`); what they hold comes
 /// back when they go.
