@@ -2,7 +2,7 @@
 //! xDS server's, the DNS server's ([`crate::bench_hostile_dns`]) and the mesh file's
 //! ([`crate::bench_hostile_file`]). The xDS part runs
 //! the ignored test of `tests/tests/xds_hostile.rs` (the real agent at 10k services from a mesh
-//! file, a real Envoy timed by its ACKs, and the attacks of issue 32: a 10M-name subscription,
+//! file, a real Envoy timed by its ACKs, and the hostile clients: a 10M-name subscription,
 //! 4000 streams from one address, 100 clients that never read, streams that never send a first
 //! request, garbage in place of HTTP/2) and returns the figures it prints: the agent's RSS
 //! quiet, at its peak under attack and after the attackers went, the Envoy's change p50 and

@@ -29,7 +29,7 @@ use nix::sys::socket::{
 use nix::sys::time::TimeVal;
 use serde_json::{Value, json};
 
-use crate::agent::Agent;
+use lattice_e2e::agent::Agent;
 
 /// The pod whose mesh-name queries are timed.
 const POD: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -77,38 +77,43 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let live = Upstream::start(None, "127.0.0.1:0".parse()?)?;
 
     let live_only = {
-        let agent = Agent::start(
+        let agent = Agent::start_binary(
             &binary,
             &[
                 "--mesh-file",
                 &file,
                 &format!("--upstream-dns={}", live.addr),
             ],
-        )?;
+        );
+        agent.wait_ready()?;
         forwarded(agent.dns, FORWARDING_POD, 0, sizes.queries)?
     };
-    let agent = Agent::start(
+    let agent = Agent::start_binary(
         &binary,
         &[
             "--mesh-file",
             &file,
             &format!("--upstream-dns={dead},{}", live.addr),
         ],
-    )?;
+    );
+    agent.wait_ready()?;
     let dead_first = forwarded(agent.dns, FORWARDING_POD, 1_000_000, sizes.queries)?;
     let quiet = mesh_queries(agent.dns, &names, sizes.queries)?;
-    let rss_quiet = agent.rss_mib();
+    let rss_quiet = rss_mib(&agent);
 
     live.mute(true);
     let attack = Attack::start(agent.dns, &sizes)?;
     let under_attack = mesh_queries(agent.dns, &names, sizes.queries)?;
     let blackholed = forwarded_once(agent.dns, FORWARDING_POD, 2_000_000)?;
-    let rss_attack = agent.rss_mib();
+    let rss_attack = rss_mib(&agent);
     live.mute(false);
     let recovery = recover(agent.dns, sizes.queries)?;
     let attacker = attack.stop();
-    let limited = agent.metrics("lattice_dns_limited")?;
-    let closed = agent.metrics("lattice_dns_tcp_closed")?;
+    let (_, metrics) = agent.get("/metrics")?;
+    let lines =
+        |prefix: &str| -> Vec<&str> { metrics.lines().filter(|l| l.starts_with(prefix)).collect() };
+    let limited = lines("lattice_dns_limited");
+    let closed = lines("lattice_dns_tcp_closed");
 
     let ratio = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
         (Some(a), Some(b)) if b > 0.0 => json!(a / b),
@@ -141,6 +146,20 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     });
     print_summary(&report);
     Ok(report)
+}
+
+/// The agent's resident set, MiB.
+fn rss_mib(agent: &Agent) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()?)).ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
 }
 
 fn mesh(services: u32) -> String {

@@ -13,9 +13,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::ensure;
+use anyhow::{Context as _, ensure};
 
-use crate::agent::Agent;
+use lattice_e2e::agent::Agent;
 use serde_json::{Value, json};
 
 fn mesh(name: &str) -> String {
@@ -77,7 +77,8 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let path = work.path().join("mesh.yaml");
     std::fs::write(&path, mesh("start"))?;
     let file = path.to_string_lossy().into_owned();
-    let agent = Agent::start(&binary, &["--mesh-file", &file])?;
+    let agent = Agent::start_binary(&binary, &["--mesh-file", &file]);
+    agent.wait_ready()?;
 
     let mut report = serde_json::Map::new();
     let honest = until(&agent, replace(&path, &mesh("honest"))?, serving("honest"))?;
@@ -115,7 +116,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
 
     // SIGTERM while the parser works through 100k levels.
     std::fs::write(&path, mesh("start"))?;
-    let mut agent = Agent::start(
+    let mut agent = Agent::start_binary(
         &binary,
         &[
             "--mesh-file",
@@ -125,8 +126,9 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
             "--mesh-file-max-nodes",
             "100000000",
         ],
-    )?;
-    let pid = agent.child.id();
+    );
+    agent.wait_ready()?;
+    let pid = agent.pid().context("the agent is not running")?;
     let before = thread_ticks(pid, "mesh-file").unwrap_or(0);
     let levels = 100_000;
     replace(
@@ -144,7 +146,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         nix::sys::signal::Signal::SIGTERM,
     )?;
     let status = loop {
-        if let Some(status) = agent.child.try_wait()? {
+        if let Some(status) = agent.exited() {
             break status;
         }
         ensure!(

@@ -6,7 +6,7 @@
 //! consistent again with the bytes re-sent, at a 100-service baseline and at 10k services (sizes
 //! overridable from the environment, see `run`; `LATTICE_BENCH_SOURCES=kube` or `=file` runs
 //! one source, `LATTICE_BENCH_ENVOY=sotw` or `=none` changes or drops the Envoy). With the
-//! Kubernetes source it also runs the full size **scoped** (issue 16): the agent as a node's,
+//! Kubernetes source it also runs the full size **scoped**: the agent as a node's,
 //! each client and Envoy a pod of that node holding only the `LATTICE_BENCH_SCOPE` services it
 //! resolved, with DNS first-lookup latency (`LATTICE_BENCH_DNS_LOOKUPS` names per client);
 //! `LATTICE_BENCH_SCOPED=0` skips it. A smoke run uses 10 vs 100 services, 10 clients, 20
@@ -169,7 +169,7 @@ fn print_table(report: &serde_json::Value) {
     print_scoped(report);
 }
 
-/// The scoped run (issue 16) beside the unscoped full run of the same source and size.
+/// The scoped run beside the unscoped full run of the same source and size.
 fn print_scoped(report: &serde_json::Value) {
     let (full, scoped) = (&report["full"], &report["scoped"]);
     if scoped.is_null() {

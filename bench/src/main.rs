@@ -2,7 +2,6 @@
 //! bench` and `cargo xtask demo` build it with the workspace and run it; it needs the end-to-end
 //! harness (network namespaces, the real binaries, Envoy), which xtask itself does not link.
 
-mod agent;
 mod bench_dns;
 mod bench_hostile;
 mod bench_hostile_dns;

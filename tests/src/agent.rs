@@ -42,8 +42,21 @@ pub struct AgentAddrs {
     pub admin: SocketAddr,
 }
 
+/// Fresh ports on loopback.
+fn loopback_addrs() -> AgentAddrs {
+    let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+    let [xds, dns, admin] = free_ports();
+    AgentAddrs {
+        xds: loopback(xds),
+        dns: loopback(dns),
+        admin: loopback(admin),
+    }
+}
+
 pub struct Agent {
     child: Option<Child>,
+    /// The `lattice-agent` executable: the workspace's ([`bins::path`]) unless given.
+    binary: PathBuf,
     /// The network namespace the agent runs in (`/run/netns/<name>`); the host's when `None`.
     netns: Option<PathBuf>,
     args: Vec<String>,
@@ -63,14 +76,13 @@ impl Agent {
     }
 
     pub fn start_with_env(args: &[&str], envs: &[(&str, &str)]) -> Agent {
-        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
-        let [xds, dns, admin] = free_ports();
-        let addrs = AgentAddrs {
-            xds: loopback(xds),
-            dns: loopback(dns),
-            admin: loopback(admin),
-        };
-        Agent::launch(None, addrs, args, envs)
+        let binary = bins::path("lattice-agent");
+        Agent::launch(binary, None, loopback_addrs(), args, envs)
+    }
+
+    /// [`Agent::start`] from another `lattice-agent` executable, such as a release build.
+    pub fn start_binary(binary: &Path, args: &[&str]) -> Agent {
+        Agent::launch(binary.to_path_buf(), None, loopback_addrs(), args, &[])
     }
 
     /// Starts the agent inside the network namespace `netns` on the given addresses (which
@@ -82,10 +94,12 @@ impl Agent {
         args: &[&str],
         envs: &[(&str, &str)],
     ) -> Agent {
-        Agent::launch(Some(netns.path()), addrs, args, envs)
+        let binary = bins::path("lattice-agent");
+        Agent::launch(binary, Some(netns.path()), addrs, args, envs)
     }
 
     fn launch(
+        binary: PathBuf,
         netns: Option<PathBuf>,
         addrs: AgentAddrs,
         args: &[&str],
@@ -93,6 +107,7 @@ impl Agent {
     ) -> Agent {
         let mut agent = Agent {
             child: None,
+            binary,
             netns,
             args: args.iter().map(|s| s.to_string()).collect(),
             envs: envs
@@ -119,10 +134,10 @@ impl Agent {
                 command
                     .args(["netns", "exec"])
                     .arg(netns.file_name().unwrap_or_default())
-                    .arg(bins::path("lattice-agent"));
+                    .arg(&self.binary);
                 command
             }
-            None => Command::new(bins::path("lattice-agent")),
+            None => Command::new(&self.binary),
         };
         command
             .arg(format!("--xds-addr={}", self.xds))
@@ -178,6 +193,7 @@ impl Agent {
     pub fn successor(&self) -> Agent {
         let mut next = Agent {
             child: None,
+            binary: self.binary.clone(),
             netns: self.netns.clone(),
             args: self.args.clone(),
             envs: self.envs.clone(),
@@ -214,6 +230,13 @@ impl Agent {
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// How the process ended, once it has.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Kills the agent hard (no graceful shutdown), as a crash would.

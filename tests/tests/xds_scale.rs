@@ -39,7 +39,7 @@
 //! Changes are at least 25 ms apart, so each is a lone change for the agent's push rate limit
 //! (`--debounce-ms`, 10 ms).
 //!
-//! **Scoped run** (issue 16; Kubernetes source only, `LATTICE_BENCH_SCOPED=0` skips it): the
+//! **Scoped run** (Kubernetes source only, `LATTICE_BENCH_SCOPED=0` skips it): the
 //! full-size mesh again, but the agent runs as on a node (`NODE_NAME` set), so it checks each
 //! stream's identity and each proxy holds only what its pod uses. Every synthetic client plays
 //! a pod of that node: the fake API server lists a Pod per client whose IP is a loopback
