@@ -177,19 +177,6 @@ pub struct AgentConfig {
     )]
     pub scope_wait_ms: u64,
 
-    /// The most resource names one ADS stream may subscribe to per type (and, with Delta, say
-    /// it holds when it reconnects). A stream that names more ends with RESOURCE_EXHAUSTED,
-    /// counted in lattice_xds_refused_streams_total{reason="too_many_names"}. The default
-    /// fits a proxy of a whole mesh of 50k services with two ports each and as many instance
-    /// clusters again.
-    #[arg(
-        long,
-        env = "LATTICE_XDS_MAX_NAMES",
-        default_value_t = 200_000,
-        value_name = "N"
-    )]
-    pub xds_max_names: usize,
-
     /// Address of the DNS server (UDP and TCP). In a cluster the manifests set port 53. Envoy's
     /// DNS clusters (external services' host names) resolve through it as pods reach it: on
     /// --node-local-dns, else here unless it is loopback or unspecified.
@@ -371,6 +358,19 @@ pub struct AgentConfig {
 /// hundred pods whose proxies hold a mesh of 50k services; docs/architecture.md says why.
 #[derive(Clone, Debug, clap::Args, Serialize)]
 pub struct XdsLimitFlags {
+    /// The most resource names one ADS stream may subscribe to per type (and, with Delta, say
+    /// it holds when it reconnects). A stream that names more ends with RESOURCE_EXHAUSTED,
+    /// counted in lattice_xds_refused_streams_total{reason="too_many_names"}. The default
+    /// fits a proxy of a whole mesh of 50k services with two ports each and as many instance
+    /// clusters again.
+    #[arg(
+        long,
+        env = "LATTICE_XDS_MAX_NAMES",
+        default_value_t = 200_000,
+        value_name = "N"
+    )]
+    pub xds_max_names: usize,
+
     /// Most xDS connections the agent holds at once.
     #[arg(long, env = "LATTICE_XDS_MAX_CONNECTIONS", default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub xds_max_connections: u32,
@@ -533,7 +533,10 @@ mod tests {
         assert!(!config.allow_host_network_proxies);
         assert_eq!(config.proxy_scope, ProxyScope::Used);
         assert_eq!(config.scope_wait_ms, 1000);
-        assert_eq!(config.xds_max_names, crate::xds::DEFAULT_MAX_NAMES);
+        assert_eq!(
+            config.xds_limits.xds_max_names,
+            crate::xds::DEFAULT_MAX_NAMES
+        );
         assert_eq!(config.state_dir, None);
         assert_eq!(config.dns_addr.to_string(), "127.0.0.1:15053");
         assert_eq!(config.admin_addr.to_string(), "127.0.0.1:15020");

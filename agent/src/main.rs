@@ -448,10 +448,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     });
     let xds = XdsServer::new(published.xds, metrics.xds.clone(), proxies, drain.clone())
         .with_identity(identity)
-        .with_limits(xds_limits(&config.xds_limits))
-        .with_name_limits(Limits {
-            max_names: config.xds_max_names,
-        });
+        .with_limits(xds_limits(&config.xds_limits));
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
         None => xds,
@@ -545,6 +542,9 @@ fn xds_limits(flags: &XdsLimitFlags) -> XdsLimits {
         keepalive_timeout: Duration::from_millis(flags.xds_keepalive_timeout_ms),
         tcp_keepalive: Duration::from_secs(flags.xds_tcp_keepalive_secs),
         drain: Duration::from_millis(flags.xds_drain_ms),
+        names: Limits {
+            max_names: flags.xds_max_names,
+        },
     }
 }
 

@@ -465,6 +465,16 @@ async fn a_stream_naming_more_than_the_cap_is_refused_and_counted() {
             .map(|i| format!("x{i}.lim.system.internal|8080"))
             .collect()
     };
+    // A SotW endpoint request naming `count` resources, framed.
+    let sotw = |node_id: &str, count: usize| {
+        let request = DiscoveryRequest {
+            node: node(node_id),
+            type_url: EDS.to_string(),
+            resource_names: names(count),
+            ..DiscoveryRequest::default()
+        };
+        grpc_frame(&request.encode_to_vec())
+    };
 
     let mut call = connection.call(DELTA).await.unwrap();
     let request = DeltaDiscoveryRequest {
@@ -479,26 +489,14 @@ async fn a_stream_naming_more_than_the_cap_is_refused_and_counted() {
     assert_eq!(refused(&agent, "too_many_names"), 1.0);
 
     let mut call = connection.call(SOTW).await.unwrap();
-    let request = DiscoveryRequest {
-        node: node("greedy-sotw"),
-        type_url: EDS.to_string(),
-        resource_names: names(101),
-        ..DiscoveryRequest::default()
-    };
-    call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
+    call.send(&sotw("greedy-sotw", 101)).unwrap();
     let ended = call.ended(WITHIN).await.unwrap();
     assert_eq!(ended.code, RESOURCE_EXHAUSTED, "{ended:?}");
     assert_eq!(refused(&agent, "too_many_names"), 2.0);
 
     // At the cap, a stream is served.
     let mut call = connection.call(SOTW).await.unwrap();
-    let request = DiscoveryRequest {
-        node: node("modest"),
-        type_url: EDS.to_string(),
-        resource_names: names(100),
-        ..DiscoveryRequest::default()
-    };
-    call.send(&grpc_frame(&request.encode_to_vec())).unwrap();
+    call.send(&sotw("modest", 100)).unwrap();
     assert!(call.start(WITHIN).await.unwrap().is_some());
     assert_eq!(refused(&agent, "too_many_names"), 2.0);
 }

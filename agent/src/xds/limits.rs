@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::admission::Caps;
 use super::inbound::DEFAULT_MAX_MESSAGE;
 use super::snapshot::XdsSnapshot;
+use super::stream::Limits;
 
 /// Every bound of the xDS server.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +37,8 @@ pub struct XdsLimits {
     pub tcp_keepalive: Duration,
     /// On shutdown, how long connections have to end their streams before they are closed.
     pub drain: Duration,
+    /// What one stream may make the agent keep (names per type).
+    pub names: Limits,
 }
 
 impl Default for XdsLimits {
@@ -59,6 +62,7 @@ impl Default for XdsLimits {
             keepalive_timeout: Duration::from_secs(20),
             tcp_keepalive: Duration::from_secs(60),
             drain: Duration::from_secs(5),
+            names: Limits::default(),
         }
     }
 }

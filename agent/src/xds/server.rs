@@ -28,7 +28,7 @@ use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::snapshot::{XdsRx, XdsSnapshot};
-use super::stream::{Ads, Event, Limits, Push};
+use super::stream::{Ads, Event, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
@@ -115,8 +115,6 @@ pub struct XdsServer {
     admission: Arc<Admission>,
     budget: Arc<RequestBudget>,
     bounds: Arc<RequestBounds>,
-    /// What one stream may make the agent keep (names per type).
-    names: Limits,
 }
 
 /// What [`XdsServer::open`] hands the response body: the responses, and the status the stream
@@ -152,15 +150,8 @@ impl XdsServer {
             ),
             bounds: Arc::new(RequestBounds::new(limits.request)),
             limits: Arc::new(limits),
-            names: Limits::default(),
             metrics,
         }
-    }
-
-    /// What one stream may make the agent keep (names per type).
-    pub fn with_name_limits(mut self, names: Limits) -> Self {
-        self.names = names;
-        self
     }
 
     /// Keeps `limits` instead of the defaults.
@@ -254,7 +245,7 @@ impl XdsServer {
         let guard = StreamGuard::new(id, A::MODE, peer, slot, &self.proxies, &self.metrics);
         let stream = StreamTask::<A> {
             id,
-            state: A::new(self.names),
+            state: A::new(self.limits.names),
             inbound: inbound
                 .with_budget(self.budget.clone())
                 .with_timeout(self.limits.request_timeout),
