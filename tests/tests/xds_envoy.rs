@@ -289,8 +289,8 @@ fn converges_with_a_real_envoy(mode: AdsMode) {
 
     // (d) a restart with nothing changed: Envoy reconnects saying what it holds and is not
     // sent it again (Delta: initial_resource_versions; SotW: its versions are digests of what
-    // it holds, so not even its clusters are answered), and the stream it is back on carries
-    // the next change.
+    // it holds, so not even its clusters are answered, and its endpoints and routes are
+    // answered with nothing), and the stream it is back on carries the next change.
     agent.restart();
     agent.wait_ready().unwrap();
     let reconnected = || {
@@ -302,6 +302,35 @@ fn converges_with_a_real_envoy(mode: AdsMode) {
         }
     };
     wait::until("Envoy to reconnect", Duration::from_secs(15), reconnected).unwrap();
+    let answered = || {
+        let metrics = reconnected()?;
+        let asked = ["eds", "rds"]
+            .iter()
+            .all(|kind| metrics.contains(&format!("lattice_xds_pushes_total{{type=\"{kind}\"}}")));
+        if asked {
+            Ok(metrics)
+        } else {
+            Err(format!("endpoints and routes not answered yet: {metrics}"))
+        }
+    };
+    let metrics = wait::until(
+        "Envoy's requests answered",
+        Duration::from_secs(15),
+        answered,
+    )
+    .unwrap();
+    let sent: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("lattice_xds_resources_sent_total"))
+        .collect();
+    assert!(
+        sent.iter().any(|l| l.contains("type=\"eds\"")),
+        "no count of the endpoints sent: {metrics}"
+    );
+    assert!(
+        sent.iter().all(|l| l.ends_with(" 0")),
+        "resources sent again to an Envoy that held them: {sent:?}"
+    );
     write_mesh(
         &mesh,
         &[

@@ -43,6 +43,7 @@ pub struct XdsMetrics {
     /// Bytes of responses encoded and not yet written to a socket.
     response_bytes: Gauge,
     pushes: Family<TypeLabel, Counter>,
+    resources_sent: Family<TypeLabel, Counter>,
     nacks: Family<TypeLabel, Counter>,
     snapshot_version: Gauge,
     /// From the moment a mesh change is taken to the moment a response carrying it is sent.
@@ -61,6 +62,7 @@ impl XdsMetrics {
             request_bytes: Gauge::default(),
             response_bytes: Gauge::default(),
             pushes: Family::default(),
+            resources_sent: Family::default(),
             nacks: Family::default(),
             snapshot_version: Gauge::default(),
             push_latency: Histogram::new([
@@ -113,6 +115,12 @@ impl XdsMetrics {
             metrics.pushes.clone(),
         );
         xds.register(
+            "resources_sent",
+            "Resources carried by xDS responses, by type (a reconnecting proxy that holds what \
+             it wants is sent none)",
+            metrics.resources_sent.clone(),
+        );
+        xds.register(
             "nacks",
             "xDS responses rejected by a proxy, by type",
             metrics.nacks.clone(),
@@ -138,9 +146,13 @@ impl XdsMetrics {
         self.connected_proxies.dec();
     }
 
-    /// A response of `kind` went out, carrying a mesh change taken at `changed_at`.
-    pub fn pushed(&self, kind: ResourceType, changed_at: Instant) {
+    /// A response of `kind` with `resources` went out, carrying a mesh change taken at
+    /// `changed_at`.
+    pub fn pushed(&self, kind: ResourceType, resources: usize, changed_at: Instant) {
         self.pushes.get_or_create(&kind.into()).inc();
+        self.resources_sent
+            .get_or_create(&kind.into())
+            .inc_by(resources as u64);
         self.push_latency
             .observe(changed_at.elapsed().as_secs_f64());
     }

@@ -227,6 +227,10 @@ pub trait Framed: prost::Message {
     const KIND: u8;
     /// What makes two heads the same.
     fn head(&self) -> Head<'_>;
+    /// How many resources it carries.
+    fn resource_count(&self) -> usize {
+        self.head().resources.len()
+    }
     fn encode_head(&self, buf: &mut impl BufMut);
     fn head_len(&self) -> usize;
     fn encode_tail(&self, buf: &mut impl BufMut);

@@ -20,6 +20,8 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+
+use super::response::Framed;
 use tonic::Status;
 
 use super::admission::{Admission, Over, Slot};
@@ -526,10 +528,12 @@ impl<A: Ads> StreamTask<A> {
         };
         loop {
             for push in pushes {
+                let resources = push.response.resource_count();
                 if self.tx.send(push.response).await.is_err() {
                     return "proxy went away".into();
                 }
-                self.metrics.pushed(push.kind, snapshot.changed_at);
+                self.metrics
+                    .pushed(push.kind, resources, snapshot.changed_at);
                 tracing::debug!(stream = self.id, node = %self.node_id, kind = push.kind.short(), version = snapshot.version, "pushed");
             }
             // A DNS answer may be waiting for this proxy to hold a service its pod just

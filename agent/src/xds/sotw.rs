@@ -3,7 +3,8 @@
 //! [`super::held`]). Clusters and listeners go out whole, endpoints and routes by change (see
 //! [`super::stream`] for the rules both flavours keep).
 
-use std::sync::Arc;
+use std::hash::BuildHasher;
+use std::sync::{Arc, LazyLock};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
@@ -28,6 +29,11 @@ struct SotwExtra {
     last_nonce: Option<String>,
     /// Of the names of the last request (see [`NameList::fingerprint`]).
     names_fingerprint: Option<(u64, usize)>,
+    /// The version of this type the client holds: the one it reconnected with, or of the
+    /// last response it acknowledged.
+    held_version: String,
+    /// A type sent by change: the stamp of its last response (see [`basis_of`]).
+    stamped: String,
 }
 
 /// One `StreamAggregatedResources` stream.
@@ -73,17 +79,19 @@ impl Ads for SotwStream {
         let mut answered = None;
         let nonce = request.response_nonce.as_str();
         if !nonce.is_empty() {
-            if self.extra[kind.index()].last_nonce.as_deref() != Some(nonce) {
-                // Envoy sends a fresh request after it handles our newer response; this one
-                // answers something already superseded.
+            let stale = self.extra[kind.index()].last_nonce.as_deref() != Some(nonce);
+            if stale {
+                // It answers a response already superseded (Envoy sends a fresh request after
+                // it handles the newer one). Its names still say what the client subscribes
+                // to now: a name it dropped meanwhile, it holds no more, even if the next
+                // request names it again.
                 events.push(Event::StaleNonce {
                     kind,
                     nonce: nonce.to_string(),
                 });
-                return (Vec::new(), events);
             }
             let state = self.common.of(kind);
-            if state.in_flight.as_ref().is_some_and(|d| d.nonce == nonce) {
+            if !stale && state.in_flight.as_ref().is_some_and(|d| d.nonce == nonce) {
                 let accepted = request.error_detail.is_none();
                 let delivery = if accepted {
                     self.common.accept(kind, snapshot)
@@ -91,6 +99,9 @@ impl Ads for SotwStream {
                     self.common.of(kind).reject()
                 };
                 if let Some(delivery) = delivery {
+                    if accepted {
+                        self.extra[kind.index()].held_version = delivery.version.clone();
+                    }
                     events.push(match &request.error_detail {
                         Some(status) => Event::Nack {
                             kind,
@@ -126,7 +137,21 @@ impl Ads for SotwStream {
         let reconnect = first && nonce.is_empty() && !request.version_info.is_empty();
         if reconnect {
             self.common.reconnected = true;
-            let adopted = adopt_held(self.common.of(kind), kind, &request.version_info, snapshot);
+            // None while it is on its way, or not known (not asked for on this stream yet).
+            let basis = basis_of(kind).and_then(|basis| {
+                let in_flight = self.common.of(basis).in_flight.is_some();
+                let held = &self.extra[basis.index()].held_version;
+                (!in_flight && !held.is_empty()).then(|| held.clone())
+            });
+            let state = self.common.of(kind);
+            let held = Held {
+                version: &request.version_info,
+                basis: basis.as_deref(),
+            };
+            let adopted = adopt_held(state, kind, held, snapshot);
+            if adopted {
+                self.extra[kind.index()].held_version = request.version_info.clone();
+            }
             if kind == ResourceType::Cluster && !adopted {
                 self.common.clusters_unknown = true;
             }
@@ -163,24 +188,42 @@ impl SotwStream {
                 continue;
             };
             let whole = kind.is_state_of_the_world();
-            let state = self.common.of(kind);
+            // The stamp a response of a type sent by change carries: the version of the
+            // clusters (listeners) the client holds. Not of those on their way: what they
+            // drop (the endpoints of a cluster they re-create) the digest counts until their
+            // ACK, so the client holding them says nothing of this digest.
+            let stamp = basis_of(kind).map(|basis| self.extra[basis.index()].held_version.clone());
+            // Once the client holds other clusters (listeners), an empty response says the
+            // digest holds with them: a restart then finds it current (see `adopt_held`).
+            let restamp = stamp.as_ref().is_some_and(|stamp| {
+                !stamp.is_empty() && *stamp != self.extra[kind.index()].stamped
+            });
             // Without removals in the protocol, a type sent by change has nothing to say when
             // its resources only went away (Envoy drops them with their cluster or listener).
-            if found.changed.is_empty() && found.removed.is_empty() && !state.must_answer {
+            let state = self.common.of(kind);
+            if found.changed.is_empty()
+                && found.removed.is_empty()
+                && !state.must_answer
+                && !restamp
+            {
                 continue;
             }
             let state = self.common.of(kind);
             let (resources, delivery) = if whole {
                 whole_response(state, kind, snapshot, &found)
             } else {
-                let digest = state.client.digest_after(&found.changed, []);
+                let digest = format_version(state.client.digest_after(&found.changed, []));
+                let stamp = stamp.unwrap_or_default();
+                let version = format!("{digest}{STAMP}{stamp}");
+                self.extra[kind.index()].stamped = stamp;
+                let state = self.common.of(kind);
                 let delivery = Delivery {
                     nonce: String::new(),
                     sent: found.changed.clone(),
                     removed: Vec::new(),
                     whole: None,
                     narrowings: state.interest.narrowings(),
-                    version: format_version(digest),
+                    version,
                 };
                 (found.changed, delivery)
             };
@@ -260,28 +303,74 @@ fn whole_response(
         removed,
         whole,
         narrowings: state.interest.narrowings(),
-        version: format_version(digest),
+        version: format!("{}{STAMP}{}", format_version(digest), sent_at(snapshot)),
     };
     (resources, delivery)
+}
+
+/// Between a version's digest and its stamp: for a whole type the snapshot it was sent at
+/// ([`sent_at`]), for a type sent by change the version of its basis ([`basis_of`]).
+const STAMP: char = '.';
+
+/// Which snapshot of which agent a response was sent at: this process's random epoch and the
+/// snapshot's version. Two responses of the same content sent to a client at different times
+/// differ by it (what a stamp of its basis needs), while every stream sent the same content
+/// at the same snapshot sends the same version, so they share its encoding
+/// ([`super::response::SharedHeads`]).
+fn sent_at(snapshot: &XdsSnapshot) -> String {
+    static EPOCH: LazyLock<u32> =
+        LazyLock::new(|| std::hash::RandomState::new().hash_one(0u8) as u32);
+    format!("{:08x}-{:x}", *EPOCH, snapshot.version)
+}
+
+/// What a type sent by change depends on: Envoy drops an assignment when its cluster goes or
+/// is re-created, and a route configuration when no listener names it any more.
+fn basis_of(kind: ResourceType) -> Option<ResourceType> {
+    match kind {
+        ResourceType::Endpoint => Some(ResourceType::Cluster),
+        ResourceType::Route => Some(ResourceType::Listener),
+        ResourceType::Cluster | ResourceType::Listener => None,
+    }
+}
+
+/// What a reconnecting client says it holds of a type: the version it last accepted, and, for
+/// a type sent by change, the version of its basis it holds (none while one is on its way).
+struct Held<'a> {
+    version: &'a str,
+    basis: Option<&'a str>,
 }
 
 /// A client that reconnects (to this agent after a restart, or to another agent of the same
 /// build) sends the version it last accepted. Versions are digests of what a client holds, so
 /// when it equals the digest of what the client wants now, the client already holds exactly
-/// that: a whole type (clusters, listeners) is not re-sent, nor answered at all (a response
-/// would have to repeat every resource), as control planes do when the client is up to date.
-/// Whether the client was found to hold what it wants.
+/// that: nothing is re-sent, and a whole type (clusters, listeners) is not answered at all (a
+/// response would have to repeat every resource), as control planes do when the client is up
+/// to date. Whether the client was found to hold what it wants.
+///
+/// Types sent by change are taken on their digest too, with a proviso. Envoy drops what it
+/// stops subscribing to without changing the version it reports (an assignment when its
+/// cluster goes or is re-created, a route configuration when no listener names it), so the
+/// digest says what it held when it last accepted, not what it holds now. What makes it drop
+/// them comes with clusters or listeners, though, so each of their responses is stamped with
+/// the version of the clusters (listeners) it was sent after, and these versions differ
+/// whenever they were sent at different times (see [`sent_at`]): the digest is taken only when
+/// the client still holds the very clusters (listeners) it held then, so it dropped nothing
+/// since.
 fn adopt_held(
     state: &mut TypeState,
     kind: ResourceType,
-    version: &str,
+    held: Held<'_>,
     snapshot: &XdsSnapshot,
 ) -> bool {
-    // Types sent by change (endpoints, routes) are not taken on a digest: Envoy drops what it
-    // stops subscribing to, and the assignment of a cluster it re-creates, without changing
-    // the version it reports, so the digest may name what it no longer holds. They go out
-    // again, once.
-    if !kind.is_state_of_the_world() || parse_version(version).is_none() {
+    let Some((digest, stamp)) = held.version.split_once(STAMP) else {
+        return false;
+    };
+    let based = match held.basis {
+        _ if kind.is_state_of_the_world() => true,
+        Some(basis) => stamp == basis,
+        None => false,
+    };
+    if !based || parse_version(digest).is_none() {
         return false;
     }
     let interest = &state.interest;
@@ -299,7 +388,7 @@ fn adopt_held(
         }
         wanted
     };
-    if wanted.version_info() != version {
+    if wanted.version_info() != digest {
         return false;
     }
     state.client = wanted;
@@ -505,10 +594,10 @@ mod tests {
     }
 
     /// After an agent restart (a new stream, the same snapshot), a client that says which
-    /// versions it holds gets no clusters again (endpoints, sent by change, go again); one that
-    /// holds something else gets it all.
+    /// versions it holds gets nothing again: no clusters, and its endpoints answered empty
+    /// (the first request of a type always is); one that holds something else gets it all.
     #[test]
-    fn sotw_reconnect_with_the_versions_held_resends_no_clusters() {
+    fn sotw_reconnect_with_the_versions_held_resends_nothing() {
         let mut world = World::new();
         world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
         let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
@@ -524,11 +613,7 @@ mod tests {
         assert!(out.is_empty(), "clusters held whole: no answer");
         let (out, _) = again.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap);
         assert_eq!(out.len(), 1, "endpoints are answered");
-        assert_eq!(
-            out[0].resources.len(),
-            2,
-            "in full: a digest of them is not trusted"
-        );
+        assert!(out[0].resources.is_empty(), "with nothing: it holds them");
         assert_eq!(&out[0].version_info, eds_version);
         // And it goes on from there: a change sends that change only.
         again.on_request(&ack(&out[0], &[BUZZ, OTHER]), &snap);
@@ -540,14 +625,51 @@ mod tests {
         // Versions held of another mesh (endpoints changed while it was away), or of one
         // name fewer: everything it wants, as on a first connect.
         let mut stale = Tested::<SotwStream>::default();
+        stale.on_request(&sotw(CDS, &[], cds_version, ""), &snap2);
         let (out, _) = stale.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap2);
         assert_eq!(assignments(&out[0]), [BUZZ, OTHER]);
         let mut fewer = Tested::<SotwStream>::default();
+        fewer.on_request(&sotw(CDS, &[], cds_version, ""), &snap);
         let (out, _) = fewer.on_request(&sotw(EDS, &[BUZZ], eds_version, ""), &snap);
         assert_eq!(assignments(&out[0]), [BUZZ]);
         let mut foreign = Tested::<SotwStream>::default();
         let (out, _) = foreign.on_request(&sotw(CDS, &[], "v1", ""), &snap);
         assert_eq!(out[0].resources.len(), 2);
+    }
+
+    /// Endpoints are taken on their digest only with the clusters they were sent after: a
+    /// client whose clusters were sent again on this stream, or changed since its endpoints
+    /// came (Envoy re-creates a changed cluster and drops its endpoints), gets them all.
+    #[test]
+    fn sotw_reconnect_resends_endpoints_unless_their_clusters_are_held_as_they_were() {
+        let mut world = World::new();
+        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
+        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
+        let mut stream = Tested::<SotwStream>::default();
+        let (cds, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
+        stream.on_request(&ack(&cds[0], &[]), &snap);
+        let (eds, _) = stream.on_request(&sotw(EDS, &[BUZZ, OTHER], "", ""), &snap);
+        stream.on_request(&ack(&eds[0], &[BUZZ, OTHER]), &snap);
+        let eds_version = &eds[0].version_info;
+        // The cluster changes shape, the client takes it; the agent dies before the endpoints
+        // go again.
+        let snap2 = world.set("/foo/other", Protocol::Http2, &["10.0.0.2:8080"]);
+        let cds2 = stream.on_snapshot(&snap2);
+        assert_eq!(cds2[0].type_url, CDS);
+
+        // Reconnected holding the new clusters, with the endpoints of the old ones.
+        let mut again = Tested::<SotwStream>::default();
+        let (out, _) = again.on_request(&sotw(CDS, &[], &cds2[0].version_info, ""), &snap2);
+        assert!(out.is_empty(), "clusters held whole");
+        let (out, _) = again.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap2);
+        assert_eq!(assignments(&out[0]), [BUZZ, OTHER]);
+
+        // Reconnected holding the old clusters: they go out first, then all the endpoints.
+        let mut sent = Tested::<SotwStream>::default();
+        let (out, _) = sent.on_request(&sotw(CDS, &[], &cds[0].version_info, ""), &snap2);
+        assert_eq!(out[0].type_url, CDS);
+        let (out, _) = sent.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap2);
+        assert_eq!(assignments(&out[0]), [BUZZ, OTHER]);
     }
 
     /// A list of every assignment is held as the snapshot's index, shared; a later list
@@ -735,7 +857,11 @@ mod tests {
         let (out, _) = stream.on_request(&ack(&out[0], &[]), &snap2);
         let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
         assert_eq!(urls, [EDS], "the unchanged endpoints again");
-        assert_eq!(out[0].version_info, last[EDS].version_info);
+        let digest = |version: &str| version.split_once(STAMP).unwrap().0.to_string();
+        assert_eq!(
+            digest(&out[0].version_info),
+            digest(&last[EDS].version_info)
+        );
 
         // The service turns TCP and moves to an address of its own: CDS, EDS, LDS and RDS all
         // change, and go out in order, the listeners and routes once the clusters are held.
@@ -746,7 +872,9 @@ mod tests {
         while !out.is_empty() {
             let mut next = Vec::new();
             for r in &out {
-                urls.push(r.type_url.clone());
+                if carries(r) {
+                    urls.push(r.type_url.clone());
+                }
                 let names: &[&str] = match r.type_url.as_str() {
                     EDS => &[BUZZ],
                     RDS => &["http.8080"],
@@ -757,6 +885,12 @@ mod tests {
             out = next;
         }
         assert_eq!(urls, [CDS, EDS, LDS, RDS]);
+    }
+
+    /// Whether a response says anything but a new stamp: an empty endpoint or route response
+    /// follows an ACK of clusters or listeners (see `basis_of`).
+    fn carries(response: &SotwResponse) -> bool {
+        !response.resources.is_empty() || [CDS, LDS].contains(&response.type_url.as_str())
     }
 
     #[test]
@@ -887,6 +1021,7 @@ mod tests {
         let seen = ack_all(&mut stream, &snap2, &mut eds, out);
         let order: Vec<(&str, bool)> = seen
             .iter()
+            .filter(|r| carries(r))
             .map(|r| {
                 (
                     r.type_url.as_str(),

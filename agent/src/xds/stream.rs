@@ -431,8 +431,13 @@ impl TypeState {
             }
         }
         if !self.rejected.is_empty() {
+            // Taken at the refused version after all. A resource sent at another (the one the
+            // client holds, in place of the refused one in a whole type's response) leaves the
+            // refusal standing.
             for resource in &delivery.sent {
-                self.rejected.remove(&resource.name);
+                if self.rejected.get(&resource.name) == Some(&resource.version) {
+                    self.rejected.remove(&resource.name);
+                }
             }
         }
         self.client.compact(current, whole);
@@ -560,8 +565,19 @@ pub(super) struct Types {
     /// yet: Envoy warms such a cluster until they come, and a listener or route that names it
     /// meanwhile sends its traffic nowhere, so listener and route changes wait for them.
     warming: NameSet,
-    /// The assignments `warming` was last checked against.
+    /// The assignments `warming` was last brought up to date with; `None` until it is
+    /// followed (the client's first request for listeners or routes). Each push looks only at
+    /// the assignments that changed since: a push costs the change, not the mesh.
     warming_checked: Option<ResourceMap>,
+    /// Warming clusters to look at again on the next push: clusters the client acknowledged,
+    /// kept warming while on their way whatever the snapshot said.
+    warming_recheck: Vec<Arc<str>>,
+    /// The endpoint interest's narrowings when `warming` was last pruned of clusters whose
+    /// endpoints the client does not ask for.
+    warming_narrowings: Option<u64>,
+    /// Clusters the client acknowledged since its last endpoint request: whether it asks for
+    /// their endpoints, that request will say (Envoy sends it after the ACK).
+    acked_since_endpoints: NameSet,
     /// The client said it held resources when it opened the stream (a reconnect): it may hold
     /// listeners it has not asked for on this stream yet (its request is on its way), so
     /// removals wait for its listeners to be asked for and settled.
@@ -685,6 +701,11 @@ impl Types {
     /// The client answered a response of `kind` (`accepted` it or not): the clusters that are
     /// no longer warming for it.
     pub(super) fn answered(&mut self, kind: ResourceType, delivery: &Delivery, accepted: bool) {
+        if kind == ResourceType::Cluster && accepted && self.warming_checked.is_some() {
+            // Its endpoint request naming them is on its way.
+            let sent = delivery.sent.iter().map(|r| r.name.clone());
+            self.acked_since_endpoints.extend(sent);
+        }
         if self.warming.is_empty() {
             return;
         }
@@ -704,20 +725,24 @@ impl Types {
                     }
                 }
             }
-            ResourceType::Cluster if accepted => {
-                for name in &delivery.removed {
-                    self.warming.remove(name);
-                }
-                // What it kept warming only while on its way is looked at again.
-                self.warming_checked = None;
-            }
             ResourceType::Cluster => {
-                let held = &self.types[ResourceType::Cluster.index()].client;
-                for resource in &delivery.sent {
-                    if held.get(&resource.name).is_none() {
-                        self.warming.remove(&resource.name);
+                if accepted {
+                    for name in &delivery.removed {
+                        self.warming.remove(name);
+                    }
+                } else {
+                    let held = &self.types[ResourceType::Cluster.index()].client;
+                    for resource in &delivery.sent {
+                        if held.get(&resource.name).is_none() {
+                            self.warming.remove(&resource.name);
+                        }
                     }
                 }
+                // What it kept warming only while on its way is looked at again.
+                let warming = &self.warming;
+                let sent = delivery.sent.iter().map(|r| &r.name);
+                let recheck = sent.filter(|name| warming.contains(*name)).cloned();
+                self.warming_recheck.extend(recheck);
             }
             ResourceType::Listener | ResourceType::Route => {}
         }
@@ -726,74 +751,127 @@ impl Types {
     /// The client's first request for listeners or routes: the clusters it holds or is being
     /// sent whose endpoints it does not hold warm (see [`Types::clusters_sent`]).
     pub(super) fn names_clusters_now(&mut self, snapshot: &XdsSnapshot) {
-        let [clusters, endpoints, listeners, routes] = &self.types;
-        if listeners.requested || routes.requested {
+        if self.warming_checked.is_some() {
             // Followed since the first of them was.
             return;
         }
         let assignments = snapshot.of(ResourceType::Endpoint);
-        let lacking = |name: &Arc<str>| {
-            assignments
-                .get(name)
-                .is_some_and(|a| endpoints.rejected.get(name) != Some(&a.version))
-                && endpoints.client.get(name).is_none()
-        };
+        self.warming_checked = Some(assignments.clone());
+        let [clusters, ..] = &self.types;
         // Being sent: its endpoints will be asked for. Held: only if they are.
         let in_flight = clusters
             .in_flight
             .iter()
             .flat_map(|d| d.sent.iter().map(|r| &r.name));
-        let held = clusters
-            .client
-            .names()
-            .filter(|name| endpoints.interest.wants(name));
-        for name in in_flight.chain(held) {
-            if lacking(name) {
-                self.warming.insert(name.clone());
-            }
-        }
+        let on_their_way = self.clusters_on_their_way();
+        let lacking: Vec<Arc<str>> = in_flight
+            .chain(clusters.client.names())
+            .filter(|name| self.lacks_endpoints(name, assignments, &on_their_way, true))
+            .cloned()
+            .collect();
+        self.warming.extend(lacking);
+    }
+
+    /// The clusters of the response in flight.
+    fn clusters_on_their_way(&self) -> NameSet {
+        let clusters = &self.types[ResourceType::Cluster.index()];
+        let sent = clusters.in_flight.iter().flat_map(|d| &d.sent);
+        sent.map(|r| r.name.clone()).collect()
+    }
+
+    /// Whether the cluster `name` warms at the client: it holds it or is being sent it, it
+    /// holds none of its endpoints, and they are there to send (in the snapshot, at a version
+    /// it did not refuse) or may be by the time it has the cluster (still on its way). With
+    /// `asked`, also that it asks for them, or has not said yet (a cluster not acknowledged,
+    /// or acknowledged since its last endpoint request): for a cluster not warming already
+    /// (one that is stops when its endpoints are not asked for, see
+    /// [`Types::endpoints_asked`]).
+    fn lacks_endpoints(
+        &self,
+        name: &Arc<str>,
+        assignments: &ResourceMap,
+        on_their_way: &NameSet,
+        asked: bool,
+    ) -> bool {
+        let [clusters, endpoints, ..] = &self.types;
+        let on_its_way = on_their_way.contains(name);
+        let held = clusters.client.get(name).is_some();
+        let to_send = assignments
+            .get(name)
+            .is_some_and(|a| endpoints.rejected.get(name) != Some(&a.version));
+        (held || on_its_way)
+            && endpoints.client.get(name).is_none()
+            && (to_send || on_its_way)
+            && (!asked
+                || !held
+                || self.acked_since_endpoints.contains(name)
+                || endpoints.interest.wants(name))
     }
 
     /// The client asked for endpoints: a cluster it holds (acknowledged) whose endpoints it
     /// does not ask for is not waited on (a client that never asks would otherwise hold back
     /// its listeners for good).
+    /// Looks at every warming cluster only when the subscription may have lost names (or on
+    /// the first endpoint request), otherwise at those acknowledged since the last one: a
+    /// client repeats its endpoint subscription with every ACK.
     pub(super) fn endpoints_asked(&mut self) {
+        let acked = std::mem::take(&mut self.acked_since_endpoints);
+        let endpoints = &self.types[ResourceType::Endpoint.index()];
+        let narrowings = Some(endpoints.interest.narrowings());
+        let narrowed = self.warming_narrowings != narrowings;
+        self.warming_narrowings = narrowings;
         if self.warming.is_empty() {
             return;
         }
         let [clusters, endpoints, ..] = &self.types;
-        self.warming
-            .retain(|name| endpoints.interest.wants(name) || clusters.client.get(name).is_none());
+        let asked =
+            |name: &Arc<str>| endpoints.interest.wants(name) || clusters.client.get(name).is_none();
+        if narrowed {
+            self.warming.retain(asked);
+        } else {
+            for name in acked {
+                if !asked(&name) {
+                    self.warming.remove(&name);
+                }
+            }
+        }
     }
 
-    /// Drops from `warming` what no longer has an assignment (but what is being sent), or
-    /// whose assignment the client holds, when the assignments changed.
+    /// Brings `warming` up to date with the assignments that changed since it last was, and
+    /// with the clusters acknowledged since: a cluster warms again when the client holds it
+    /// without endpoints and its assignment comes (back), and stops when its assignment goes
+    /// (but while the cluster is on its way: it may be back before the client answers).
     fn check_warming(&mut self, snapshot: &XdsSnapshot) {
-        if self.warming.is_empty() {
+        let Some(checked) = &self.warming_checked else {
             return;
-        }
-        let assignments = snapshot.of(ResourceType::Endpoint);
-        if self
-            .warming_checked
-            .as_ref()
-            .is_some_and(|checked| checked.ptr_eq(assignments))
-        {
-            return;
-        }
-        self.warming_checked = Some(assignments.clone());
-        let [clusters, endpoints, ..] = &self.types;
-        // A cluster still on its way to the client warms there whatever the snapshot says
-        // meanwhile: it may be back (with an assignment) before the client answers.
-        let on_its_way = |name: &Arc<str>| {
-            clusters
-                .in_flight
-                .as_ref()
-                .is_some_and(|d| d.sent.iter().any(|r| r.name == *name))
         };
-        self.warming.retain(|name| {
-            endpoints.client.get(name).is_none()
-                && (assignments.contains_key(name) || on_its_way(name))
-        });
+        let assignments = snapshot.of(ResourceType::Endpoint);
+        let mut changed = Vec::new();
+        if !checked.ptr_eq(assignments) {
+            changed.extend(checked.diff(assignments).map(|item| match item {
+                DiffItem::Add(name, _) => (name.clone(), true),
+                other => (diff_name(other), false),
+            }));
+            self.warming_checked = Some(assignments.clone());
+        }
+        let recheck = std::mem::take(&mut self.warming_recheck);
+        if changed.is_empty() && recheck.is_empty() {
+            return;
+        }
+        let on_their_way = self.clusters_on_their_way();
+        let changed = changed
+            .into_iter()
+            .chain(recheck.into_iter().map(|n| (n, false)));
+        for (name, added) in changed {
+            if !added && !self.warming.contains(&name) {
+                continue;
+            }
+            if self.lacks_endpoints(&name, assignments, &on_their_way, added) {
+                self.warming.insert(name);
+            } else {
+                self.warming.remove(&name);
+            }
+        }
     }
 
     /// See [`Ads::holds`].
@@ -850,8 +928,14 @@ impl Types {
         }
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in dropped {
-            endpoints.client.remove(&name);
+            // With its refusal: a cluster that comes back is new to the client.
+            endpoints.forget(&name);
             self.warming.remove(&name);
+            // Still subscribed (the request that drops it is on its way, or was stale and
+            // ignored): looked at again, so that if the cluster comes back, so do they.
+            if endpoints.interest.wants(&name) {
+                endpoints.look_again(name);
+            }
         }
         Some(delivery)
     }
@@ -871,7 +955,8 @@ impl Types {
             _ => false,
         };
         for name in names {
-            endpoints.client.remove(&name);
+            // A version it refused for the cluster it had may suit the new one.
+            endpoints.forget(&name);
             if let Some(delivery) = &mut endpoints.in_flight
                 && before(&delivery.nonce)
             {
