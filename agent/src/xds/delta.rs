@@ -63,11 +63,6 @@ impl Ads for DeltaStream {
             return (Vec::new(), vec![exhausted]);
         }
         let current = snapshot.names(kind, listed + subscribe.len());
-        if !self.common.of(kind).requested
-            && matches!(kind, ResourceType::Listener | ResourceType::Route)
-        {
-            self.common.names_clusters_now(snapshot);
-        }
         let state = self.common.of(kind);
         let told_absent = &mut self.extra[kind.index()].told_absent;
         let mut events = Vec::new();

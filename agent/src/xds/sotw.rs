@@ -3,8 +3,9 @@
 //! [`super::held`]). Clusters and listeners go out whole, endpoints and routes by change (see
 //! [`super::stream`] for the rules both flavours keep).
 
+use std::collections::VecDeque;
 use std::hash::BuildHasher;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
@@ -13,7 +14,7 @@ use super::inbound::Plain;
 use super::interest::Subscription;
 use super::response::SotwResponse;
 use super::snapshot::{
-    ResourceType, XdsResource, XdsSnapshot, entry_hash, format_version, parse_version,
+    ResourceMap, ResourceType, XdsResource, XdsSnapshot, entry_hash, format_version, parse_version,
 };
 use super::stream::{
     Ads, Delivery, Event, Flavour, Limits, NameSet, Push, TypeDiff, TypeState, Types, nonce,
@@ -118,9 +119,6 @@ impl Ads for SotwStream {
             }
         }
         let first = !self.common.of(kind).requested;
-        if first && matches!(kind, ResourceType::Listener | ResourceType::Route) {
-            self.common.names_clusters_now(snapshot);
-        }
         let state = self.common.of(kind);
         if first {
             // Always answer the first request of a type on a stream (but see `adopt_held`).
@@ -303,24 +301,45 @@ fn whole_response(
         removed,
         whole,
         narrowings: state.interest.narrowings(),
-        version: format!("{}{STAMP}{}", format_version(digest), sent_at(snapshot)),
+        version: format!("{}{STAMP}{}", format_version(digest), made_at(current)),
     };
     (resources, delivery)
 }
 
-/// Between a version's digest and its stamp: for a whole type the snapshot it was sent at
-/// ([`sent_at`]), for a type sent by change the version of its basis ([`basis_of`]).
+/// Between a version's digest and its stamp: for a whole type when its resources were made
+/// ([`made_at`]), for a type sent by change the version of its basis ([`basis_of`]).
 const STAMP: char = '.';
 
-/// Which snapshot of which agent a response was sent at: this process's random epoch and the
-/// snapshot's version. Two responses of the same content sent to a client at different times
-/// differ by it (what a stamp of its basis needs), while every stream sent the same content
-/// at the same snapshot sends the same version, so they share its encoding
-/// ([`super::response::SharedHeads`]).
-fn sent_at(snapshot: &XdsSnapshot) -> String {
+/// When the snapshot's map a whole type's response was made from was made: this process's
+/// random epoch and a count of the maps it stamped. The same content made again (a cluster
+/// changed and changed back is a new map) gets another stamp, as a stamp of its basis needs;
+/// while every stream sent the same content from the very same map sends the same version,
+/// whatever snapshot it was sent at, so they share its encoding
+/// ([`super::response::SharedHeads`]) and an unchanged type keeps its version across
+/// snapshots. (A response that is not the map itself, with a removal held back or a refused
+/// version replaced, differs from it by its digest; from one map to the next, what it holds
+/// back only goes.) The last few maps are kept to be recognised: a clone of a persistent map,
+/// which shares its nodes.
+fn made_at(map: &ResourceMap) -> String {
+    const KEPT: usize = 8;
     static EPOCH: LazyLock<u32> =
         LazyLock::new(|| std::hash::RandomState::new().hash_one(0u8) as u32);
-    format!("{:08x}-{:x}", *EPOCH, snapshot.version)
+    static MADE: Mutex<(u64, VecDeque<(ResourceMap, u64)>)> = Mutex::new((0, VecDeque::new()));
+    let mut made = MADE.lock().unwrap_or_else(PoisonError::into_inner);
+    let (count, maps) = &mut *made;
+    let known = maps.iter().find(|(kept, _)| kept.ptr_eq(map));
+    let stamp = match known {
+        Some((_, stamp)) => *stamp,
+        None => {
+            *count += 1;
+            if maps.len() == KEPT {
+                maps.pop_front();
+            }
+            maps.push_back((map.clone(), *count));
+            *count
+        }
+    };
+    format!("{:08x}-{stamp:x}", *EPOCH)
 }
 
 /// What a type sent by change depends on: Envoy drops an assignment when its cluster goes or
@@ -353,7 +372,7 @@ struct Held<'a> {
 /// digest says what it held when it last accepted, not what it holds now. What makes it drop
 /// them comes with clusters or listeners, though, so each of their responses is stamped with
 /// the version of the clusters (listeners) it was sent after, and these versions differ
-/// whenever they were sent at different times (see [`sent_at`]): the digest is taken only when
+/// whenever their content was made again (see [`made_at`]): the digest is taken only when
 /// the client still holds the very clusters (listeners) it held then, so it dropped nothing
 /// since.
 fn adopt_held(

@@ -613,6 +613,7 @@ impl Types {
         snapshot: &XdsSnapshot,
         flavour: Flavour,
     ) -> [Option<TypeDiff>; 4] {
+        self.follow_warming(snapshot);
         self.check_warming(snapshot);
         let mut found: [Option<TypeDiff>; 4] = Default::default();
         for kind in ResourceType::ALL {
@@ -623,7 +624,11 @@ impl Types {
             // Listeners and routes may name clusters the client does not have yet: they wait
             // for the clusters sent before to be acknowledged, and all of them sent, and for
             // the new ones to be warm.
-            let names_clusters = matches!(kind, ResourceType::Listener | ResourceType::Route);
+            // A client that holds none of them yet (its first sync) sends no traffic through
+            // them: they go at once, beside the clusters (a real Envoy asks for listeners only
+            // once its clusters are warm anyway).
+            let names_clusters = matches!(kind, ResourceType::Listener | ResourceType::Route)
+                && (self.reconnected || state.client.len() > 0);
             let clusters = &self.types[ResourceType::Cluster.index()];
             let clusters_pending = clusters.in_flight.is_some() || !clusters.backlog.is_empty();
             if names_clusters && (clusters_pending || !self.warming.is_empty()) {
@@ -678,14 +683,13 @@ impl Types {
     }
 
     /// Clusters about to be sent: those new to the client whose endpoints it will subscribe to
-    /// warm until it holds them. Kept only once the client asked for listeners or routes, the
-    /// only types that wait on them: a client asks for those once its first clusters are warm
-    /// (Envoy's start), so a first sync of the whole mesh keeps no set of every cluster.
+    /// warm until it holds them. Kept only once warming is followed (see
+    /// [`Types::follow_warming`]).
     fn clusters_sent(&mut self, sent: &[Arc<XdsResource>], snapshot: &XdsSnapshot) {
-        let [clusters, endpoints, listeners, routes] = &self.types;
-        if !listeners.requested && !routes.requested {
+        if self.warming_checked.is_none() {
             return;
         }
+        let [clusters, endpoints, ..] = &self.types;
         let assignments = snapshot.of(ResourceType::Endpoint);
         for resource in sent {
             let name = &resource.name;
@@ -748,28 +752,40 @@ impl Types {
         }
     }
 
-    /// The client's first request for listeners or routes: the clusters it holds or is being
-    /// sent whose endpoints it does not hold warm (see [`Types::clusters_sent`]).
-    pub(super) fn names_clusters_now(&mut self, snapshot: &XdsSnapshot) {
-        if self.warming_checked.is_some() {
-            // Followed since the first of them was.
+    /// Starts following which clusters warm once something waits on them: the client asked
+    /// for listeners or routes and holds some (or reconnected, when it may hold some). Until
+    /// then its listeners and routes go at once (see [`Types::plan`]), so a first sync of the
+    /// whole mesh keeps no set of every cluster, and looks up nothing per cluster for it. From
+    /// then on: the clusters it holds or is being sent whose endpoints it does not hold warm
+    /// (see [`Types::clusters_sent`]).
+    fn follow_warming(&mut self, snapshot: &XdsSnapshot) {
+        let [clusters, endpoints, listeners, routes] = &self.types;
+        let asked = listeners.requested || routes.requested;
+        let serving = self.reconnected || listeners.client.len() > 0 || routes.client.len() > 0;
+        if self.warming_checked.is_some() || !asked || !serving {
             return;
         }
         let assignments = snapshot.of(ResourceType::Endpoint);
-        self.warming_checked = Some(assignments.clone());
-        let [clusters, ..] = &self.types;
-        // Being sent: its endpoints will be asked for. Held: only if they are.
+        // Being sent: its endpoints will be asked for. Held: only if they are, and unless it
+        // holds every assignment of the snapshot (the usual end of a sync), when no cluster it
+        // holds lacks any.
         let in_flight = clusters
             .in_flight
             .iter()
             .flat_map(|d| d.sent.iter().map(|r| &r.name));
+        let all_held = endpoints.client.is_based_on(assignments);
+        let held = (!all_held)
+            .then(|| clusters.client.names())
+            .into_iter()
+            .flatten();
         let on_their_way = self.clusters_on_their_way();
         let lacking: Vec<Arc<str>> = in_flight
-            .chain(clusters.client.names())
+            .chain(held)
             .filter(|name| self.lacks_endpoints(name, assignments, &on_their_way, true))
             .cloned()
             .collect();
         self.warming.extend(lacking);
+        self.warming_checked = Some(assignments.clone());
     }
 
     /// The clusters of the response in flight.

@@ -379,7 +379,8 @@ impl Client {
             RDS => {}
         }
         self.held[i] = after;
-        if matches!(kind, LDS | RDS) {
+        // Holding none before, it sent no traffic through them (its first sync).
+        if matches!(kind, LDS | RDS) && !before.is_empty() {
             for resource in &applied {
                 let clusters = match kind {
                     LDS => listener_refs(resource).0,
