@@ -12,7 +12,8 @@
 //! - at most one un-ACKed response per type; a newer snapshot waits for the ACK;
 //! - make before break: types go out CDS → EDS → LDS → RDS, and a listener or route
 //!   configuration change waits while a cluster new to the client lacks its endpoints (Envoy
-//!   warms a new cluster until they come; a route to it meanwhile finds no cluster). A
+//!   warms a new cluster until they come; a route to it meanwhile finds no cluster), once the
+//!   client holds listeners or routes (in its first sync nothing flows through them yet). A
 //!   removal waits until what may refer to the removed resource is acknowledged without it:
 //!   a cluster until the listeners and route configurations are in sync, an assignment until
 //!   the clusters are, a route configuration until the listeners are;
