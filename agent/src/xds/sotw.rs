@@ -190,10 +190,10 @@ impl SotwStream {
             // clusters (listeners) the client holds. Not of those on their way: what they
             // drop (the endpoints of a cluster they re-create) the digest counts until their
             // ACK, so the client holding them says nothing of this digest.
-            let stamp = basis_of(kind).map(|basis| self.extra[basis.index()].held_version.clone());
+            let stamp = basis_of(kind).map(|basis| &self.extra[basis.index()].held_version);
             // Once the client holds other clusters (listeners), an empty response says the
             // digest holds with them: a restart then finds it current (see `adopt_held`).
-            let restamp = stamp.as_ref().is_some_and(|stamp| {
+            let restamp = stamp.is_some_and(|stamp| {
                 !stamp.is_empty() && *stamp != self.extra[kind.index()].stamped
             });
             // Without removals in the protocol, a type sent by change has nothing to say when
@@ -211,7 +211,7 @@ impl SotwStream {
                 whole_response(state, kind, snapshot, &found)
             } else {
                 let digest = format_version(state.client.digest_after(&found.changed, []));
-                let stamp = stamp.unwrap_or_default();
+                let stamp = stamp.cloned().unwrap_or_default();
                 let version = format!("{digest}{STAMP}{stamp}");
                 self.extra[kind.index()].stamped = stamp;
                 let state = self.common.of(kind);
@@ -612,11 +612,9 @@ mod tests {
         assert_eq!(out[0].resources.len(), 3);
     }
 
-    /// After an agent restart (a new stream, the same snapshot), a client that says which
-    /// versions it holds gets nothing again: no clusters, and its endpoints answered empty
-    /// (the first request of a type always is); one that holds something else gets it all.
-    #[test]
-    fn sotw_reconnect_with_the_versions_held_resends_nothing() {
+    /// A stream whose client holds buzz and other, their clusters and endpoints acknowledged:
+    /// the world, the snapshot, the stream, and the versions it holds of clusters and endpoints.
+    fn holding_two() -> (World, XdsSnapshot, Tested<SotwStream>, String, String) {
         let mut world = World::new();
         world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
         let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
@@ -625,7 +623,17 @@ mod tests {
         stream.on_request(&ack(&cds[0], &[]), &snap);
         let (eds, _) = stream.on_request(&sotw(EDS, &[BUZZ, OTHER], "", ""), &snap);
         stream.on_request(&ack(&eds[0], &[BUZZ, OTHER]), &snap);
-        let (cds_version, eds_version) = (&cds[0].version_info, &eds[0].version_info);
+        let (cds_version, eds_version) = (cds[0].version_info.clone(), eds[0].version_info.clone());
+        (world, snap, stream, cds_version, eds_version)
+    }
+
+    /// After an agent restart (a new stream, the same snapshot), a client that says which
+    /// versions it holds gets nothing again: no clusters, and its endpoints answered empty
+    /// (the first request of a type always is); one that holds something else gets it all.
+    #[test]
+    fn sotw_reconnect_with_the_versions_held_resends_nothing() {
+        let (mut world, snap, _, cds_version, eds_version) = holding_two();
+        let (cds_version, eds_version) = (&cds_version, &eds_version);
 
         let mut again = Tested::<SotwStream>::default();
         let (out, _) = again.on_request(&sotw(CDS, &[], cds_version, ""), &snap);
@@ -661,15 +669,8 @@ mod tests {
     /// came (Envoy re-creates a changed cluster and drops its endpoints), gets them all.
     #[test]
     fn sotw_reconnect_resends_endpoints_unless_their_clusters_are_held_as_they_were() {
-        let mut world = World::new();
-        world.set("/foo/bar/buzz", Protocol::Http, &["10.0.0.1:8080"]);
-        let snap = world.set("/foo/other", Protocol::Http, &["10.0.0.2:8080"]);
-        let mut stream = Tested::<SotwStream>::default();
-        let (cds, _) = stream.on_request(&sotw(CDS, &[], "", ""), &snap);
-        stream.on_request(&ack(&cds[0], &[]), &snap);
-        let (eds, _) = stream.on_request(&sotw(EDS, &[BUZZ, OTHER], "", ""), &snap);
-        stream.on_request(&ack(&eds[0], &[BUZZ, OTHER]), &snap);
-        let eds_version = &eds[0].version_info;
+        let (mut world, _, mut stream, cds_version, eds_version) = holding_two();
+        let eds_version = &eds_version;
         // The cluster changes shape, the client takes it; the agent dies before the endpoints
         // go again.
         let snap2 = world.set("/foo/other", Protocol::Http2, &["10.0.0.2:8080"]);
@@ -685,7 +686,7 @@ mod tests {
 
         // Reconnected holding the old clusters: they go out first, then all the endpoints.
         let mut sent = Tested::<SotwStream>::default();
-        let (out, _) = sent.on_request(&sotw(CDS, &[], &cds[0].version_info, ""), &snap2);
+        let (out, _) = sent.on_request(&sotw(CDS, &[], &cds_version, ""), &snap2);
         assert_eq!(out[0].type_url, CDS);
         let (out, _) = sent.on_request(&sotw(EDS, &[BUZZ, OTHER], eds_version, ""), &snap2);
         assert_eq!(assignments(&out[0]), [BUZZ, OTHER]);
