@@ -122,8 +122,14 @@ fn new_socket(addr: SocketAddr, kind: SockType) -> io::Result<OwnedFd> {
     )?)
 }
 
-/// A non-blocking socket of `kind` with SO_REUSEPORT (and SO_REUSEADDR for TCP), bound to `addr`.
+/// A non-blocking socket of `kind` with SO_REUSEPORT (and SO_REUSEADDR for TCP), bound to `addr`;
+/// port 0 stands for a port no socket holds (see [`free_port`]).
 fn bind_shared(addr: SocketAddr, kind: SockType) -> io::Result<OwnedFd> {
+    let addr = if addr.port() == 0 {
+        free_port(addr)?
+    } else {
+        addr
+    };
     let fd = new_socket(addr, kind)?;
     setsockopt(&fd, sockopt::ReusePort, &true)?;
     if kind == SockType::Stream {
@@ -131,6 +137,28 @@ fn bind_shared(addr: SocketAddr, kind: SockType) -> io::Result<OwnedFd> {
     }
     socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
     Ok(fd)
+}
+
+/// `addr` with a port that neither a UDP socket nor a TCP one holds, for a DNS server's pair
+/// of them. A port-0 bind with SO_REUSEPORT cannot be trusted to find one: the kernel's UDP
+/// port search counts a port whose sockets all have SO_REUSEPORT, under the same user, as free,
+/// so two servers of one process could share a port and each other's queries. A plain bind
+/// gets a port of its own; it is let go at once, so the port is free unless another process
+/// takes it in the moment before the caller binds it (the bind then fails, or, for a sibling
+/// doing the same, is shared: at worst as rare as two random picks of one port).
+fn free_port(addr: SocketAddr) -> io::Result<SocketAddr> {
+    let mut last = None;
+    for _ in 0..16 {
+        let udp = new_socket(addr, SockType::Datagram)?;
+        socket::bind(udp.as_raw_fd(), &SockaddrStorage::from(addr))?;
+        let picked = local_addr(&udp)?;
+        let tcp = new_socket(picked, SockType::Stream)?;
+        match socket::bind(tcp.as_raw_fd(), &SockaddrStorage::from(picked)) {
+            Ok(()) => return Ok(picked),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(|| io::ErrorKind::AddrInUse.into(), io::Error::from))
 }
 
 fn local_addr(fd: &impl AsFd) -> io::Result<SocketAddr> {

@@ -189,12 +189,18 @@ impl DnsServer {
             check_predecessor(config.listen).await?;
         }
         let cpus = handoff::online_cpus();
-        // With port 0 the kernel picks the UDP port; TCP may find it taken, so try a few.
+        // With port 0 a port free for both is picked, and another process may take it for
+        // TCP before it is bound: try a few.
         let attempts = if config.listen.port() == 0 { 8 } else { 1 };
         let mut last_error = None;
         for _ in 0..attempts {
-            let udp = BoundUdp::bind(config.listen, config.udp_sockets, UDP_RECEIVE_BUFFER)
-                .map_err(bind_error("UDP"))?;
+            let udp = match BoundUdp::bind(config.listen, config.udp_sockets, UDP_RECEIVE_BUFFER) {
+                Ok(udp) => udp,
+                Err(source) => {
+                    last_error = Some(bind_error("UDP")(source));
+                    continue;
+                }
+            };
             let local_addr = udp.local_addr();
             let tcp = match BoundTcp::bind(local_addr, &cpus) {
                 Ok(tcp) => tcp,

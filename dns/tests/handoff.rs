@@ -43,6 +43,49 @@ fn queued(socket: UdpSocket) -> Vec<(u8, u8)> {
     got
 }
 
+/// Port 0 means a port of its own, even where every port is held with SO_REUSEPORT by this very
+/// user (the kernel's UDP port search would hand one of those out, and the server would share
+/// its queries with a stranger). Run in a network namespace of this thread alone, with a
+/// local port range of eight ports, so no other socket is touched; it goes when the thread ends.
+#[test]
+fn port_0_never_joins_another_sockets_reuseport_group() {
+    std::thread::spawn(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("a network namespace");
+        let lo = std::process::Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .unwrap();
+        assert!(lo.success());
+        std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "40000 40007").unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let at = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            let any = at(0);
+            let held: Vec<BoundUdp> = (40000..=40007)
+                .map(|port| BoundUdp::bind(at(port), 1, 1 << 16).unwrap())
+                .collect();
+            assert!(
+                BoundUdp::bind(any, 2, 1 << 16).is_err(),
+                "every port of the range is held: none to be had"
+            );
+            assert!(BoundTcp::bind(any, &[0, 1]).is_err());
+            drop(held);
+            let held: Vec<BoundUdp> = (40000..=40007)
+                .filter(|port| *port != 40005)
+                .map(|port| BoundUdp::bind(at(port), 1, 1 << 16).unwrap())
+                .collect();
+            let bound = BoundUdp::bind(any, 2, 1 << 16).unwrap();
+            assert_eq!(bound.local_addr(), at(40005), "the one free port");
+            drop(held);
+        });
+    })
+    .join()
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_connected_udp_socket_leaves_the_selection_and_keeps_its_queue() {
     let old = BoundUdp::bind("127.0.0.1:0".parse().unwrap(), 1, 1 << 20).unwrap();
