@@ -5,7 +5,8 @@
 //!     (`--check-config`; lattice-init for real in a network namespace; Envoy `--mode validate`
 //!     on the bootstrap lattice-init wrote), so flags cannot drift from the code;
 //! (c) checks the ClusterRole against the requests the real agent makes to a fake API server;
-//! (d) checks the manifests' ports against the binaries' defaults and each other.
+//! (d) checks the manifests' ports against the binaries' defaults and each other;
+//! (e) checks that the example's meshed pod is what `lattice inject` makes of the plain app.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -490,7 +491,11 @@ fn b_every_container_command_line_is_accepted_by_the_real_binary() -> anyhow::Re
     }
     assert_eq!(
         checked,
-        BTreeSet::from(["agent".into(), "lattice-init".into(), "envoy".into()])
+        BTreeSet::from([
+            "agent".into(),
+            "lattice-init".into(),
+            "lattice-proxy".into()
+        ])
     );
     Ok(())
 }
@@ -1048,7 +1053,7 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
 }
 
 #[test]
-fn dockerfile_copies_only_paths_that_exist_and_ships_both_binaries() -> anyhow::Result<()> {
+fn dockerfile_copies_only_paths_that_exist_and_ships_every_binary() -> anyhow::Result<()> {
     let dockerfile = std::fs::read_to_string(root().join("deploy/Dockerfile"))?;
     let mut final_copy = String::new();
     for line in dockerfile.lines().map(str::trim) {
@@ -1068,7 +1073,14 @@ fn dockerfile_copies_only_paths_that_exist_and_ships_both_binaries() -> anyhow::
             );
         }
     }
-    assert!(final_copy.contains("lattice-agent") && final_copy.contains("lattice-init"));
+    for binary in ["lattice-agent", "lattice-init", "lattice"] {
+        assert!(
+            final_copy
+                .split_whitespace()
+                .any(|w| w.ends_with(&format!("/{binary}"))),
+            "the image ships no {binary}"
+        );
+    }
     assert!(
         dockerfile.contains("iptables"),
         "lattice-init needs iptables in the image"
@@ -1086,5 +1098,86 @@ fn dockerfile_copies_only_paths_that_exist_and_ships_both_binaries() -> anyhow::
             "workspace member {member} is not copied"
         );
     }
+    Ok(())
+}
+
+/// The example's pod template is the template's own: the plain app (the example with the
+/// mesh's containers, volume and DNS settings taken out) through the real `lattice inject`
+/// is the example, but for the record injection leaves. So what (b) runs for the example,
+/// lattice-init in a network namespace and Envoy on its bootstrap, is what injection gives.
+#[test]
+fn e_the_example_pod_is_what_lattice_inject_makes_of_the_plain_app() -> anyhow::Result<()> {
+    let objects = render("deploy/examples")?;
+    let example = objects
+        .iter()
+        .find(|o| kind(o) == "Deployment")
+        .context("the example's Deployment")?
+        .clone();
+    let mut plain = example.clone();
+    let spec = plain
+        .pointer_mut("/spec/template/spec")
+        .and_then(Value::as_object_mut)
+        .context("the example's pod spec")?;
+    for field in ["initContainers", "volumes", "dnsPolicy", "dnsConfig"] {
+        spec.remove(field);
+    }
+    let input = serde_json::to_string(&plain)?;
+    let mut child = Command::new(bins::path("lattice"))
+        .args(["inject", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running lattice (cargo build --workspace --bins first)")?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input.as_bytes())?;
+    let output = child.wait_with_output()?;
+    ensure!(output.status.success(), "lattice inject: {}", show(&output));
+    let mut injected: Value = serde_norway::from_str(&String::from_utf8(output.stdout)?)?;
+    let annotations = injected
+        .pointer_mut("/spec/template/metadata/annotations")
+        .and_then(Value::as_object_mut)
+        .context("the injected pod's annotations")?;
+    ensure!(
+        annotations.remove("lattice.mlab.com/injected").is_some(),
+        "injection leaves its record"
+    );
+    if annotations.is_empty() {
+        injected
+            .pointer_mut("/spec/template/metadata")
+            .and_then(Value::as_object_mut)
+            .context("the injected pod's metadata")?
+            .remove("annotations");
+    }
+    let by_name = |pod: &Value, field: &str| -> BTreeMap<String, Value> {
+        pod["spec"]["template"]["spec"][field]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                (
+                    c["name"].as_str().unwrap_or_default().to_string(),
+                    c.clone(),
+                )
+            })
+            .collect()
+    };
+    for field in ["initContainers", "volumes", "containers"] {
+        assert_eq!(
+            by_name(&injected, field),
+            by_name(&example, field),
+            "{field}: the example differs from lattice inject's"
+        );
+    }
+    for field in ["dnsPolicy", "dnsConfig"] {
+        assert_eq!(
+            injected["spec"]["template"]["spec"][field], example["spec"]["template"]["spec"][field],
+            "{field}: the example differs from lattice inject's"
+        );
+    }
+    assert_eq!(injected, example);
     Ok(())
 }

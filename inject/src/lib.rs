@@ -1,0 +1,13 @@
+//! Putting workloads in the mesh without editing their pods by hand: the mesh's additions to a
+//! pod as one template ([`template::inject`], a JSON Patch against the pod), the annotations
+//! that steer it ([`annotations`]), and manifests run through it ([`manifest`]) by the
+//! `lattice inject` and `lattice uninject` commands. `docs/install.md` says what a meshed pod
+//! carries and why; `docs/kubernetes.md` lists the annotations.
+
+pub mod annotations;
+pub mod config;
+pub mod manifest;
+pub mod template;
+
+pub use config::{InjectConfig, ProxyResources};
+pub use template::{NotInjected, Skip, inject, uninject};
