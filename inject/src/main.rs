@@ -4,6 +4,8 @@
 //!   pod template of every workload in the manifests (the same template as the admission
 //!   webhook's); every other document is written out as it came.
 //! - `lattice uninject -f meshed.yaml`: the additions taken out again.
+//! - `lattice webhook`: the mutating admission webhook that applies the same template to pods
+//!   as they are created (the injector Deployment of `deploy/`).
 //!
 //! A pod that is left as it was (opted out, already in the mesh, or one the mesh cannot take)
 //! is reported on stderr with the reason; the command still succeeds.
@@ -19,6 +21,8 @@ use lattice_inject::config::{ENVOY_IMAGE, IMAGE};
 use lattice_inject::manifest::{self, Direction};
 use lattice_inject::{InjectConfig, ProxyResources};
 
+mod webhook;
+
 #[derive(Parser)]
 #[command(name = "lattice", version, about = "Put workloads in the Lattice mesh")]
 struct Cli {
@@ -33,6 +37,9 @@ enum Command {
     Inject {
         #[command(flatten)]
         input: Input,
+        /// The namespace of objects that name none (their pods' DNS search list depends on it).
+        #[arg(short = 'n', long, default_value = "default")]
+        namespace: String,
         #[command(flatten)]
         template: Box<Template>,
     },
@@ -41,6 +48,8 @@ enum Command {
         #[command(flatten)]
         input: Input,
     },
+    /// Serve the mutating admission webhook that injects pods as they are created.
+    Webhook(Box<webhook::WebhookArgs>),
 }
 
 #[derive(Args)]
@@ -50,16 +59,13 @@ struct Input {
     file: PathBuf,
 }
 
-#[derive(Args)]
-struct Template {
-    /// The namespace of objects that name none (their pods' DNS search list depends on it).
-    #[arg(short = 'n', long, default_value = "default")]
-    namespace: String,
+#[derive(Args, Clone)]
+pub struct Template {
     /// The image with lattice-init.
-    #[arg(long, default_value = IMAGE)]
+    #[arg(long, env = "LATTICE_IMAGE", default_value = IMAGE)]
     image: String,
     /// Envoy's image.
-    #[arg(long, default_value = ENVOY_IMAGE)]
+    #[arg(long, env = "LATTICE_ENVOY_IMAGE", default_value = ENVOY_IMAGE)]
     envoy_image: String,
     /// The trapped blocks (the agent's --trap-cidr).
     #[arg(long, default_value = DEFAULT_TRAP_CIDR)]
@@ -91,7 +97,7 @@ struct Template {
 }
 
 impl Template {
-    fn config(self) -> InjectConfig {
+    pub fn config(self) -> InjectConfig {
         InjectConfig {
             image: self.image,
             envoy_image: self.envoy_image,
@@ -125,9 +131,13 @@ fn read(input: &Input) -> anyhow::Result<String> {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (text, outcomes) = match cli.command {
-        Command::Inject { input, template } => {
+        Command::Webhook(args) => return webhook::run(*args),
+        Command::Inject {
+            input,
+            namespace,
+            template,
+        } => {
             let text = read(&input)?;
-            let namespace = template.namespace.clone();
             let config = template.config();
             let direction = Direction::Inject {
                 config: &config,

@@ -1,7 +1,13 @@
 //! A fake Kubernetes API server that owns the wire protocol of a table of resources — core/v1
 //! Services, discovery.k8s.io/v1 EndpointSlices, the Gateway API's HTTPRoutes, GRPCRoutes and
-//! ReferenceGrants, core/v1 Pods, ConfigMaps and Nodes (see [`KINDS`]) — over real HTTP on loopback, so the
-//! agent under test talks to it through its real kube client and a kubeconfig.
+//! ReferenceGrants, core/v1 Pods, ConfigMaps, Secrets and Nodes, and admissionregistration's
+//! MutatingWebhookConfigurations (see [`KINDS`]) — over real HTTP on loopback, so the agent
+//! and the injector under test talk to it through their real kube client and a kubeconfig.
+//!
+//! Reads are get, list and watch; writes are create (POST to a collection: 409 AlreadyExists
+//! if the name is taken) and update (PUT to an object: 404 if it is absent, 409 Conflict if
+//! the body's resourceVersion is not the stored one, the optimistic concurrency a real server
+//! keeps).
 //!
 //! It keeps what an API server backed by etcd keeps: one global, monotonically increasing
 //! resourceVersion, the current objects, and the history of changes since the last compaction.
@@ -58,7 +64,14 @@ pub static KINDS: &[Kind] = &[
     Kind::namespaced(GATEWAY_API, "v1", "ReferenceGrant", "referencegrants"),
     Kind::namespaced("", "v1", "Pod", "pods"),
     Kind::namespaced("", "v1", "ConfigMap", "configmaps"),
+    Kind::namespaced("", "v1", "Secret", "secrets"),
     Kind::cluster_scoped("", "v1", "Node", "nodes"),
+    Kind::cluster_scoped(
+        "admissionregistration.k8s.io",
+        "v1",
+        "MutatingWebhookConfiguration",
+        "mutatingwebhookconfigurations",
+    ),
 ];
 
 /// A resource the fake serves, as API discovery describes it.
@@ -861,9 +874,15 @@ async fn accept(listener: std::net::TcpListener, store: Arc<Mutex<Store>>) {
                 let _ = stream.set_nodelay(true);
                 let store = store.clone();
                 connections.spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
+                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                         let store = store.clone();
-                        async move { Ok::<_, Infallible>(handle(&store, req)) }
+                        async move {
+                            let response = match *req.method() {
+                                http::Method::POST | http::Method::PUT => write(&store, req).await,
+                                _ => handle(&store, req),
+                            };
+                            Ok::<_, Infallible>(response)
+                        }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -936,13 +955,130 @@ fn failure(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
     json_response(code, status(code, reason, message).to_string())
 }
 
+/// The largest body a write may carry (a real server's limit is about 3 MiB).
+const MAX_WRITE: usize = 3 << 20;
+
+/// A create (POST to a collection) or an update (PUT to an object).
+async fn write(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
+    use http_body_util::BodyExt;
+    lock(store).requests += 1;
+    let method = req.method().clone();
+    let Some(target) = route(req.uri().path()) else {
+        return unknown_resource();
+    };
+    let limited = http_body_util::Limited::new(req.into_body(), MAX_WRITE);
+    let body = match limited.collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => return failure(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    };
+    let mut object: Value = match serde_json::from_slice(&body) {
+        Ok(object @ Value::Object(_)) => object,
+        _ => {
+            return failure(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the body is no object",
+            );
+        }
+    };
+    if let Some(kind) = object.get("kind").and_then(Value::as_str)
+        && kind != target.kind.name
+    {
+        let message = format!("the body is a {kind}, the path is {}", target.kind.plural);
+        return failure(StatusCode::BAD_REQUEST, "BadRequest", &message);
+    }
+    let name = object["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    if name.is_empty() {
+        return failure(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "metadata.name is required",
+        );
+    }
+    if let Some(namespace) = &target.namespace {
+        object["metadata"]["namespace"] = namespace.clone().into();
+    }
+    let mut store = lock(store);
+    if store.absent.contains(target.kind) {
+        return unknown_resource();
+    }
+    let key = (
+        target.kind,
+        target.namespace.clone().unwrap_or_default(),
+        name.clone(),
+    );
+    let stored_rv = store.objects.get(&key).map(|stored| {
+        serde_json::from_slice::<Value>(&stored.json)
+            .map(|v| {
+                v["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .unwrap_or_default()
+    });
+    let what = format!("{} {name:?}", target.kind.qualified_plural());
+    let code = match (&method, &target.name, stored_rv) {
+        (&http::Method::POST, None, None) => StatusCode::CREATED,
+        (&http::Method::POST, None, Some(_)) => {
+            return failure(
+                StatusCode::CONFLICT,
+                "AlreadyExists",
+                &format!("{what} already exists"),
+            );
+        }
+        (&http::Method::PUT, Some(path_name), _) if *path_name != name => {
+            let message = format!("the name in the body is not the path's ({path_name})");
+            return failure(StatusCode::BAD_REQUEST, "BadRequest", &message);
+        }
+        (&http::Method::PUT, Some(_), None) => {
+            return failure(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                &format!("{what} not found"),
+            );
+        }
+        (&http::Method::PUT, Some(_), Some(current)) => {
+            let given = object["metadata"]["resourceVersion"].as_str();
+            if given.is_some_and(|given| Some(given) != current.as_deref()) {
+                let message = format!(
+                    "Operation cannot be fulfilled on {what}: the object has been modified; \
+                     please apply your changes to the latest version and try again"
+                );
+                return failure(StatusCode::CONFLICT, "Conflict", &message);
+            }
+            StatusCode::OK
+        }
+        _ => {
+            return failure(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "the fake API server creates with POST to a collection and updates with PUT",
+            );
+        }
+    };
+    if let Err(e) = store.write(target.kind, object) {
+        return failure(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &e.to_string());
+    }
+    match store.objects.get(&key) {
+        Some(stored) => json_response(code, stored.json.clone()),
+        None => failure(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "not stored",
+        ),
+    }
+}
+
 fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
     lock(store).requests += 1;
     if req.method() != http::Method::GET {
         return failure(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
-            "the fake API server only serves get, list and watch",
+            "the fake API server serves get, list, watch, create (POST) and update (PUT)",
         );
     }
     let Some(target) = route(req.uri().path()) else {
@@ -1203,6 +1339,69 @@ mod tests {
         let (head, body) = response.split_once("\r\n\r\n").unwrap();
         let code = head.split(' ').nth(1).unwrap().parse().unwrap();
         (code, serde_json::from_str(body).unwrap())
+    }
+
+    /// `method path` with a JSON body, over HTTP/1.0: the status and the body.
+    fn send(server: &FakeApiServer, method: &str, path: &str, body: &Value) -> (u16, Value) {
+        let mut stream = std::net::TcpStream::connect(server.addr()).unwrap();
+        let body = body.to_string();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.0\r\nHost: fake\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (code, serde_json::from_str(body).unwrap())
+    }
+
+    #[test]
+    fn create_and_update_keep_optimistic_concurrency() {
+        let server = FakeApiServer::start().unwrap();
+        let secrets = "/api/v1/namespaces/lattice-system/secrets";
+        let secret = |data: &str| json!({"metadata": {"name": "tls"}, "data": {"k": data}});
+        let (code, created) = send(&server, "POST", secrets, &secret("YQ=="));
+        assert_eq!(code, 201, "{created}");
+        assert_eq!(created["metadata"]["namespace"], "lattice-system");
+        assert_eq!(created["kind"], "Secret");
+        let rv = created["metadata"]["resourceVersion"].clone();
+        let (code, taken) = send(&server, "POST", secrets, &secret("Yg=="));
+        assert_eq!(
+            (code, taken["reason"].as_str()),
+            (409, Some("AlreadyExists"))
+        );
+
+        let path = format!("{secrets}/tls");
+        let mut update = secret("Yw==");
+        update["metadata"]["resourceVersion"] = rv.clone();
+        let (code, updated) = send(&server, "PUT", &path, &update);
+        assert_eq!(code, 200, "{updated}");
+        assert_eq!(updated["data"]["k"], "Yw==");
+        assert_eq!(updated["metadata"]["uid"], created["metadata"]["uid"]);
+        // The same resourceVersion again: someone else's update came first.
+        let (code, stale) = send(&server, "PUT", &path, &update);
+        assert_eq!((code, stale["reason"].as_str()), (409, Some("Conflict")));
+        let (code, _) = send(&server, "PUT", &format!("{secrets}/other"), &secret("YQ=="));
+        assert_eq!(code, 400, "the body's name is not the path's");
+        let mut absent = secret("YQ==");
+        absent["metadata"]["name"] = "other".into();
+        let (code, _) = send(&server, "PUT", &format!("{secrets}/other"), &absent);
+        assert_eq!(code, 404);
+        let (code, got) = get(&server, &path);
+        assert_eq!((code, &got["data"]["k"]), (200, &json!("Yw==")));
+
+        let hooks = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations";
+        let hook = json!({"metadata": {"name": "lattice-injector"}, "webhooks": []});
+        let (code, created) = send(&server, "POST", hooks, &hook);
+        assert_eq!(code, 201, "{created}");
+        assert!(
+            created["metadata"].get("namespace").is_none(),
+            "cluster-scoped"
+        );
     }
 
     /// Reads watch events (one JSON object a line) until `n` have arrived.
@@ -1507,7 +1706,7 @@ mod tests {
             .0,
             404
         );
-        assert_eq!(get(&server, "/api/v1/secrets").0, 404);
+        assert_eq!(get(&server, "/api/v1/persistentvolumes").0, 404);
     }
 
     const GATEWAY: &str = "/apis/gateway.networking.k8s.io/v1";
@@ -1669,7 +1868,7 @@ mod tests {
             format!("{GATEWAY}/namespaces/shop/httproutes"),
             format!("{GATEWAY}/httproutes?watch=1"),
             format!("{GATEWAY}/namespaces/shop/httproutes/web"),
-            "/api/v1/secrets".to_string(),
+            "/api/v1/persistentvolumes".to_string(),
         ] {
             assert_eq!(get(&server, &path), (404, unknown.clone()), "{path}");
         }

@@ -9,6 +9,7 @@ pub mod bins;
 pub mod dns_load;
 pub mod envoy;
 pub mod fake_apiserver;
+pub mod injector;
 pub mod iptables;
 pub mod k8s_objects;
 pub mod mesh_source;

@@ -6,7 +6,10 @@
 //!     on the bootstrap lattice-init wrote), so flags cannot drift from the code;
 //! (c) checks the ClusterRole against the requests the real agent makes to a fake API server;
 //! (d) checks the manifests' ports against the binaries' defaults and each other;
-//! (e) checks that the example's meshed pod is what `lattice inject` makes of the plain app.
+//! (e) checks that the example's meshed pod is what `lattice inject` makes of the plain app;
+//! (f) checks the webhook configuration: pod creation only, failing closed, never the system
+//!     namespaces;
+//! (g) checks the injector's Role and ClusterRole against the requests the real injector makes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -17,8 +20,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use lattice_e2e::agent::Agent;
@@ -97,10 +102,15 @@ fn typed<T: serde::de::DeserializeOwned>(objects: &[Value], kind_name: &str) -> 
         .collect()
 }
 
-fn only<T: serde::de::DeserializeOwned>(objects: &[Value], kind_name: &str) -> T {
-    let mut all = typed::<T>(objects, kind_name);
-    assert_eq!(all.len(), 1, "expected exactly one {kind_name}");
-    all.remove(0)
+/// The one object of `kind_name` named `name`.
+fn only<T: serde::de::DeserializeOwned>(objects: &[Value], kind_name: &str, name: &str) -> T {
+    let mut all: Vec<&Value> = objects
+        .iter()
+        .filter(|o| kind(o) == kind_name && o["metadata"]["name"] == name)
+        .collect();
+    assert_eq!(all.len(), 1, "expected exactly one {kind_name} {name}");
+    let object = all.remove(0);
+    serde_json::from_value(object.clone()).unwrap_or_else(|e| panic!("{}: {e}", named(object)))
 }
 
 /// Parses `object` as `T` and serializes it back; a field the type does not know (a typo, a
@@ -156,20 +166,24 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
             "DaemonSet" => round_trip::<DaemonSet>(object)?,
             "Deployment" => round_trip::<Deployment>(object)?,
             "Service" => round_trip::<Service>(object)?,
+            "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(object)?,
+            "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(object)?,
             other => bail!("{}: no test covers kind {other}", named(object)),
         }
         *kinds.entry(kind(object).to_string()).or_insert(0) += 1;
     }
     let expected: BTreeMap<String, i32> = [
-        ("ClusterRole", 1),
-        ("ClusterRoleBinding", 1),
-        ("Role", 1),
-        ("RoleBinding", 1),
+        ("ClusterRole", 2),
+        ("ClusterRoleBinding", 2),
+        ("Role", 2),
+        ("RoleBinding", 2),
         ("DaemonSet", 1),
-        ("Deployment", 1),
+        ("Deployment", 2),
+        ("MutatingWebhookConfiguration", 1),
         ("Namespace", 2),
-        ("Service", 1),
-        ("ServiceAccount", 1),
+        ("PodDisruptionBudget", 1),
+        ("Service", 2),
+        ("ServiceAccount", 2),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_string(), n))
@@ -177,7 +191,7 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     assert_eq!(kinds, expected);
 
     // What the DaemonSet must be for the agent to work on every node, by field.
-    let daemonset: DaemonSet = only(&objects, "DaemonSet");
+    let daemonset: DaemonSet = only(&objects, "DaemonSet", "lattice-agent");
     let spec = daemonset.spec.as_ref().context("DaemonSet spec")?;
     assert_eq!(
         spec.update_strategy
@@ -245,7 +259,7 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     assert!(agent.liveness_probe.is_some() && agent.readiness_probe.is_some());
 
     // The example's pod: init with NET_ADMIN as root, Envoy as 1337, the shared emptyDir.
-    let deployment: Deployment = only(&objects, "Deployment");
+    let deployment: Deployment = only(&objects, "Deployment", "echo");
     let pod = pod_spec_of(&deployment.spec.as_ref().context("spec")?.template.spec)?;
     let init = pod
         .init_containers
@@ -272,7 +286,7 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     ] {
         assert_eq!(fields.get(name).map(String::as_str), Some(path), "{name}");
     }
-    let service: Service = only(&objects, "Service");
+    let service: Service = only(&objects, "Service", "echo");
     let path = service
         .metadata
         .annotations
@@ -479,6 +493,17 @@ fn b_every_container_command_line_is_accepted_by_the_real_binary() -> anyhow::Re
                     let output = run(command)?;
                     assert!(output.status.success(), "{what}\n{}", show(&output));
                 }
+                ("lattice", "lattice") => {
+                    let mut command = Command::new(bins::path(&program));
+                    command
+                        .args(&args)
+                        .arg("--check-config")
+                        .env_clear()
+                        .envs(env.iter().map(|(k, v)| (k, v)))
+                        .env("KUBECONFIG", &kubeconfig);
+                    let output = run(command)?;
+                    assert!(output.status.success(), "{what}\n{}", show(&output));
+                }
                 ("envoyproxy/envoy", "envoy") => {
                     let output = validate_envoy(&pod, container, &args)?;
                     assert!(output.status.success(), "{what}\n{}", show(&output));
@@ -493,6 +518,7 @@ fn b_every_container_command_line_is_accepted_by_the_real_binary() -> anyhow::Re
         checked,
         BTreeSet::from([
             "agent".into(),
+            "injector".into(),
             "lattice-init".into(),
             "lattice-proxy".into()
         ])
@@ -641,19 +667,33 @@ impl RecordingProxy {
 
 fn relay(mut from: TcpStream, mut to: TcpStream, log: Option<Arc<Mutex<Vec<String>>>>) {
     let mut buf = [0u8; 16 * 1024];
-    let mut pending = String::new();
+    let mut pending: Vec<u8> = Vec::new();
+    // Bytes of the current request's body still to pass over (its Content-Length).
+    let mut body_left = 0usize;
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         if let Some(log) = &log {
-            // The agent's requests are bodiless GETs, so every request line starts a line.
-            pending.push_str(&String::from_utf8_lossy(&buf[..n]));
-            while let Some(end) = pending.find("\r\n") {
-                let line: String = pending.drain(..end + 2).collect();
-                let line = line.trim_end();
-                let mut words = line.split(' ');
+            pending.extend_from_slice(&buf[..n]);
+            loop {
+                if body_left > 0 {
+                    let skipped = body_left.min(pending.len());
+                    pending.drain(..skipped);
+                    body_left -= skipped;
+                    if body_left > 0 {
+                        break;
+                    }
+                }
+                // A whole head: its request line, and the length of the body after it.
+                let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
+                    break;
+                };
+                let head: Vec<u8> = pending.drain(..end + 4).collect();
+                let head = String::from_utf8_lossy(&head);
+                let mut lines = head.split("\r\n");
+                let mut words = lines.next().unwrap_or_default().split(' ');
                 if let (Some(method), Some(target), Some(version)) =
                     (words.next(), words.next(), words.next())
                     && version.starts_with("HTTP/")
@@ -662,6 +702,11 @@ fn relay(mut from: TcpStream, mut to: TcpStream, log: Option<Arc<Mutex<Vec<Strin
                 {
                     log.push(format!("{method} {target}"));
                 }
+                body_left = lines
+                    .filter_map(|l| l.split_once(':'))
+                    .find(|(name, _)| name.trim().eq_ignore_ascii_case("content-length"))
+                    .and_then(|(_, value)| value.trim().parse().ok())
+                    .unwrap_or(0);
             }
         }
         if to.write_all(&buf[..n]).is_err() {
@@ -709,10 +754,10 @@ fn rbac_of(request: &str) -> anyhow::Result<(String, String, String)> {
 #[test]
 fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Result<()> {
     let objects = rendered()?;
-    let role: ClusterRole = only(&objects, "ClusterRole");
+    let role: ClusterRole = only(&objects, "ClusterRole", "lattice-agent");
     // The Role grants what the agent reads in its own namespace (the path grants ConfigMap).
-    let own: Role = only(&objects, "Role");
-    let own_binding: RoleBinding = only(&objects, "RoleBinding");
+    let own: Role = only(&objects, "Role", "lattice-agent");
+    let own_binding: RoleBinding = only(&objects, "RoleBinding", "lattice-agent");
     assert_eq!(own_binding.role_ref.kind, "Role");
     assert_eq!(Some(own_binding.role_ref.name.clone()), own.metadata.name);
     assert_eq!(own.metadata.namespace.as_deref(), Some("lattice-system"));
@@ -740,8 +785,8 @@ fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Re
     }
 
     // The binding gives the role to the DaemonSet's service account, in its namespace.
-    let binding: ClusterRoleBinding = only(&objects, "ClusterRoleBinding");
-    let daemonset: DaemonSet = only(&objects, "DaemonSet");
+    let binding: ClusterRoleBinding = only(&objects, "ClusterRoleBinding", "lattice-agent");
+    let daemonset: DaemonSet = only(&objects, "DaemonSet", "lattice-agent");
     assert_eq!(binding.role_ref.kind, "ClusterRole");
     assert_eq!(Some(binding.role_ref.name), role.metadata.name);
     let pod = pod_spec_of(&daemonset.spec.as_ref().context("spec")?.template.spec)?;
@@ -974,8 +1019,8 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
     // app asks the node-local address; the Service's named target port exists.
     let (_, pod) = specs
         .iter()
-        .find(|(owner, _)| owner.starts_with("Deployment/"))
-        .context("no Deployment")?;
+        .find(|(owner, _)| owner == "Deployment/echo")
+        .context("no Deployment/echo")?;
     let init = pod
         .init_containers
         .iter()
@@ -1032,7 +1077,7 @@ fn d_ports_in_the_manifests_match_the_binaries() -> anyhow::Result<()> {
     assert_eq!(nameservers, vec![node_local]);
     assert_eq!(pod.dns_policy.as_deref(), Some("None"));
 
-    let service: Service = only(&objects, "Service");
+    let service: Service = only(&objects, "Service", "echo");
     let named_ports: BTreeSet<String> = pod
         .containers
         .iter()
@@ -1179,5 +1224,238 @@ fn e_the_example_pod_is_what_lattice_inject_makes_of_the_plain_app() -> anyhow::
         );
     }
     assert_eq!(injected, example);
+    Ok(())
+}
+
+/// The webhook configuration sends pod creations only, never the system namespaces or the
+/// injector's own, and fails closed: while no injector answers, pods of meshed namespaces are
+/// not created (their controllers retry) rather than started outside the mesh.
+#[test]
+fn f_the_webhook_configuration_fails_closed_for_pod_creation_only() -> anyhow::Result<()> {
+    let objects = rendered()?;
+    let configuration: MutatingWebhookConfiguration =
+        only(&objects, "MutatingWebhookConfiguration", "lattice-injector");
+    let service: Service = only(&objects, "Service", "lattice-injector");
+    let webhooks = configuration.webhooks.unwrap_or_default();
+    assert_eq!(webhooks.len(), 2);
+    for webhook in &webhooks {
+        let name = &webhook.name;
+        assert_eq!(webhook.failure_policy.as_deref(), Some("Fail"), "{name}");
+        assert_eq!(
+            webhook.side_effects, "None",
+            "{name}: dry runs must be sent"
+        );
+        assert_eq!(webhook.admission_review_versions, ["v1"], "{name}");
+        let rules = webhook.rules.clone().unwrap_or_default();
+        assert_eq!(rules.len(), 1, "{name}");
+        assert_eq!(
+            rules[0].operations.as_deref(),
+            Some(&["CREATE".to_string()][..])
+        );
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["pods".to_string()][..])
+        );
+        assert_eq!(rules[0].api_groups.as_deref(), Some(&[String::new()][..]));
+        let target = webhook
+            .client_config
+            .service
+            .as_ref()
+            .context("a service")?;
+        assert_eq!(Some(&target.name), service.metadata.name.as_ref());
+        assert_eq!(Some(&target.namespace), service.metadata.namespace.as_ref());
+        assert_eq!(target.path.as_deref(), Some("/inject"));
+        let excluded: BTreeSet<String> = webhook
+            .namespace_selector
+            .iter()
+            .flat_map(|s| s.match_expressions.iter().flatten())
+            .filter(|e| e.key == "kubernetes.io/metadata.name" && e.operator == "NotIn")
+            .flat_map(|e| e.values.clone().unwrap_or_default())
+            .collect();
+        for namespace in lattice_inject::review::SYSTEM_NAMESPACES
+            .iter()
+            .copied()
+            .chain(["lattice-system"])
+        {
+            assert!(excluded.contains(namespace), "{name} may send {namespace}");
+        }
+        assert!(webhook.timeout_seconds.is_some_and(|t| t <= 10), "{name}");
+    }
+    // The Service's port reaches the injector's.
+    let deployment: Deployment = only(&objects, "Deployment", "lattice-injector");
+    let pod = pod_spec_of(&deployment.spec.as_ref().context("spec")?.template.spec)?;
+    let container_ports: BTreeSet<String> = pod.containers[0]
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| p.name.clone())
+        .collect();
+    for port in service.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
+        assert_eq!(
+            port.port, 443,
+            "the API server calls port 443 unless told otherwise"
+        );
+        if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name)) =
+            &port.target_port
+        {
+            assert!(container_ports.contains(name), "targetPort {name}");
+        }
+    }
+    let replicas = deployment.spec.as_ref().and_then(|s| s.replicas);
+    assert_eq!(
+        replicas,
+        Some(2),
+        "one replica down must not stop pod creation"
+    );
+    let budget: PodDisruptionBudget = only(&objects, "PodDisruptionBudget", "lattice-injector");
+    assert_eq!(
+        budget.spec.and_then(|s| s.min_available),
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
+    );
+    Ok(())
+}
+
+/// `METHOD /path` of a request the injector made → (group, resource, verb, name).
+fn injector_request(request: &str) -> anyhow::Result<(String, String, String, String)> {
+    let (method, target) = request.split_once(' ').context("request line")?;
+    let path = target.split_once('?').map_or(target, |(p, _)| p);
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match segments.as_slice() {
+        ["api", _version, rest @ ..] => (String::new(), rest),
+        ["apis", group, _version, rest @ ..] => (group.to_string(), rest),
+        _ => bail!("not a resource request: {request}"),
+    };
+    let rest = match rest {
+        ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
+        rest => rest,
+    };
+    let (resource, name) = match rest {
+        [resource] => (resource.to_string(), String::new()),
+        [resource, name] => (resource.to_string(), name.to_string()),
+        _ => bail!("unexpected resource path: {request}"),
+    };
+    let verb = match (method, name.is_empty()) {
+        ("GET", false) => "get",
+        ("GET", true) => "list",
+        ("POST", true) => "create",
+        ("PUT", false) => "update",
+        _ => bail!("unexpected request: {request}"),
+    };
+    Ok((group, resource, verb.to_string(), name))
+}
+
+/// The injector's Role and ClusterRole grant exactly what the real injector asks of the API:
+/// its Secret created, read and renewed, its webhook configuration read and given the CA.
+#[test]
+fn g_the_injector_role_grants_exactly_what_it_uses() -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    let objects = rendered()?;
+    let cluster_role: ClusterRole = only(&objects, "ClusterRole", "lattice-injector");
+    let role: Role = only(&objects, "Role", "lattice-injector");
+    assert_eq!(role.metadata.namespace.as_deref(), Some("lattice-system"));
+    let rules: Vec<_> = cluster_role
+        .rules
+        .iter()
+        .flatten()
+        .chain(role.rules.iter().flatten())
+        .cloned()
+        .collect();
+    let granted = |(group, resource, verb, name): &(String, String, String, String)| {
+        rules.iter().any(|rule| {
+            rule.api_groups.iter().flatten().any(|g| g == group)
+                && rule.resources.iter().flatten().any(|r| r == resource)
+                && rule.verbs.iter().any(|v| v == verb)
+                && rule
+                    .resource_names
+                    .as_ref()
+                    .is_none_or(|names| names.iter().any(|n| n == name))
+        })
+    };
+
+    let api = FakeApiServer::start()?;
+    let configuration = objects
+        .iter()
+        .find(|o| kind(o) == "MutatingWebhookConfiguration")
+        .context("the webhook configuration")?;
+    api.apply_json(configuration.clone())?;
+    let proxy = RecordingProxy::start(api.addr())?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        api.kubeconfig()
+            .replace(&api.url(), &format!("http://{}", proxy.addr)),
+    )?;
+    let injector = lattice_e2e::injector::Injector::start(
+        &kubeconfig.to_string_lossy(),
+        &["--recheck-secs=1"],
+    )?;
+    let has_bundle = |api: &FakeApiServer| -> Result<(), String> {
+        let configurations = api
+            .objects::<MutatingWebhookConfiguration>()
+            .map_err(|e| e.to_string())?;
+        let all = configurations
+            .iter()
+            .flat_map(|c| c.webhooks.iter().flatten())
+            .all(|w| w.client_config.ca_bundle.is_some());
+        if all {
+            Ok(())
+        } else {
+            Err("no bundle yet".into())
+        }
+    };
+    wait::until("the CA bundle", Duration::from_secs(20), || {
+        has_bundle(&api).map_err(|e| format!("{e}\n{}", injector.log()))
+    })?;
+    // A serving certificate gone bad (say, cut short): the injector renews it in place.
+    let mut secret = serde_json::to_value(
+        api.objects::<Secret>()?
+            .into_iter()
+            .next()
+            .context("the Secret")?,
+    )?;
+    secret["data"]["tls.crt"] = Value::String("bm90IGEgY2VydGlmaWNhdGU=".into());
+    api.apply_json(secret)?;
+    wait::until("the renewed Secret", Duration::from_secs(20), || {
+        let secret = api.objects::<Secret>().map_err(|e| e.to_string())?;
+        let cert = secret
+            .first()
+            .and_then(|s| s.data.as_ref())
+            .and_then(|d| d.get("tls.crt"))
+            .map(|c| c.0.clone())
+            .unwrap_or_default();
+        if cert.starts_with(b"-----BEGIN CERTIFICATE") {
+            Ok(())
+        } else {
+            Err(format!("not renewed yet\n{}", injector.log()))
+        }
+    })?;
+    drop(injector);
+
+    let used: BTreeSet<_> = proxy
+        .requests()
+        .iter()
+        .map(|r| injector_request(r))
+        .collect::<anyhow::Result<_>>()?;
+    for request in &used {
+        assert!(
+            granted(request),
+            "the injector uses {request:?}, which is not granted"
+        );
+    }
+    let verbs = |set: &BTreeSet<(String, String, String, String)>| -> BTreeSet<(String, String)> {
+        set.iter()
+            .map(|(_, r, v, _)| (r.clone(), v.clone()))
+            .collect()
+    };
+    let mut granted_verbs = BTreeSet::new();
+    for rule in &rules {
+        for resource in rule.resources.iter().flatten() {
+            for verb in &rule.verbs {
+                granted_verbs.insert((resource.clone(), verb.clone()));
+            }
+        }
+    }
+    assert_eq!(granted_verbs, verbs(&used), "granted vs used");
     Ok(())
 }
