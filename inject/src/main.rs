@@ -61,9 +61,10 @@ struct Input {
 
 #[derive(Args, Clone)]
 pub struct Template {
-    /// The image with lattice-init.
-    #[arg(long, env = "LATTICE_IMAGE", default_value = IMAGE)]
-    image: String,
+    /// The image with lattice-init [default: the injector's own image (`lattice webhook`), or
+    /// lattice:<this version>].
+    #[arg(long, env = "LATTICE_IMAGE")]
+    image: Option<String>,
     /// Envoy's image.
     #[arg(long, env = "LATTICE_ENVOY_IMAGE", default_value = ENVOY_IMAGE)]
     envoy_image: String,
@@ -99,7 +100,7 @@ pub struct Template {
 impl Template {
     pub fn config(self) -> InjectConfig {
         InjectConfig {
-            image: self.image,
+            image: self.image.unwrap_or_else(|| IMAGE.to_string()),
             envoy_image: self.envoy_image,
             trap: self.trap_cidr,
             envoy_port: self.envoy_port,

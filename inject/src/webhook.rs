@@ -142,10 +142,17 @@ async fn serve(args: WebhookArgs) -> anyhow::Result<()> {
         println!("lattice webhook: configuration ok");
         return Ok(());
     }
+    let mut template = args.template.clone();
+    if template.image.is_none()
+        && let Source::Issued { client, .. } = &source
+    {
+        template.image = own_image(client, &args.namespace).await;
+    }
     let policy = Arc::new(Policy {
-        config: args.template.clone().config(),
+        config: template.config(),
         own_namespace: args.namespace.clone(),
     });
+    tracing::info!(image = %policy.config.image, envoy_image = %policy.config.envoy_image, "injecting");
     let shutdown = CancellationToken::new();
     let signals = signals(shutdown.clone());
     let ready = Arc::new(AtomicBool::new(false));
@@ -189,6 +196,39 @@ async fn serve(args: WebhookArgs) -> anyhow::Result<()> {
     signals.abort();
     tracing::info!("lattice webhook stopped");
     Ok(())
+}
+
+/// The image this pod runs `lattice` from (`POD_NAME` from the downward API names the pod):
+/// lattice-init is in the same image, so an overlay that moves the image to another registry
+/// moves what is injected with it. `None` when it cannot be read.
+async fn own_image(client: &kube::Client, namespace: &str) -> Option<String> {
+    let name = std::env::var("POD_NAME").ok().filter(|n| !n.is_empty())?;
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(client.clone(), namespace);
+    match pods.get(&name).await {
+        Ok(pod) => {
+            let containers = pod.spec.map(|s| s.containers).unwrap_or_default();
+            let runs_lattice = |c: &&k8s_openapi::api::core::v1::Container| {
+                c.command
+                    .as_ref()
+                    .and_then(|c| c.first())
+                    .is_some_and(|p| p == "lattice")
+            };
+            let image = containers
+                .iter()
+                .find(runs_lattice)
+                .or(containers.first())
+                .and_then(|c| c.image.clone());
+            if image.is_none() {
+                tracing::warn!(pod = %name, "this pod names no image: injecting the default");
+            }
+            image
+        }
+        Err(e) => {
+            tracing::warn!(pod = %name, error = %e, "cannot read this pod for its image: injecting the default");
+            None
+        }
+    }
 }
 
 /// The certificate to start with, retried with backoff while the cluster is not ready for it

@@ -32,6 +32,15 @@ pub struct Injector {
 impl Injector {
     /// Starts `lattice webhook` on a free loopback port with `kubeconfig` and `args`.
     pub fn start(kubeconfig: &str, args: &[&str]) -> anyhow::Result<Injector> {
+        Injector::start_with_env(kubeconfig, args, &[])
+    }
+
+    /// [`Injector::start`] with more environment (`POD_NAME`, as the downward API sets it).
+    pub fn start_with_env(
+        kubeconfig: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Injector> {
         let addr = free_port()?;
         let log = tempfile::NamedTempFile::new()?;
         let child = Command::new(bins::path("lattice"))
@@ -41,6 +50,7 @@ impl Injector {
             .env("KUBECONFIG", kubeconfig)
             .env("POD_NAMESPACE", "lattice-system")
             .env("RUST_LOG", "info,lattice_inject=debug")
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log.reopen()?)

@@ -123,7 +123,18 @@ async fn replicas_share_one_ca_and_answer_reviews_over_verified_tls() {
     .unwrap();
     assert!(bundle(&api).is_err());
     api.apply_json(configuration()).unwrap();
-    let second = Injector::start(&kubeconfig, &[]).unwrap();
+    // The second replica reads its own pod for the image to inject lattice-init from (an
+    // overlay moved it to another registry).
+    api.apply_json(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "lattice-injector-2", "namespace": "lattice-system"},
+        "spec": {"containers": [{"name": "injector", "image": "registry.example/lattice:9.9.9",
+            "command": ["lattice", "webhook"]}]}
+    }))
+    .unwrap();
+    let second =
+        Injector::start_with_env(&kubeconfig, &[], &[("POD_NAME", "lattice-injector-2")]).unwrap();
     let ca = wait::until_async(
         "both webhooks carry the CA",
         Duration::from_secs(20),
@@ -200,13 +211,27 @@ async fn replicas_share_one_ca_and_answer_reviews_over_verified_tls() {
             plain["metadata"]["ownerReferences"]
         );
         assert_eq!(patched["spec"]["containers"], plain["spec"]["containers"]);
-        patches.push(response["patch"].clone());
+        patches.push(typed);
     }
-    assert_eq!(patches[0], patches[1]);
+    let image = |pod: &Pod| {
+        pod.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0]
+            .image
+            .clone()
+    };
+    assert_eq!(
+        image(&patches[0]).as_deref(),
+        Some(concat!("lattice:", env!("CARGO_PKG_VERSION")))
+    );
+    assert_eq!(
+        image(&patches[1]).as_deref(),
+        Some("registry.example/lattice:9.9.9")
+    );
+    let (_, answer, _) = post(first.addr, &review("CREATE", "lattice-demo", &plain, false)).await;
+    let first_patch = outcome(&answer, &plain).unwrap().0["patch"].clone();
 
     // A dry run gets the same answer: the webhook has no side effects.
     let (_, answer, _) = post(first.addr, &review("CREATE", "lattice-demo", &plain, true)).await;
-    assert_eq!(outcome(&answer, &plain).unwrap().0["patch"], patches[0]);
+    assert_eq!(outcome(&answer, &plain).unwrap().0["patch"], first_patch);
 
     // Fields newer than the injector's types survive the patch.
     let mut future = pod();
@@ -264,7 +289,7 @@ async fn replicas_share_one_ca_and_answer_reviews_over_verified_tls() {
         .await
         .unwrap();
     assert_eq!(status, 200);
-    assert_eq!(outcome(&answer, &plain).unwrap().0["patch"], patches[0]);
+    assert_eq!(outcome(&answer, &plain).unwrap().0["patch"], first_patch);
 
     // What is no review is refused, and a body past the bound is not read.
     let (status, _, _) = request(
@@ -334,7 +359,7 @@ async fn replicas_share_one_ca_and_answer_reviews_over_verified_tls() {
     .unwrap();
     let metrics = String::from_utf8_lossy(&metrics);
     assert!(
-        metrics.contains(r#"lattice_injector_reviews_total{verdict="injected"} 4"#),
+        metrics.contains(r#"lattice_injector_reviews_total{verdict="injected"} 5"#),
         "{metrics}"
     );
     assert!(

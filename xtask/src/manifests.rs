@@ -1,5 +1,6 @@
 //! `cargo xtask manifests [--out DIR] [--image IMAGE]`: renders the kustomize base in `deploy/`
-//! (the agent) and `deploy/examples/` (a mesh service with the sidecar) to plain YAML, for
+//! (the agent and the sidecar injector) and `deploy/examples/` (a mesh service, in a namespace
+//! labelled for injection) to plain YAML, for
 //! users who apply manifests without kustomize. With `--image`, each is rendered through a
 //! throw-away overlay that sets the image, exactly as a user's own overlay would.
 
