@@ -12,6 +12,7 @@ pub mod fake_apiserver;
 pub mod injector;
 pub mod iptables;
 pub mod k8s_objects;
+pub mod kubelet;
 pub mod mesh_source;
 pub mod netns;
 pub mod node;

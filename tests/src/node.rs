@@ -519,7 +519,7 @@ impl Backend {
 
 /// One HTTP/1.1 GET with the kubelet's default probe timeout (one second to connect, one for
 /// the answer): `Ok(body)` on 200.
-fn probe(target: SocketAddr, path: &str) -> Result<String, String> {
+pub(crate) fn probe(target: SocketAddr, path: &str) -> Result<String, String> {
     const TIMEOUT: Duration = Duration::from_secs(1);
     let mut stream = TcpStream::connect_timeout(&target, TIMEOUT).map_err(|e| e.to_string())?;
     stream
@@ -543,19 +543,24 @@ fn probe(target: SocketAddr, path: &str) -> Result<String, String> {
 
 /// `/etc/netns/<name>/resolv.conf`, which `ip netns exec` mounts over `/etc/resolv.conf`;
 /// removed on drop.
-struct ResolvConf {
+pub(crate) struct ResolvConf {
     dir: PathBuf,
 }
 
 impl ResolvConf {
     fn write(netns: &Netns, nameserver: Ipv4Addr) -> anyhow::Result<ResolvConf> {
+        ResolvConf::write_text(
+            netns,
+            &format!("nameserver {nameserver}\noptions timeout:2 attempts:1\n"),
+        )
+    }
+
+    /// `text` as the namespace's resolv.conf.
+    pub(crate) fn write_text(netns: &Netns, text: &str) -> anyhow::Result<ResolvConf> {
         let dir = Path::new("/etc/netns").join(netns.name());
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let guard = ResolvConf { dir };
-        std::fs::write(
-            guard.dir.join("resolv.conf"),
-            format!("nameserver {nameserver}\noptions timeout:2 attempts:1\n"),
-        )?;
+        std::fs::write(guard.dir.join("resolv.conf"), text)?;
         Ok(guard)
     }
 }

@@ -448,3 +448,99 @@ async fn a_renewed_certificate_is_served_from_the_next_handshake_and_sigterm_exi
     .unwrap();
     assert!(status.success(), "{status}\n{}", injector.log());
 }
+
+/// A plain pod through the webhook, then run on the simulated node exactly as admitted (the
+/// injected commands, arguments, environment and users; the DNS as injected; the sidecar's
+/// startup probe before the app): the app reaches a mesh service at its first request, through
+/// its Envoy, running as the proxy's UID.
+#[test]
+fn an_injected_pod_runs_as_admitted_and_its_app_reaches_the_mesh_at_its_first_request() {
+    use lattice_e2e::kubelet::KubeletPod;
+    use lattice_e2e::node::{MeshFile, MeshService, NODE_IP, Node, XDS};
+
+    let node = Node::new("inject").unwrap();
+    let backend = node.http_backend("buzz-1", 10, 8080).unwrap();
+    let mesh = MeshFile::new(&[MeshService {
+        path: "/foo/bar/buzz".into(),
+        port: 8080,
+        protocol: "http".into(),
+        endpoints: vec![backend.pod.address],
+    }])
+    .unwrap();
+    let _agent = node
+        .agent(&["--mesh-file", mesh.path().to_str().unwrap()], &[])
+        .unwrap();
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let api = FakeApiServer::start().unwrap();
+    api.apply_json(configuration()).unwrap();
+    let (_dir, kubeconfig) = api.kubeconfig_file().unwrap();
+    // The injector as this node's cluster would configure it: the agent at the node's address.
+    let injector = Injector::start(
+        &kubeconfig,
+        &[
+            &format!("--xds-address={XDS}"),
+            &format!("--nameserver={NODE_IP}"),
+        ],
+    )
+    .unwrap();
+    let admitted: Pod = runtime.block_on(async {
+        let ca = wait::until_async("the CA bundle", Duration::from_secs(20), || async {
+            bundle(&api)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", injector.log()));
+        let trusted = tls_client(&ca, H2_AND_H1).unwrap();
+        let plain = pod();
+        let body = serde_json::to_vec(&review("CREATE", "lattice-demo", &plain, false)).unwrap();
+        let (status, answer, _) =
+            wait::until_async("a review answered", Duration::from_secs(20), || async {
+                request(
+                    injector.addr,
+                    trusted.clone(),
+                    SERVICE_NAME,
+                    "POST",
+                    "/inject",
+                    body.clone(),
+                )
+                .await
+                .map_err(|e| e.to_string())
+            })
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        serde_json::from_value(outcome(&answer, &plain).unwrap().1).unwrap()
+    });
+    let spec = admitted.spec.unwrap();
+
+    let mut pod = KubeletPod::start(&node, "echo-5d4f8-abcde", "lattice-demo", 3, &spec)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The app's first instruction: a request by name, as its own user (captured; Envoy's
+    // own UID is not).
+    let url = "http://buzz.bar.foo.system.internal:8080/";
+    let first = pod
+        .run_as(
+            "app",
+            "curl",
+            &["-4", "-sS", "--max-time", "5", "--fail", url],
+        )
+        .unwrap();
+    assert!(
+        first.status.success(),
+        "the app's first request failed: {}\n{}",
+        String::from_utf8_lossy(&first.stderr),
+        pod.log("lattice-proxy")
+    );
+    assert_eq!(String::from_utf8_lossy(&first.stdout).trim(), "buzz-1");
+    assert_eq!(backend.stats().served(), 1, "one request, through the mesh");
+    assert_eq!(
+        pod.sidecar_uid("lattice-proxy").unwrap(),
+        1337,
+        "Envoy runs as injected"
+    );
+    let init = &pod.init_output["lattice-init"];
+    assert!(
+        init.contains("240.240.0.0/16"),
+        "lattice-init captured the trapped block: {init}"
+    );
+}
