@@ -8,6 +8,7 @@
 
 pub mod annotations;
 pub mod certs;
+pub mod check;
 pub mod config;
 pub mod manifest;
 pub mod review;

@@ -50,6 +50,13 @@ enum Command {
     },
     /// Serve the mutating admission webhook that injects pods as they are created.
     Webhook(Box<webhook::WebhookArgs>),
+    /// Check the mesh on the cluster of the current kubeconfig: the agent, the injector, the
+    /// Gateway API's CRDs, every mesh pod's Envoy. Exits 1 if a check fails.
+    Check {
+        /// The namespace the mesh is installed in.
+        #[arg(long, default_value = "lattice-system")]
+        namespace: String,
+    },
 }
 
 #[derive(Args)]
@@ -129,10 +136,47 @@ fn read(input: &Input) -> anyhow::Result<String> {
         .with_context(|| format!("reading {}", input.file.display()))
 }
 
+/// `lattice check`: prints each check by section; fails if one failed.
+fn check(namespace: String) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let outcomes = runtime.block_on(async {
+        let client = kube::Client::try_default()
+            .await
+            .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+        let install = lattice_inject::check::Install {
+            namespace,
+            ..Default::default()
+        };
+        anyhow::Ok(lattice_inject::check::run(&client, &install).await)
+    })?;
+    let mut section = "";
+    let mut failed = 0;
+    for outcome in &outcomes {
+        if outcome.section != section {
+            section = outcome.section;
+            println!("\n{section}\n{}", "-".repeat(section.chars().count()));
+        }
+        println!("{outcome}");
+        if matches!(outcome.status, lattice_inject::check::Status::Fail { .. }) {
+            failed += 1;
+        }
+    }
+    println!();
+    if failed > 0 {
+        anyhow::bail!("{failed} of {} checks failed", outcomes.len());
+    }
+    println!("Status check results are √");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (text, outcomes) = match cli.command {
         Command::Webhook(args) => return webhook::run(*args),
+        Command::Check { namespace } => return check(namespace),
         Command::Inject {
             input,
             namespace,

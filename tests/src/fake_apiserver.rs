@@ -1,7 +1,8 @@
 //! A fake Kubernetes API server that owns the wire protocol of a table of resources — core/v1
 //! Services, discovery.k8s.io/v1 EndpointSlices, the Gateway API's HTTPRoutes, GRPCRoutes and
-//! ReferenceGrants, core/v1 Pods, ConfigMaps, Secrets and Nodes, and admissionregistration's
-//! MutatingWebhookConfigurations (see [`KINDS`]) — over real HTTP on loopback, so the agent
+//! ReferenceGrants, core/v1 Pods, ConfigMaps, Secrets and Nodes, admissionregistration's
+//! MutatingWebhookConfigurations, apps' DaemonSets and Deployments, and RBAC's roles and
+//! bindings (see [`KINDS`]) — over real HTTP on loopback, so the agent
 //! and the injector under test talk to it through their real kube client and a kubeconfig.
 //!
 //! Reads are get, list and watch; writes are create (POST to a collection: 409 AlreadyExists
@@ -72,7 +73,15 @@ pub static KINDS: &[Kind] = &[
         "MutatingWebhookConfiguration",
         "mutatingwebhookconfigurations",
     ),
+    Kind::namespaced("apps", "v1", "DaemonSet", "daemonsets"),
+    Kind::namespaced("apps", "v1", "Deployment", "deployments"),
+    Kind::cluster_scoped(RBAC, "v1", "ClusterRole", "clusterroles"),
+    Kind::cluster_scoped(RBAC, "v1", "ClusterRoleBinding", "clusterrolebindings"),
+    Kind::namespaced(RBAC, "v1", "Role", "roles"),
+    Kind::namespaced(RBAC, "v1", "RoleBinding", "rolebindings"),
 ];
+
+const RBAC: &str = "rbac.authorization.k8s.io";
 
 /// A resource the fake serves, as API discovery describes it.
 #[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
