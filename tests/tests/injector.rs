@@ -544,3 +544,47 @@ fn an_injected_pod_runs_as_admitted_and_its_app_reaches_the_mesh_at_its_first_re
         "lattice-init captured the trapped block: {init}"
     );
 }
+
+/// Given a certificate (cert-manager's, mounted from its Secret), the injector serves it and
+/// writes neither a Secret nor the bundle: cert-manager's CA injector owns that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_given_certificate_is_served_and_the_cluster_left_alone() {
+    let api = FakeApiServer::start().unwrap();
+    api.apply_json(configuration()).unwrap();
+    let (_dir, kubeconfig) = api.kubeconfig_file().unwrap();
+    let issued = Chain::issue(&[SERVICE_NAME.to_string()]).unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let (cert, key) = (files.path().join("tls.crt"), files.path().join("tls.key"));
+    std::fs::write(&cert, &issued.cert).unwrap();
+    std::fs::write(&key, &issued.key).unwrap();
+    let injector = Injector::start(
+        &kubeconfig,
+        &[
+            &format!("--tls-cert-file={}", cert.display()),
+            &format!("--tls-key-file={}", key.display()),
+        ],
+    )
+    .unwrap();
+    let trusted = tls_client(issued.ca_cert.as_bytes(), H2_AND_H1).unwrap();
+    let (status, _, _) =
+        wait::until_async("the injector serves", Duration::from_secs(20), || async {
+            request(
+                injector.addr,
+                trusted.clone(),
+                SERVICE_NAME,
+                "GET",
+                "/readyz",
+                vec![],
+            )
+            .await
+            .map_err(|e| format!("{e}\n{}", injector.log()))
+        })
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        api.objects::<Secret>().unwrap().is_empty(),
+        "no Secret written"
+    );
+    assert!(bundle(&api).is_err(), "no bundle written");
+}
