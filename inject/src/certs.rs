@@ -139,6 +139,13 @@ fn serving(
     Ok((cert.pem(), key.serialize_pem()))
 }
 
+/// When the (first) certificate of `pem` expires, in Unix seconds.
+pub fn expiry(pem: &str) -> Option<i64> {
+    let pem = self::pem(pem, TLS_CRT).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 fn unreadable(what: &'static str, why: impl std::fmt::Display) -> CertError {
     CertError::Unreadable {
         what,

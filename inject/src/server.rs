@@ -23,6 +23,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
@@ -116,6 +117,8 @@ struct VerdictLabel {
 pub struct Metrics {
     reviews: Family<VerdictLabel, Counter>,
     refused: Counter,
+    /// When the serving certificate expires (Unix seconds).
+    expiry: Gauge,
     registry: Arc<RwLock<Registry>>,
 }
 
@@ -139,12 +142,25 @@ impl Metrics {
                 metrics.reviews.clone(),
             );
             sub.register(
+                "certificate_expiry_timestamp_seconds",
+                "When the serving certificate expires (Unix time): it is renewed when a third of \
+                 its life is left, so an alert well before that says renewal fails",
+                metrics.expiry.clone(),
+            );
+            sub.register(
                 "bad_requests",
                 "Requests refused: not a review, too large, or not POST /inject",
                 metrics.refused.clone(),
             );
         }
         metrics
+    }
+
+    /// The serving certificate now served, `cert_pem`.
+    pub fn serving(&self, cert_pem: &str) {
+        if let Some(expiry) = crate::certs::expiry(cert_pem) {
+            self.expiry.set(expiry);
+        }
     }
 
     fn encode(&self) -> String {

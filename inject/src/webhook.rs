@@ -159,6 +159,8 @@ async fn serve(args: WebhookArgs) -> anyhow::Result<()> {
     // The first certificate before anything is served; the bundle is retried until written.
     let (cert, key) = first_certificate(&source, &shutdown).await?;
     let slot = CertSlot::new(&cert, &key)?;
+    let metrics = Metrics::new();
+    metrics.serving(&cert);
     ready.store(true, Ordering::Release);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -166,7 +168,7 @@ async fn serve(args: WebhookArgs) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, namespace = %args.namespace, "lattice webhook serving");
     let shared = Shared {
         policy,
-        metrics: Metrics::new(),
+        metrics: metrics.clone(),
         ready,
     };
     let server = tokio::spawn(server::serve(
@@ -182,11 +184,12 @@ async fn serve(args: WebhookArgs) -> anyhow::Result<()> {
             () = shutdown.cancelled() => break,
         }
         match source.current().await {
-            Ok((cert, key)) => {
-                if let Err(e) = slot.replace(&cert, &key) {
+            Ok((cert, key)) => match slot.replace(&cert, &key) {
+                Ok(()) => metrics.serving(&cert),
+                Err(e) => {
                     tracing::warn!(error = %e, "the renewed certificate cannot be served; keeping the current one");
                 }
-            }
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "checking the certificate failed; trying again later")
             }

@@ -366,6 +366,20 @@ async fn replicas_share_one_ca_and_answer_reviews_over_verified_tls() {
         metrics.contains(r#"lattice_injector_reviews_total{verdict="left"} 1"#),
         "{metrics}"
     );
+    let expiry: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("lattice_injector_certificate_expiry_timestamp_seconds "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no expiry gauge:\n{metrics}"));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let days = (expiry - now) / 86_400.0;
+    assert!(
+        (360.0..=366.0).contains(&days),
+        "the serving certificate expires in {days} days"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
