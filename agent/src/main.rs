@@ -52,7 +52,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// system within about a second (`dirty_decay_ms`), and at once past that (`muzzy_decay_ms:0`),
 /// instead of keeping them ten seconds and only while the agent allocates. At 10k services
 /// with 100 proxies that took the RSS after the initial sync and the changes from 211–216 MiB
-/// to 186 MiB (docs/benchmarks.md, version H). `_RJEM_MALLOC_CONF` in the environment still
+/// to 186 MiB (docs/benchmarks.md, "Agent memory"). `_RJEM_MALLOC_CONF` in the environment still
 /// overrides it.
 ///
 /// jemalloc reads this C string through the symbol `malloc_conf` (prefixed `_rjem_` by

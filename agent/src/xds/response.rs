@@ -2,8 +2,7 @@
 //! own their resources: building one meant cloning every resource's `Any` (its type URL and its
 //! bytes, two allocations) for every stream, and the 16 responses a stream may queue each held
 //! their own copy. At 10k services and a hundred proxies that is a million clones in an initial
-//! sync; a profile showed the clone as a tenth of the agent's CPU (docs/benchmarks.md, version
-//! F). [`SotwResponse`] and [`DeltaResponse`] hold the snapshot's resources by `Arc` and encode
+//! sync; a profile showed the clone as a tenth of the agent's CPU. [`SotwResponse`] and [`DeltaResponse`] hold the snapshot's resources by `Arc` and encode
 //! them straight from there, to the same bytes as the generated types (the tests compare them).
 //!
 //! Encode-only and hand-written for the same reason as [`super::wire`]: prost's generator has no
