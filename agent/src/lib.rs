@@ -9,7 +9,8 @@
 //! server serves, and knows nothing of sources; the xDS server knows neither the mesh nor the
 //! translators. Beside the flow: [`config`], [`identity`] (which proxies may connect: the
 //! Kubernetes source feeds it, the xDS server checks against it), [`scope`] (which services
-//! each pod uses: its declarations and its DNS lookups; the xDS server gives its proxy only those), [`admin`] (which reads the mesh and the servers'
+//! each pod uses: its declarations and its DNS lookups; the xDS server gives its proxy only those), [`trust`] (workload identities
+//! and the issuer of their certificates), [`admin`] (which reads the mesh and the servers'
 //! state), [`metrics`], [`readiness`] and [`node_local_address`]. `tests/layers.rs` holds the
 //! rule.
 
@@ -25,4 +26,5 @@ pub mod readiness;
 pub mod scope;
 pub mod source;
 pub mod translate;
+pub mod trust;
 pub mod xds;

@@ -17,6 +17,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("parallel", &[]),
     ("mesh", &[]),
     ("identity", &[]),
+    ("trust", &[]),
     ("scope", &["identity"]),
     ("source", &["mesh", "identity", "parallel"]),
     ("catalog", &["mesh", "readiness"]),

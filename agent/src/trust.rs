@@ -1,0 +1,12 @@
+//! Workload identity: who a proxy is, and the certificates that say so. A workload's identity
+//! is its service account as a SPIFFE ID ([`SpiffeId`]); an [`Issuer`] (an intermediate CA and
+//! the trust bundle, as a `kubernetes.io/tls` Secret holds them) signs short-lived leaves for
+//! those identities. The agent hands a verified proxy its pod's leaf and the bundle over SDS.
+//!
+//! Beside the data flow, as the `identity` module is: it depends on no stage.
+
+mod issuer;
+mod spiffe;
+
+pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
+pub use spiffe::{SpiffeError, SpiffeId};
