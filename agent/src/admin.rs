@@ -20,6 +20,7 @@ use crate::catalog::StatusRx;
 use crate::mesh::{MeshRx, NodeLocality};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
+use crate::trust::Authority;
 use crate::xds::ProxyRegistry;
 
 /// What the admin server reads: the agent's state, never a lock on the data path.
@@ -33,6 +34,8 @@ pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub proxies: ProxyRegistry,
     pub readiness: Readiness,
+    /// The issuer of workload certificates, for `/debug/identity`.
+    pub authority: Arc<Authority>,
 }
 
 pub struct AdminServer {
@@ -67,6 +70,7 @@ impl AdminServer {
             .route("/metrics", get(metrics_text))
             .route("/debug/mesh", get(debug_mesh))
             .route("/debug/xds", get(debug_xds))
+            .route("/debug/identity", get(debug_identity))
             .route("/debug/routes", get(debug_routes))
             .with_state(state);
         Ok(AdminServer {
@@ -235,6 +239,10 @@ async fn debug_routes(State(state): State<AdminState>) -> Response {
         "rejected": mesh.rejected_routes,
     }))
     .into_response()
+}
+
+async fn debug_identity(State(state): State<AdminState>) -> Response {
+    axum::Json(state.authority.debug()).into_response()
 }
 
 async fn debug_xds(State(state): State<AdminState>) -> Response {

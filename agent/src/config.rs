@@ -120,6 +120,31 @@ pub struct AgentConfig {
     )]
     pub path_grants: (String, String),
 
+    /// The trust domain of workload identities: a pod's is
+    /// spiffe://<trust domain>/ns/<namespace>/sa/<service account>.
+    #[arg(
+        long,
+        env = "LATTICE_TRUST_DOMAIN",
+        default_value = "cluster.local",
+        value_name = "DOMAIN",
+        value_parser = parse_trust_domain
+    )]
+    pub trust_domain: String,
+
+    /// The Secret (namespace/name, type kubernetes.io/tls: tls.crt with its chain, tls.key in
+    /// PKCS#8, ca.crt the trust bundle) of the CA that signs workload certificates, as a
+    /// cert-manager Certificate with isCA: true writes it. Watched by name (RBAC grants this
+    /// Secret alone), held in memory, never written to the node; a version that does not hold
+    /// together is refused and the one before stays in use. Absent: no workload certificates.
+    #[arg(
+        long,
+        env = "LATTICE_CA_SECRET",
+        default_value = "lattice-system/lattice-ca",
+        value_name = "NAMESPACE/NAME",
+        value_parser = parse_object_ref
+    )]
+    pub ca_secret: (String, String),
+
     /// How often, in seconds, the agent compares the API server's current resourceVersion
     /// with the highest its watches have seen; one below it means the API server was restored
     /// from a backup, and every resource is listed again. 0: never.
@@ -499,6 +524,12 @@ fn parse_object_ref(s: &str) -> Result<(String, String), String> {
         }
         _ => Err(format!("{s:?} is not namespace/name")),
     }
+}
+
+fn parse_trust_domain(s: &str) -> Result<String, String> {
+    crate::trust::check_trust_domain(s)
+        .map(|()| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 fn parse_trap(s: &str) -> Result<TrapCidrs, String> {

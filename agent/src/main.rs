@@ -34,6 +34,7 @@ use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
+use lattice_agent::trust::{Authority, SecretRef};
 use lattice_agent::xds::{
     AdsService, Caps, Limits, ProxyRegistry, RequestBound, XdsLimits, XdsServer,
 };
@@ -317,6 +318,15 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         let (record, book) = AddressRecordFile::load(dir, &config.trap_cidr, metrics.mesh.clone());
         catalog = catalog.with_address_record(record, book);
     }
+    // The issuer of workload certificates: from its Secret where the agent watches Kubernetes.
+    let authority = Arc::new(Authority::new(
+        config.trust_domain.clone(),
+        kubernetes.as_ref().map(|_| SecretRef {
+            namespace: config.ca_secret.0.clone(),
+            name: config.ca_secret.1.clone(),
+        }),
+        metrics.trust.clone(),
+    ));
     let admin_state = AdminState {
         mesh: mesh_rx,
         catalog: catalog_status,
@@ -324,6 +334,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         proxies: proxies.clone(),
         readiness: readiness.clone(),
+        authority: authority.clone(),
     };
     let admin = AdminServer::bind(
         config.admin_addr,
@@ -345,6 +356,18 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
 
     let mut tasks: JoinSet<anyhow::Result<&'static str>> = JoinSet::new();
+    if let (Some(client), Some(secret)) = (&kubernetes, authority.secret()) {
+        let (client, secret, authority, token) = (
+            client.clone(),
+            secret.clone(),
+            authority.clone(),
+            shutdown.clone(),
+        );
+        tasks.spawn(async move {
+            source::kube::ca::watch_ca(client, secret, authority, token).await;
+            Ok("issuer watch")
+        });
+    }
     let identity = match (&kubernetes, &config.node_name) {
         (Some(client), Some(node)) => {
             let (pods_tx, pods_rx) = identity::channel();

@@ -7,6 +7,7 @@ use prometheus_client::registry::Registry;
 
 use crate::mesh::MeshMetrics;
 use crate::scope::ScopeMetrics;
+use crate::trust::TrustMetrics;
 use crate::xds::XdsMetrics;
 
 /// The registry and the recorders registered in it.
@@ -16,6 +17,7 @@ pub struct Metrics {
     pub xds: XdsMetrics,
     pub dns: lattice_dns::DnsMetrics,
     pub scope: ScopeMetrics,
+    pub trust: TrustMetrics,
 }
 
 impl Metrics {
@@ -25,12 +27,14 @@ impl Metrics {
         let xds = XdsMetrics::register(&mut registry);
         let dns = lattice_dns::DnsMetrics::new(&mut registry);
         let scope = ScopeMetrics::register(&mut registry);
+        let trust = TrustMetrics::register(&mut registry);
         Arc::new(Metrics {
             registry,
             mesh,
             xds,
             dns,
             scope,
+            trust,
         })
     }
 

@@ -5,8 +5,10 @@
 //!
 //! Beside the data flow, as the `identity` module is: it depends on no stage.
 
+mod authority;
 mod issuer;
 mod spiffe;
 
+pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics};
 pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
-pub use spiffe::{SpiffeError, SpiffeId};
+pub use spiffe::{SpiffeError, SpiffeId, check_trust_domain};

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 /// What each top-level module may import from the crate. A stage imports the snapshot it reads
 /// and the type it hands on, never a stage before it.
 const ALLOWED: &[(&str, &[&str])] = &[
-    ("config", &[]),
+    ("config", &["trust"]),
     ("readiness", &[]),
     ("node_local_address", &[]),
     ("parallel", &[]),
@@ -19,12 +19,15 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("identity", &[]),
     ("trust", &[]),
     ("scope", &["identity"]),
-    ("source", &["mesh", "identity", "parallel"]),
+    ("source", &["mesh", "identity", "parallel", "trust"]),
     ("catalog", &["mesh", "readiness"]),
     ("translate", &["mesh", "xds", "readiness", "parallel"]),
     ("xds", &["identity", "scope"]),
-    ("metrics", &["mesh", "xds", "scope"]),
-    ("admin", &["catalog", "mesh", "metrics", "readiness", "xds"]),
+    ("metrics", &["mesh", "xds", "scope", "trust"]),
+    (
+        "admin",
+        &["catalog", "mesh", "metrics", "readiness", "xds", "trust"],
+    ),
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

@@ -798,7 +798,15 @@ fn c_cluster_role_grants_exactly_what_the_kubernetes_source_uses() -> anyhow::Re
         .chain(own.rules.iter().flatten())
     {
         assert!(rule.non_resource_urls.is_none(), "{rule:?}");
-        assert!(rule.resource_names.is_none(), "{rule:?}");
+        // Names limit only the CA's Secret, the one Secret the agent reads.
+        match rule.resources.as_deref() {
+            Some([secrets]) if secrets == "secrets" => assert_eq!(
+                rule.resource_names.as_deref(),
+                Some(&["lattice-ca".to_string()][..]),
+                "{rule:?}"
+            ),
+            _ => assert!(rule.resource_names.is_none(), "{rule:?}"),
+        }
         for group in rule.api_groups.iter().flatten() {
             for resource in rule.resources.iter().flatten() {
                 for verb in &rule.verbs {

@@ -20,6 +20,7 @@
 //! `--kube-rollback-check`) and every change's version with the highest seen, and on a step
 //! back lists every resource again and publishes what they give, at once.
 
+pub mod ca;
 mod index;
 mod mapping;
 pub mod node;

@@ -31,14 +31,7 @@ impl SpiffeId {
         namespace: &str,
         service_account: &str,
     ) -> Result<SpiffeId, SpiffeError> {
-        let td_ok = !trust_domain.is_empty()
-            && trust_domain.len() <= 255
-            && trust_domain
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
-        if !td_ok {
-            return Err(SpiffeError::TrustDomain(shown(trust_domain)));
-        }
+        check_trust_domain(trust_domain)?;
         for (what, name, max) in [
             ("namespace", namespace, 63),
             ("service account", service_account, 253),
@@ -97,6 +90,20 @@ impl fmt::Display for SpiffeId {
             "spiffe://{}/ns/{}/sa/{}",
             self.trust_domain, self.namespace, self.service_account
         )
+    }
+}
+
+/// Whether `trust_domain` is one: lower-case letters, digits, `.`, `-`, `_`, 1 to 255 of them.
+pub fn check_trust_domain(trust_domain: &str) -> Result<(), SpiffeError> {
+    let ok = !trust_domain.is_empty()
+        && trust_domain.len() <= 255
+        && trust_domain
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(SpiffeError::TrustDomain(shown(trust_domain)))
     }
 }
 

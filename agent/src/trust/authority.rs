@@ -1,0 +1,237 @@
+//! The issuer in use, followed live from its Secret (`--ca-secret`, by
+//! `source::kube::ca`): what `/debug/identity` shows and the metrics count.
+//!
+//! A Secret that does not hold together (a key that is not the CA's, a chain that does not
+//! reach the bundle, an expired CA) is refused with the reason, and the issuer read before
+//! stays in use: a bad edit of the Secret must not stop certificates. A deleted Secret takes
+//! the issuer away (leaves already issued keep their lifetime): deleting it is how an operator
+//! stops issuance.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use super::issuer::{Issuer, IssuerError};
+
+/// Where the issuer's Secret is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SecretRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for SecretRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RootLabel {
+    root: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// `lattice_identity_*`.
+#[derive(Clone, Debug, Default)]
+pub struct TrustMetrics {
+    issuer_expiry: Gauge,
+    root_expiry: Family<RootLabel, Gauge>,
+    refusals: Family<ReasonLabel, Counter>,
+}
+
+impl TrustMetrics {
+    pub fn register(registry: &mut Registry) -> TrustMetrics {
+        let metrics = TrustMetrics::default();
+        let identity = registry.sub_registry_with_prefix("lattice_identity");
+        identity.register(
+            "issuer_expiry_timestamp_seconds",
+            "When the issuer of workload certificates expires (Unix time); 0 with no issuer",
+            metrics.issuer_expiry.clone(),
+        );
+        identity.register(
+            "root_expiry_timestamp_seconds",
+            "When each root of the trust bundle expires (Unix time), by subject",
+            metrics.root_expiry.clone(),
+        );
+        identity.register(
+            "issuer_refusals",
+            "Versions of the issuer's Secret refused, by reason (the issuer before stays in use)",
+            metrics.refusals.clone(),
+        );
+        metrics
+    }
+}
+
+/// What is known of the issuer.
+#[derive(Clone, Debug, Default)]
+pub struct AuthorityState {
+    pub issuer: Option<Arc<Issuer>>,
+    /// Why the Secret's last version was refused, if it was.
+    pub refused: Option<String>,
+    /// Whether the Secret exists (as last listed or watched).
+    pub present: bool,
+    /// Whether the Secret has been listed at all.
+    pub listed: bool,
+}
+
+/// The issuer in use, for the rest of the agent to read.
+#[derive(Debug)]
+pub struct Authority {
+    trust_domain: String,
+    secret: Option<SecretRef>,
+    tx: watch::Sender<AuthorityState>,
+    metrics: TrustMetrics,
+}
+
+impl Authority {
+    /// Following `secret` (none: mesh files only, no issuer).
+    pub fn new(
+        trust_domain: String,
+        secret: Option<SecretRef>,
+        metrics: TrustMetrics,
+    ) -> Authority {
+        Authority {
+            trust_domain,
+            secret,
+            tx: watch::channel(AuthorityState::default()).0,
+            metrics,
+        }
+    }
+
+    pub fn secret(&self) -> Option<&SecretRef> {
+        self.secret.as_ref()
+    }
+
+    pub fn trust_domain(&self) -> &str {
+        &self.trust_domain
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<AuthorityState> {
+        self.tx.subscribe()
+    }
+
+    /// A version of the Secret: its `tls.crt`, `tls.key` and `ca.crt`.
+    pub fn seen(&self, tls_crt: &[u8], tls_key: &[u8], ca_crt: &[u8]) {
+        match Issuer::from_secret(tls_crt, tls_key, ca_crt, OffsetDateTime::now_utc()) {
+            Ok(issuer) => {
+                tracing::info!(issuer = %issuer.subject(), roots = issuer.roots().len(), not_after = issuer.not_after(), "workload certificates are issued by this CA");
+                self.tx.send_modify(|state| {
+                    state.issuer = Some(Arc::new(issuer));
+                    state.refused = None;
+                    state.present = true;
+                });
+            }
+            Err(error) => self.refuse(&error),
+        }
+        self.record();
+    }
+
+    /// A version of the Secret that lacks a key.
+    pub fn incomplete(&self, missing: &'static str) {
+        let error = IssuerError::NoCertificate { what: missing };
+        self.refuse(&error);
+        self.record();
+    }
+
+    fn refuse(&self, error: &IssuerError) {
+        let reason = match error {
+            IssuerError::NoCertificate { .. } | IssuerError::Unreadable { .. } => "unreadable",
+            IssuerError::Key => "key",
+            IssuerError::KeyMismatch => "key_mismatch",
+            IssuerError::NotCa => "not_ca",
+            IssuerError::Chain { .. } => "chain",
+            IssuerError::NotValid { .. } => "not_valid",
+            IssuerError::Issue(_) => "other",
+        };
+        self.metrics
+            .refusals
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+        let secret = self
+            .secret
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        tracing::warn!(%secret, %error, "the issuer's Secret is refused; the issuer read before stays in use");
+        self.tx.send_modify(|state| {
+            state.refused = Some(error.to_string());
+            state.present = true;
+        });
+    }
+
+    /// The Secret is gone: no issuer.
+    pub fn gone(&self) {
+        let was = self.tx.borrow().issuer.is_some();
+        if was {
+            tracing::warn!(secret = %self.secret.as_ref().map(ToString::to_string).unwrap_or_default(), "the issuer's Secret was deleted: no workload certificates are issued until it is back");
+        }
+        self.tx.send_modify(|state| {
+            state.issuer = None;
+            state.refused = None;
+            state.present = false;
+        });
+        self.record();
+    }
+
+    /// The Secret was listed (whether it exists or not).
+    pub fn listed(&self) {
+        let first = !self.tx.borrow().listed;
+        self.tx.send_modify(|state| state.listed = true);
+        if first && !self.tx.borrow().present {
+            tracing::info!(secret = %self.secret.as_ref().map(ToString::to_string).unwrap_or_default(), "no issuer Secret: workload certificates are off until it exists");
+        }
+    }
+
+    fn record(&self) {
+        let state = self.tx.borrow().clone();
+        self.metrics.root_expiry.clear();
+        match &state.issuer {
+            Some(issuer) => {
+                self.metrics.issuer_expiry.set(issuer.not_after());
+                for (root, not_after) in issuer.roots() {
+                    self.metrics
+                        .root_expiry
+                        .get_or_create(&RootLabel { root })
+                        .set(not_after);
+                }
+            }
+            None => {
+                self.metrics.issuer_expiry.set(0);
+            }
+        }
+    }
+
+    /// `/debug/identity`.
+    pub fn debug(&self) -> Value {
+        let state = self.tx.borrow().clone();
+        let issuer = state.issuer.as_ref().map(|issuer| {
+            json!({
+                "subject": issuer.subject(),
+                "not_after": issuer.not_after(),
+                "roots": issuer.roots().into_iter()
+                    .map(|(subject, not_after)| json!({"subject": subject, "not_after": not_after}))
+                    .collect::<Vec<_>>(),
+            })
+        });
+        json!({
+            "trust_domain": self.trust_domain,
+            "secret": self.secret.as_ref().map(ToString::to_string),
+            "listed": state.listed,
+            "present": state.present,
+            "issuer": issuer,
+            "refused": state.refused,
+        })
+    }
+}
