@@ -4,8 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use crate::template::Skip;
-
 /// `enabled` or `disabled`: on a pod, asks for injection or opts out (the opt-out wins over
 /// the namespace's label); as a namespace label, injects every pod of the namespace.
 pub const INJECT: &str = "lattice.mlab.com/inject";
@@ -59,7 +57,7 @@ pub struct Overrides {
 
 impl Overrides {
     /// Reads `annotations`, refusing the first value that does not parse.
-    pub fn read(annotations: &BTreeMap<String, String>) -> Result<Overrides, Skip> {
+    pub fn read(annotations: &BTreeMap<String, String>) -> Result<Overrides, BadAnnotation> {
         let mut overrides = Overrides::default();
         for (key, slot) in [
             (PROXY_CPU, &mut overrides.cpu),
@@ -121,12 +119,27 @@ impl Overrides {
     }
 }
 
-fn bad(key: &'static str, value: &str, why: &'static str) -> Skip {
-    Skip::BadAnnotation {
-        key,
-        value: shown(value),
-        why,
+/// An annotation whose value does not parse: which, its value (cut short) and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {key}: {value:?} is {why}")]
+pub struct BadAnnotation {
+    pub key: &'static str,
+    pub value: String,
+    pub why: &'static str,
+}
+
+impl BadAnnotation {
+    pub fn new(key: &'static str, value: &str, why: &'static str) -> BadAnnotation {
+        BadAnnotation {
+            key,
+            value: shown(value),
+            why,
+        }
     }
+}
+
+fn bad(key: &'static str, value: &str, why: &'static str) -> BadAnnotation {
+    BadAnnotation::new(key, value, why)
 }
 
 /// At most [`SHOWN`] characters of `value`, for a message.
@@ -185,7 +198,7 @@ mod tests {
     fn a_bad_value_is_refused_with_its_annotation_and_no_more_of_it_than_a_line() {
         let long = "x".repeat(10_000);
         let annotations = BTreeMap::from([(PROXY_MEMORY.to_string(), long)]);
-        let Err(Skip::BadAnnotation { key, value, .. }) = Overrides::read(&annotations) else {
+        let Err(BadAnnotation { key, value, .. }) = Overrides::read(&annotations) else {
             panic!("refused");
         };
         assert_eq!(key, PROXY_MEMORY);

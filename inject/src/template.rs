@@ -38,7 +38,7 @@ use lattice_contract::{
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::annotations::{INJECT, INJECTED, Overrides, Wish, shown};
+use crate::annotations::{BadAnnotation, INJECT, INJECTED, Overrides, Wish, shown};
 use crate::config::InjectConfig;
 
 /// The init container that writes the bootstrap and the iptables rules.
@@ -82,12 +82,8 @@ pub enum Skip {
         what: &'static str,
         name: &'static str,
     },
-    #[error("annotation {key}: {value:?} is {why}")]
-    BadAnnotation {
-        key: &'static str,
-        value: String,
-        why: &'static str,
-    },
+    #[error("{0}")]
+    BadAnnotation(#[from] BadAnnotation),
     #[error("not a pod: {0}")]
     NotAPod(String),
 }
@@ -135,11 +131,9 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
             Some(Wish::Disabled) => return Err(Skip::OptedOut),
             Some(Wish::Enabled) => {}
             None => {
-                return Err(Skip::BadAnnotation {
-                    key: INJECT,
-                    value: shown(value),
-                    why: "neither enabled nor disabled",
-                });
+                return Err(
+                    BadAnnotation::new(INJECT, value, "neither enabled nor disabled").into(),
+                );
             }
         }
     }

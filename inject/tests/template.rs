@@ -4,7 +4,7 @@
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use lattice_inject::annotations::INJECTED;
+use lattice_inject::annotations::{BadAnnotation, INJECTED};
 use lattice_inject::template::{INIT_CONTAINER, PROXY_CONTAINER, READY_PORT, VOLUME};
 use lattice_inject::{InjectConfig, Skip, inject, uninject};
 use proptest::prelude::*;
@@ -270,10 +270,10 @@ fn pods_the_mesh_cannot_take_are_left_alone_with_the_reason() {
             |s| {
                 matches!(
                     s,
-                    Skip::BadAnnotation {
+                    Skip::BadAnnotation(BadAnnotation {
                         key: "lattice.mlab.com/proxy-memory",
                         ..
-                    }
+                    })
                 )
             },
         ),
