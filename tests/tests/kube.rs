@@ -23,9 +23,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 /// The watches the agent keeps open on a cluster-wide source: one per kind it reads.
-/// Services, EndpointSlices, HTTPRoutes, GRPCRoutes, ReferenceGrants, and the path grants
-/// ConfigMap.
-const WATCHES: usize = 6;
+/// Services, EndpointSlices, HTTPRoutes, GRPCRoutes, ReferenceGrants, the path grants
+/// ConfigMap, and the Secret of the CA of workload certificates.
+const WATCHES: usize = 7;
 /// How long a change may take to show up in normal operation: the same bar as the data path's.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.
@@ -556,7 +556,7 @@ fn faults_mid_run_end_with_the_agent_equal_to_the_server() {
     server.drop_watches();
     churn(server);
     converge(agent, server, RECOVER, "mesh after dropped watches");
-    // Services, EndpointSlices, HTTPRoutes, GRPCRoutes and ReferenceGrants.
+    // Every kind the agent reads (WATCHES).
     wait::until("every watch reopened", RECOVER, || {
         (server.open_watches() == WATCHES)
             .then_some(())
