@@ -7,8 +7,10 @@
 
 mod authority;
 mod issuer;
+mod leaves;
 mod spiffe;
 
 pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics};
 pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
+pub use leaves::{LeafError, Leaves};
 pub use spiffe::{SpiffeError, SpiffeId, check_trust_domain};

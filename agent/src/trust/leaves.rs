@@ -1,0 +1,379 @@
+//! The leaves the node's proxies hold, one per identity: pods of one service account on the
+//! node share it, as ztunnel's do. A leaf is issued when an identity is first wanted, renewed
+//! once half its life is gone (plus up to a tenth of it, at random, so a node's leaves do not
+//! all renew at once: Istio's `SECRET_GRACE_PERIOD_RATIO` with its jitter), and forgotten when
+//! no pod of the node has that identity any more.
+//!
+//! A renewal that fails keeps the leaf it would have replaced, which stays valid until its own
+//! end, and is tried again with backoff (doubling from a second, capped at a minute and at the
+//! leaf's end); a signer outage shorter than what is left of a leaf's life fails nothing.
+//!
+//! Time is passed in (Unix seconds), so the schedule is tested against a plain model without
+//! waiting.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use time::OffsetDateTime;
+
+use super::issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
+use super::spiffe::SpiffeId;
+
+/// The first retry after a failed issue, and the most between two.
+const FIRST_RETRY: i64 = 1;
+const MOST_RETRY: i64 = 60;
+
+/// One identity's leaf and its schedule.
+#[derive(Clone, Debug)]
+struct Entry {
+    leaf: Option<Arc<Leaf>>,
+    /// When to issue next (renew, or retry).
+    due: i64,
+    /// Failures since the last issue that worked.
+    failures: u32,
+}
+
+/// Why an identity has no leaf.
+#[derive(Debug, thiserror::Error)]
+pub enum LeafError {
+    #[error("no issuer (the CA's Secret is absent or was never readable)")]
+    NoIssuer,
+    #[error(transparent)]
+    Issuer(#[from] IssuerError),
+}
+
+impl LeafError {
+    /// The metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            LeafError::NoIssuer => "no_issuer",
+            LeafError::Issuer(_) => "issuer",
+        }
+    }
+}
+
+/// The leaves of the node's identities.
+#[derive(Debug)]
+pub struct Leaves {
+    policy: LeafPolicy,
+    entries: HashMap<SpiffeId, Entry>,
+    /// The jitter's source: a small xorshift, seeded per agent, so two agents do not renew in
+    /// step; not for anything secret.
+    state: u64,
+}
+
+impl Leaves {
+    pub fn new(policy: LeafPolicy, seed: u64) -> Leaves {
+        Leaves {
+            policy,
+            entries: HashMap::new(),
+            state: seed | 1,
+        }
+    }
+
+    /// The leaf of `id` at `now`, issued first if it has none yet. A leaf past its end is
+    /// never returned.
+    pub fn get(
+        &mut self,
+        id: &SpiffeId,
+        issuer: Option<&Issuer>,
+        now: i64,
+    ) -> Result<Arc<Leaf>, LeafError> {
+        if let Some(leaf) = self.current(id, now) {
+            return Ok(leaf);
+        }
+        self.entries.entry(id.clone()).or_insert(Entry {
+            leaf: None,
+            due: now,
+            failures: 0,
+        });
+        self.issue(id, issuer, now)?;
+        self.current(id, now).ok_or(LeafError::NoIssuer)
+    }
+
+    /// The leaf `id` holds now, if any is valid.
+    pub fn current(&self, id: &SpiffeId, now: i64) -> Option<Arc<Leaf>> {
+        self.entries
+            .get(id)
+            .and_then(|e| e.leaf.clone())
+            .filter(|leaf| leaf.not_after > now)
+    }
+
+    /// Renews (or retries) every leaf that is due at `now`; returns the identities whose leaf
+    /// changed, and the failures.
+    pub fn renew_due(
+        &mut self,
+        issuer: Option<&Issuer>,
+        now: i64,
+    ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
+        let due: Vec<SpiffeId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.due <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let (mut renewed, mut failed) = (Vec::new(), Vec::new());
+        for id in due {
+            match self.issue(&id, issuer, now) {
+                Ok(()) => renewed.push(id),
+                Err(error) => failed.push((id, error)),
+            }
+        }
+        (renewed, failed)
+    }
+
+    /// When the next leaf is due, if any is wanted.
+    pub fn next_due(&self) -> Option<i64> {
+        self.entries.values().map(|e| e.due).min()
+    }
+
+    /// `id` is no one's on this node any more.
+    pub fn forget(&mut self, id: &SpiffeId) {
+        self.entries.remove(id);
+    }
+
+    /// Each identity with a leaf, and when that leaf ends.
+    pub fn ends(&self) -> Vec<(SpiffeId, i64)> {
+        let mut ends: Vec<(SpiffeId, i64)> = self
+            .entries
+            .iter()
+            .filter_map(|(id, e)| e.leaf.as_ref().map(|leaf| (id.clone(), leaf.not_after)))
+            .collect();
+        ends.sort();
+        ends
+    }
+
+    fn issue(&mut self, id: &SpiffeId, issuer: Option<&Issuer>, now: i64) -> Result<(), LeafError> {
+        let issued = match issuer {
+            None => Err(LeafError::NoIssuer),
+            Some(issuer) => {
+                let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| {
+                    LeafError::Issuer(IssuerError::NotValid {
+                        what: "the clock".to_string(),
+                        not_before: 0,
+                        not_after: 0,
+                    })
+                })?;
+                issuer.issue(id, self.policy, at).map_err(LeafError::from)
+            }
+        };
+        let jitter = self.jitter();
+        let Some(entry) = self.entries.get_mut(id) else {
+            return issued.map(|_| ());
+        };
+        match issued {
+            Ok(leaf) => {
+                // Renew once half of its own life is gone, plus the jitter: a leaf capped at
+                // its issuer's end renews in time too.
+                let life = (leaf.not_after - now).max(0);
+                entry.due = now + life / 2 + (life / 10) * jitter / 1000;
+                entry.failures = 0;
+                entry.leaf = Some(Arc::new(leaf));
+                Ok(())
+            }
+            Err(error) => {
+                let backoff = (FIRST_RETRY << entry.failures.min(16)).min(MOST_RETRY);
+                entry.failures = entry.failures.saturating_add(1);
+                // The last try a second before the leaf ends, while it still serves.
+                let end = entry.leaf.as_ref().map_or(i64::MAX, |l| l.not_after);
+                entry.due = (now + backoff).min((end - 1).max(now + 1));
+                Err(error)
+            }
+        }
+    }
+
+    /// A number in 0..1000.
+    fn jitter(&mut self) -> i64 {
+        let mut x = self.state;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.state = x;
+        i64::try_from(x % 1000).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+
+    use super::*;
+
+    const LIFE: i64 = 3600;
+
+    /// A root CA of ten years that is its own issuer, as of `now`.
+    fn issuer(now: OffsetDateTime) -> Issuer {
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "test CA");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        params.not_before = now - Duration::from_secs(86_400);
+        params.not_after = now + Duration::from_secs(10 * 365 * 86_400);
+        let key = KeyPair::generate().unwrap();
+        let pem = params.self_signed(&key).unwrap().pem();
+        Issuer::from_secret(
+            pem.as_bytes(),
+            key.serialize_pem().as_bytes(),
+            pem.as_bytes(),
+            now,
+        )
+        .unwrap()
+    }
+
+    fn id(k: u8) -> SpiffeId {
+        SpiffeId::new("cluster.local", "ns", &format!("sa{k}")).unwrap()
+    }
+
+    fn policy() -> LeafPolicy {
+        LeafPolicy {
+            lifetime: Duration::from_secs(LIFE as u64),
+            backdate: Duration::ZERO,
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Want(u8),
+        /// Seconds, at most a quarter of a leaf's life.
+        Advance(u16),
+        Down,
+        Up,
+        Forget(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0..4u8).prop_map(Op::Want),
+            6 => (1..=(LIFE as u16 / 4)).prop_map(Op::Advance),
+            1 => Just(Op::Down),
+            1 => Just(Op::Up),
+            1 => (0..4u8).prop_map(Op::Forget),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Against a plain model: a wanted identity never loses a leaf that is still valid
+        /// (whatever the signer does); with the signer up since it was wanted, it always holds
+        /// one; a minute after the signer comes back, every wanted identity holds one again;
+        /// renewal is scheduled before the leaf's end; a forgotten identity holds none.
+        #[test]
+        fn leaves_follow_the_model(ops in prop::collection::vec(op(), 1..80), seed in any::<u64>()) {
+            let start = OffsetDateTime::now_utc();
+            let ca = issuer(start);
+            let mut leaves = Leaves::new(policy(), seed);
+            let mut now = start.unix_timestamp();
+            let mut up = true;
+            let mut up_since = now;
+            // Model: wanted identities, since when (with the signer up throughout, or None),
+            // and the end of the last leaf seen for each.
+            let mut wanted: BTreeMap<u8, Option<i64>> = BTreeMap::new();
+            let mut last_end: BTreeMap<u8, i64> = BTreeMap::new();
+            let mut forgotten: BTreeSet<u8> = BTreeSet::new();
+            for op in ops {
+                let signer = up.then_some(&ca);
+                match op {
+                    Op::Want(k) => {
+                        forgotten.remove(&k);
+                        let got = leaves.get(&id(k), signer, now);
+                        match (&got, up) {
+                            (Ok(leaf), _) => { last_end.insert(k, leaf.not_after); }
+                            (Err(_), true) => prop_assert!(false, "the signer is up and {k} got no leaf"),
+                            (Err(_), false) => prop_assert!(last_end.get(&k).is_none_or(|end| *end <= now)),
+                        }
+                        wanted.entry(k).or_insert(if up { Some(now) } else { None });
+                    }
+                    Op::Advance(dt) => {
+                        now += i64::from(dt);
+                        let _ = leaves.renew_due(signer, now);
+                    }
+                    Op::Down => {
+                        up = false;
+                        for since in wanted.values_mut() { *since = None; }
+                    }
+                    Op::Up => {
+                        if !up { up_since = now; }
+                        up = true;
+                    }
+                    Op::Forget(k) => {
+                        leaves.forget(&id(k));
+                        wanted.remove(&k);
+                        last_end.remove(&k);
+                        forgotten.insert(k);
+                    }
+                }
+                for (&k, since) in &wanted {
+                    let current = leaves.current(&id(k), now);
+                    if let Some(leaf) = &current {
+                        prop_assert!(leaf.not_after > now);
+                        last_end.insert(k, leaf.not_after);
+                    }
+                    if let Some(end) = last_end.get(&k) && *end > now {
+                        prop_assert!(current.is_some(), "{k} lost a leaf valid until {end} at {now}");
+                    }
+                    if since.is_some() && up {
+                        prop_assert!(current.is_some(), "{k}: the signer was up throughout");
+                    }
+                    if up && now - up_since >= MOST_RETRY && matches!(op, Op::Advance(_)) {
+                        prop_assert!(current.is_some(), "{k}: the signer is back since {up_since}");
+                    }
+                    let entry = &leaves.entries[&id(k)];
+                    // Renewal is planned before the leaf's end; retries after failures may
+                    // reach it.
+                    if let Some(leaf) = &entry.leaf && leaf.not_after > now {
+                        prop_assert!(
+                            entry.due < leaf.not_after || (entry.failures > 0 && entry.due <= leaf.not_after),
+                            "{k} renews only after its end"
+                        );
+                    }
+                }
+                for &k in &forgotten {
+                    prop_assert!(leaves.current(&id(k), now).is_none());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn renewal_comes_after_half_the_life_and_failures_back_off() {
+        let start = OffsetDateTime::now_utc();
+        let ca = issuer(start);
+        let now = start.unix_timestamp();
+        let mut leaves = Leaves::new(policy(), 7);
+        let first = leaves.get(&id(0), Some(&ca), now).unwrap();
+        let due = leaves.next_due().unwrap();
+        assert!(
+            (now + LIFE / 2..=now + LIFE * 6 / 10).contains(&due),
+            "{}",
+            due - now
+        );
+        // Not before it is due.
+        assert!(leaves.renew_due(Some(&ca), due - 1).0.is_empty());
+        // The signer is out: the leaf stays, retries back off 1, 2, 4 … seconds.
+        let (renewed, failed) = leaves.renew_due(None, due);
+        assert!(renewed.is_empty() && failed.len() == 1);
+        assert_eq!(failed[0].1.reason(), "no_issuer");
+        assert_eq!(leaves.next_due(), Some(due + 1));
+        let _ = leaves.renew_due(None, due + 1);
+        assert_eq!(leaves.next_due(), Some(due + 3));
+        assert_eq!(
+            leaves.current(&id(0), due + 3).unwrap().serial,
+            first.serial
+        );
+        // Back: a new leaf.
+        let (renewed, _) = leaves.renew_due(Some(&ca), due + 3);
+        assert_eq!(renewed, vec![id(0)]);
+        assert_ne!(
+            leaves.current(&id(0), due + 3).unwrap().serial,
+            first.serial
+        );
+        assert_eq!(leaves.ends().len(), 1);
+    }
+}
