@@ -1,7 +1,8 @@
 //! Workload identity: who a proxy is, and the certificates that say so. A workload's identity
 //! is its service account as a SPIFFE ID ([`SpiffeId`]); an [`Issuer`] (an intermediate CA and
 //! the trust bundle, as a `kubernetes.io/tls` Secret holds them) signs short-lived leaves for
-//! those identities. The agent hands a verified proxy its pod's leaf and the bundle over SDS.
+//! those identities, one per identity of the node ([`Leaves`]). No proxy is served a leaf
+//! yet: the leaves and the bundle are what SDS is to hand a verified proxy.
 //!
 //! Beside the data flow, as the `identity` module is: it depends on no stage.
 

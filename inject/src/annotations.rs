@@ -66,7 +66,7 @@ impl Overrides {
         ] {
             if let Some(value) = annotations.get(key) {
                 if !is_quantity(value.trim()) {
-                    return Err(bad(
+                    return Err(BadAnnotation::new(
                         key,
                         value,
                         "not a Kubernetes quantity (such as 100m or 128Mi)",
@@ -80,7 +80,7 @@ impl Overrides {
                 match uid.parse::<u32>() {
                     Ok(uid) if uid != u32::MAX => overrides.exclude_uids.push(uid),
                     _ => {
-                        return Err(bad(
+                        return Err(BadAnnotation::new(
                             EXCLUDE_UIDS,
                             value,
                             "not a comma-separated list of UIDs",
@@ -93,13 +93,19 @@ impl Overrides {
             overrides.xds_mode = Some(match value.trim() {
                 "delta" => "delta",
                 "sotw" => "sotw",
-                _ => return Err(bad(XDS_MODE, value, "neither delta nor sotw")),
+                _ => {
+                    return Err(BadAnnotation::new(
+                        XDS_MODE,
+                        value,
+                        "neither delta nor sotw",
+                    ));
+                }
             });
         }
         if let Some(value) = annotations.get(SCOPE)
             && !matches!(value.trim(), "used" | "mesh")
         {
-            return Err(bad(SCOPE, value, "neither used nor mesh"));
+            return Err(BadAnnotation::new(SCOPE, value, "neither used nor mesh"));
         }
         if let Some(value) = annotations.get(USES) {
             let paths = value
@@ -107,7 +113,7 @@ impl Overrides {
                 .filter(|p| !p.is_empty());
             for path in paths {
                 if !path.starts_with('/') || path.len() < 2 || path.contains("//") {
-                    return Err(bad(
+                    return Err(BadAnnotation::new(
                         USES,
                         value,
                         "an entry is not a mesh path such as /shop/web",
@@ -136,10 +142,6 @@ impl BadAnnotation {
             why,
         }
     }
-}
-
-fn bad(key: &'static str, value: &str, why: &'static str) -> BadAnnotation {
-    BadAnnotation::new(key, value, why)
 }
 
 /// At most [`SHOWN`] characters of `value`, for a message.

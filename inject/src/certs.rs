@@ -159,7 +159,8 @@ fn pem(text: &str, what: &'static str) -> Result<x509_parser::pem::Pem, CertErro
     Ok(pem)
 }
 
-fn dns_names(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
+/// The DNS names of a certificate's subject alternative names.
+pub(crate) fn dns_names(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
     use x509_parser::extensions::GeneralName;
     let Ok(Some(san)) = cert.subject_alternative_name() else {
         return Vec::new();

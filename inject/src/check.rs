@@ -21,7 +21,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use serde::Deserialize;
 use time::OffsetDateTime;
 
@@ -477,17 +477,7 @@ fn signed(ca: &[u8], cert: &[u8], service: &str) -> Result<(), String> {
     if now > cert.validity().not_after.timestamp() {
         return Err("tls.crt has expired".to_string());
     }
-    let names = cert
-        .subject_alternative_name()
-        .ok()
-        .flatten()
-        .map(|san| {
-            san.value.general_names.iter().any(
-                |n| matches!(n, x509_parser::extensions::GeneralName::DNSName(d) if *d == service),
-            )
-        })
-        .unwrap_or(false);
-    if !names {
+    if !crate::certs::dns_names(&cert).iter().any(|n| n == service) {
         return Err(format!("tls.crt does not name {service}"));
     }
     Ok(())
@@ -496,7 +486,12 @@ fn signed(ca: &[u8], cert: &[u8], service: &str) -> Result<(), String> {
 const GATEWAY: &str = "gateway-api";
 
 async fn gateway_api(client: &kube::Client, out: &mut Vec<Outcome>) {
-    let routes: Api<gateway_routes::HttpRouteProbe> = Api::all(client.clone());
+    // Listed as dynamic objects: whether the CRD is there is all this asks.
+    let kind = GroupVersionKind::gvk("gateway.networking.k8s.io", "v1", "HTTPRoute");
+    let routes: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &ApiResource::from_gvk_with_plural(&kind, "httproutes"),
+    );
     let title = "the Gateway API's CRDs";
     match routes.list(&ListParams::default().limit(1)).await {
         Ok(_) => out.push(pass(GATEWAY, "the Gateway API's CRDs are installed: HTTPRoutes and GRPCRoutes are served")),
@@ -508,43 +503,6 @@ async fn gateway_api(client: &kube::Client, out: &mut Vec<Outcome>) {
             ),
         }),
         Err(e) => out.push(fail(GATEWAY, title, format!("cannot list HTTPRoutes: {e}"), "check the API server")),
-    }
-}
-
-/// HTTPRoutes as far as listing them tells whether the CRD is there.
-mod gateway_routes {
-    use std::borrow::Cow;
-
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-    use serde::{Deserialize, Serialize};
-
-    #[derive(Clone, Debug, Default, Deserialize, Serialize)]
-    pub struct HttpRouteProbe {
-        pub metadata: ObjectMeta,
-    }
-
-    impl kube::Resource for HttpRouteProbe {
-        type DynamicType = ();
-        type Scope = kube::core::NamespaceResourceScope;
-
-        fn kind(_: &()) -> Cow<'_, str> {
-            "HTTPRoute".into()
-        }
-        fn group(_: &()) -> Cow<'_, str> {
-            "gateway.networking.k8s.io".into()
-        }
-        fn version(_: &()) -> Cow<'_, str> {
-            "v1".into()
-        }
-        fn plural(_: &()) -> Cow<'_, str> {
-            "httproutes".into()
-        }
-        fn meta(&self) -> &ObjectMeta {
-            &self.metadata
-        }
-        fn meta_mut(&mut self) -> &mut ObjectMeta {
-            &mut self.metadata
-        }
     }
 }
 

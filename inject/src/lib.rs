@@ -3,8 +3,9 @@
 //! that steer it ([`annotations`]), manifests run through it ([`manifest`]) by the
 //! `lattice inject` and `lattice uninject` commands, and the mutating admission webhook that
 //! applies it to pods as they are created (`lattice webhook`: [`review`], [`server`], with
-//! its certificate and CA bundle kept by [`certs`] and [`setup`]). `docs/install.md` says what a meshed pod
-//! carries and why; `docs/kubernetes.md` lists the annotations.
+//! its certificate and CA bundle kept by [`certs`] and [`setup`]), and `lattice check`
+//! ([`check`]). `docs/install.md` says what a meshed pod carries and why, and lists the
+//! annotations.
 
 pub mod annotations;
 pub mod certs;

@@ -119,7 +119,8 @@ pub struct Metrics {
     refused: Counter,
     /// When the serving certificate expires (Unix seconds).
     expiry: Gauge,
-    registry: Arc<RwLock<Registry>>,
+    /// Filled once, when made; only read after.
+    registry: Arc<Registry>,
 }
 
 impl fmt::Debug for Metrics {
@@ -130,9 +131,9 @@ impl fmt::Debug for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let metrics = Metrics::default();
+        let mut metrics = Metrics::default();
+        let mut registry = Registry::default();
         {
-            let mut registry = metrics.registry.write().unwrap_or_else(|p| p.into_inner());
             let sub = registry.sub_registry_with_prefix("lattice_injector");
             sub.register(
                 "reviews",
@@ -153,6 +154,7 @@ impl Metrics {
                 metrics.refused.clone(),
             );
         }
+        metrics.registry = Arc::new(registry);
         metrics
     }
 
@@ -165,8 +167,7 @@ impl Metrics {
 
     fn encode(&self) -> String {
         let mut out = String::new();
-        let registry = self.registry.read().unwrap_or_else(|p| p.into_inner());
-        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
 }

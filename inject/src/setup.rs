@@ -187,7 +187,8 @@ fn is_conflict(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 409)
 }
 
-fn read(secret: &Secret) -> Option<Chain> {
+/// The chain a Secret holds, if it has every key.
+pub fn read(secret: &Secret) -> Option<Chain> {
     let data = secret.data.as_ref()?;
     let text = |key: &str| {
         data.get(key)

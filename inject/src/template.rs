@@ -169,11 +169,6 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
         to_value(&dns_config(spec.dns_config.as_ref(), namespace, config)),
     ));
 
-    let record = Record {
-        dns_policy: raw_spec.get("dnsPolicy").cloned(),
-        dns_config: raw_spec.get("dnsConfig").cloned(),
-        created: Vec::new(),
-    };
     let has_metadata = pod.get("metadata").is_some_and(Value::is_object);
     let has_annotations = pod["metadata"]
         .get("annotations")
@@ -183,7 +178,11 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
     } else if !has_annotations {
         created.push("annotations".to_string());
     }
-    let record = Record { created, ..record };
+    let record = Record {
+        dns_policy: raw_spec.get("dnsPolicy").cloned(),
+        dns_config: raw_spec.get("dnsConfig").cloned(),
+        created,
+    };
     let text = serde_json::to_string(&record).unwrap_or_default();
     ops.push(if !has_metadata {
         add(&["metadata"], json!({"annotations": {INJECTED: text}}))

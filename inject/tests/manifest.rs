@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
@@ -15,8 +15,8 @@ use serde_json::Value;
 
 const CHART: &str = include_str!("data/chart.yaml");
 
-/// Runs `lattice args…` with `input` on stdin: its stdout and stderr.
-fn lattice(args: &[&str], input: &str) -> (String, String) {
+/// Runs `lattice args…` with `input` on stdin, to its end.
+fn run(args: &[&str], input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lattice"))
         .args(args)
         .stdin(Stdio::piped())
@@ -30,7 +30,12 @@ fn lattice(args: &[&str], input: &str) -> (String, String) {
         .unwrap()
         .write_all(input.as_bytes())
         .unwrap();
-    let output = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Runs `lattice args…` with `input` on stdin, which must succeed: its stdout and stderr.
+fn lattice(args: &[&str], input: &str) -> (String, String) {
+    let output = run(args, input);
     let (stdout, stderr) = (
         String::from_utf8(output.stdout).unwrap(),
         String::from_utf8(output.stderr).unwrap(),
@@ -153,26 +158,10 @@ fn only_pod_templates_change_and_uninject_gives_the_chart_back() {
 
 #[test]
 fn input_that_is_not_yaml_fails_and_says_where() {
-    let output = Command::new(env!("CARGO_BIN_EXE_lattice"))
-        .args(["inject", "-f", "/nonexistent/manifest.yaml"])
-        .output()
-        .unwrap();
+    let output = run(&["inject", "-f", "/nonexistent/manifest.yaml"], "");
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("/nonexistent/manifest.yaml"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lattice"))
-        .arg("inject")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"kind: Pod\n---\nkind: [unclosed\n")
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = run(&["inject"], "kind: Pod\n---\nkind: [unclosed\n");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("document 1"), "{stderr}");

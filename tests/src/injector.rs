@@ -4,7 +4,6 @@
 //! settles it.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -198,9 +197,4 @@ pub fn outcome(answer: &[u8], object: &Value) -> anyhow::Result<(Value, Value)> 
         json_patch::patch(&mut patched, &ops)?;
     }
     Ok((response, patched))
-}
-
-/// The injector binary's path, for tests that need to run it otherwise.
-pub fn binary() -> PathBuf {
-    bins::path("lattice")
 }

@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::{Container, PodSpec, Probe};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::netns::Process;
-use crate::node::{Node, Pod, ResolvConf, probe};
+use crate::node::{Node, Pod, ResolvConf, probe, process_uid};
 use crate::{envoy, wait};
 
 /// How long a startup probe may take to pass.
@@ -124,14 +124,7 @@ impl KubeletPod {
             .iter_mut()
             .find(|(n, _)| n == name)
             .with_context(|| format!("no sidecar {name}"))?;
-        let pid = process.child().id();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix("Uid:"))
-            .and_then(|uids| uids.split_whitespace().next())
-            .and_then(|uid| uid.parse().ok())
-            .with_context(|| format!("no Uid line in /proc/{pid}/status"))
+        process_uid(process.child().id())
     }
 
     /// The log of sidecar `name`.

@@ -541,6 +541,17 @@ pub(crate) fn probe(target: SocketAddr, path: &str) -> Result<String, String> {
     }
 }
 
+/// The real UID of process `pid`, from `/proc/<pid>/status`.
+pub(crate) fn process_uid(pid: u32) -> anyhow::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|uids| uids.split_whitespace().next())
+        .and_then(|uid| uid.parse().ok())
+        .with_context(|| format!("no Uid line in /proc/{pid}/status"))
+}
+
 /// `/etc/netns/<name>/resolv.conf`, which `ip netns exec` mounts over `/etc/resolv.conf`;
 /// removed on drop.
 pub(crate) struct ResolvConf {
@@ -694,14 +705,7 @@ impl ClientPod {
     /// The real UID Envoy runs as, from `/proc/<pid>/status` (`ip netns exec` and `setpriv`
     /// exec in turn, so the child is Envoy itself).
     pub fn envoy_uid(&mut self) -> anyhow::Result<u32> {
-        let pid = self.envoy.child().id();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix("Uid:"))
-            .and_then(|uids| uids.split_whitespace().next())
-            .and_then(|uid| uid.parse().ok())
-            .with_context(|| format!("no Uid line in /proc/{pid}/status"))
+        process_uid(self.envoy.child().id())
     }
 
     /// The Envoy bootstrap `lattice-init` wrote.

@@ -745,13 +745,9 @@ fn relay(mut from: TcpStream, mut to: TcpStream, log: Option<Arc<Mutex<Vec<Strin
 }
 
 /// `GET /apis/discovery.k8s.io/v1/namespaces/x/endpointslices?watch=true` → (group, resource,
-/// verb) as RBAC sees it.
-fn rbac_of(request: &str) -> anyhow::Result<(String, String, String)> {
+/// verb, name) as RBAC sees it: GET is get, list or watch, POST create, PUT update.
+fn rbac_request(request: &str) -> anyhow::Result<(String, String, String, String)> {
     let (method, target) = request.split_once(' ').context("request line")?;
-    ensure!(
-        method == "GET",
-        "the agent made a {method} request: {request}"
-    );
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let (group, rest) = match segments.as_slice() {
@@ -763,20 +759,33 @@ fn rbac_of(request: &str) -> anyhow::Result<(String, String, String)> {
         ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
         rest => rest,
     };
-    let (resource, has_name) = match rest {
-        [resource] => (resource.to_string(), false),
-        [resource, _name] => (resource.to_string(), true),
+    let (resource, name) = match rest {
+        [resource] => (resource.to_string(), String::new()),
+        [resource, name] => (resource.to_string(), name.to_string()),
         _ => bail!("unexpected resource path: {request}"),
     };
     let watch = query
         .split('&')
         .any(|p| p == "watch=true" || p == "watch=1");
-    let verb = match (has_name, watch) {
-        (_, true) => "watch",
-        (true, false) => "get",
-        (false, false) => "list",
+    let verb = match (method, name.is_empty(), watch) {
+        ("GET", _, true) => "watch",
+        ("GET", false, false) => "get",
+        ("GET", true, false) => "list",
+        ("POST", true, _) => "create",
+        ("PUT", false, _) => "update",
+        _ => bail!("unexpected request: {request}"),
     };
-    Ok((group, resource, verb.to_string()))
+    Ok((group, resource, verb.to_string(), name))
+}
+
+/// The agent's requests, which only read: (group, resource, verb).
+fn rbac_of(request: &str) -> anyhow::Result<(String, String, String)> {
+    ensure!(
+        request.starts_with("GET "),
+        "the agent made a request that is no read: {request}"
+    );
+    let (group, resource, verb, _) = rbac_request(request)?;
+    Ok((group, resource, verb))
 }
 
 #[test]
@@ -1309,35 +1318,6 @@ fn f_the_webhook_configuration_fails_closed_for_pod_creation_only() -> anyhow::R
     Ok(())
 }
 
-/// `METHOD /path` of a request the injector made → (group, resource, verb, name).
-fn injector_request(request: &str) -> anyhow::Result<(String, String, String, String)> {
-    let (method, target) = request.split_once(' ').context("request line")?;
-    let path = target.split_once('?').map_or(target, |(p, _)| p);
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let (group, rest) = match segments.as_slice() {
-        ["api", _version, rest @ ..] => (String::new(), rest),
-        ["apis", group, _version, rest @ ..] => (group.to_string(), rest),
-        _ => bail!("not a resource request: {request}"),
-    };
-    let rest = match rest {
-        ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
-        rest => rest,
-    };
-    let (resource, name) = match rest {
-        [resource] => (resource.to_string(), String::new()),
-        [resource, name] => (resource.to_string(), name.to_string()),
-        _ => bail!("unexpected resource path: {request}"),
-    };
-    let verb = match (method, name.is_empty()) {
-        ("GET", false) => "get",
-        ("GET", true) => "list",
-        ("POST", true) => "create",
-        ("PUT", false) => "update",
-        _ => bail!("unexpected request: {request}"),
-    };
-    Ok((group, resource, verb.to_string(), name))
-}
-
 /// The injector's Role and ClusterRole grant exactly what the real injector asks of the API:
 /// its Secret created, read and renewed, its webhook configuration read and given the CA.
 #[test]
@@ -1441,7 +1421,7 @@ fn g_the_injector_role_grants_exactly_what_it_uses() -> anyhow::Result<()> {
     let used: BTreeSet<_> = proxy
         .requests()
         .iter()
-        .map(|r| injector_request(r))
+        .map(|r| rbac_request(r))
         .collect::<anyhow::Result<_>>()?;
     for request in &used {
         assert!(

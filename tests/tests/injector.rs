@@ -415,14 +415,7 @@ async fn a_renewed_certificate_is_served_from_the_next_handshake_and_sigterm_exi
 
     // Another replica renewed the serving certificate (from the same CA) in the Secret.
     let secret = &api.objects::<Secret>().unwrap()[0];
-    let data = secret.data.clone().unwrap();
-    let text = |key: &str| String::from_utf8(data[key].0.clone()).unwrap();
-    let chain = Chain {
-        ca_cert: text("ca.crt"),
-        ca_key: text("ca.key"),
-        cert: text("tls.crt"),
-        key: text("tls.key"),
-    };
+    let chain = lattice_inject::setup::read(secret).unwrap();
     let names = [
         SERVICE_NAME.to_string(),
         format!("{SERVICE_NAME}.cluster.local"),

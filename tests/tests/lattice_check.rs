@@ -278,12 +278,5 @@ fn api_chain(api: &FakeApiServer) -> Chain {
         .objects::<k8s_openapi::api::core::v1::Secret>()
         .unwrap()
         .remove(0);
-    let data = secret.data.unwrap();
-    let text = |key: &str| String::from_utf8(data[key].0.clone()).unwrap();
-    Chain {
-        ca_cert: text("ca.crt"),
-        ca_key: text("ca.key"),
-        cert: text("tls.crt"),
-        key: text("tls.key"),
-    }
+    lattice_inject::setup::read(&secret).unwrap()
 }

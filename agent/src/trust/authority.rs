@@ -140,14 +140,16 @@ impl Authority {
 
     /// A version of the Secret that lacks a key.
     pub fn incomplete(&self, missing: &'static str) {
-        let error = IssuerError::NoCertificate { what: missing };
+        let error = IssuerError::Missing { key: missing };
         self.refuse(&error);
         self.record();
     }
 
     fn refuse(&self, error: &IssuerError) {
         let reason = match error {
-            IssuerError::NoCertificate { .. } | IssuerError::Unreadable { .. } => "unreadable",
+            IssuerError::NoCertificate { .. }
+            | IssuerError::Unreadable { .. }
+            | IssuerError::Missing { .. } => "unreadable",
             IssuerError::Key => "key",
             IssuerError::KeyMismatch => "key_mismatch",
             IssuerError::NotCa => "not_ca",

@@ -27,6 +27,8 @@ use super::spiffe::SpiffeId;
 pub enum IssuerError {
     #[error("{what} holds no PEM certificate")]
     NoCertificate { what: &'static str },
+    #[error("the Secret has no {key}")]
+    Missing { key: &'static str },
     #[error("{what}: {why}")]
     Unreadable { what: &'static str, why: String },
     #[error(

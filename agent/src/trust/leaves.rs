@@ -40,6 +40,8 @@ pub enum LeafError {
     NoIssuer,
     #[error(transparent)]
     Issuer(#[from] IssuerError),
+    #[error("the clock reads {0}, past what a certificate can say")]
+    Clock(i64),
 }
 
 impl LeafError {
@@ -48,6 +50,7 @@ impl LeafError {
         match self {
             LeafError::NoIssuer => "no_issuer",
             LeafError::Issuer(_) => "issuer",
+            LeafError::Clock(_) => "clock",
         }
     }
 }
@@ -144,18 +147,10 @@ impl Leaves {
     }
 
     fn issue(&mut self, id: &SpiffeId, issuer: Option<&Issuer>, now: i64) -> Result<(), LeafError> {
-        let issued = match issuer {
-            None => Err(LeafError::NoIssuer),
-            Some(issuer) => {
-                let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| {
-                    LeafError::Issuer(IssuerError::NotValid {
-                        what: "the clock".to_string(),
-                        not_before: 0,
-                        not_after: 0,
-                    })
-                })?;
-                issuer.issue(id, self.policy, at).map_err(LeafError::from)
-            }
+        let issued = match (issuer, OffsetDateTime::from_unix_timestamp(now)) {
+            (None, _) => Err(LeafError::NoIssuer),
+            (Some(_), Err(_)) => Err(LeafError::Clock(now)),
+            (Some(issuer), Ok(at)) => issuer.issue(id, self.policy, at).map_err(LeafError::from),
         };
         let jitter = self.jitter();
         let Some(entry) = self.entries.get_mut(id) else {
