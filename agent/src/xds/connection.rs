@@ -17,6 +17,9 @@
 //!   -c` on the agent during the change phase: 95,870 `recvfrom` in 3 s, the most frequent
 //!   call by far). Each connection reads through a 64 KiB buffer, so one call takes what the
 //!   socket holds, up to 64 KiB: one copy more in user space, far fewer calls into the kernel.
+//!   The buffer is taken only once the socket is readable and given back as soon as h2 has
+//!   taken what it holds: a connection that sends nothing holds none (a thousand idle or
+//!   hostile connections held 64 MiB of them).
 //! - **Shutdown.** The listener closes, every connection is told to go away (GOAWAY) while its
 //!   streams end with `UNAVAILABLE` (the stream tasks watch the same token), and whatever has
 //!   not ended at the drain deadline is closed.
@@ -25,14 +28,14 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -276,15 +279,44 @@ impl hyper::service::Service<http::Request<Incoming>> for PeerService {
     }
 }
 
-/// A proxy's connection: reads through a buffer, writes straight through.
-pub struct ReadAhead(BufReader<TcpStream>);
+/// A proxy's connection: reads through a buffer held only while it holds bytes, writes
+/// straight through.
+pub struct ReadAhead {
+    stream: TcpStream,
+    /// What the last read of the socket took, from `taken` on not yet handed to h2; empty
+    /// (no capacity) between reads.
+    buffer: Vec<u8>,
+    taken: usize,
+}
 
 impl ReadAhead {
     /// What one read of the socket may take.
     pub const BUFFER: usize = 64 << 10;
 
     pub fn new(stream: TcpStream) -> Self {
-        ReadAhead(BufReader::with_capacity(Self::BUFFER, stream))
+        ReadAhead {
+            stream,
+            buffer: Vec::new(),
+            taken: 0,
+        }
+    }
+
+    /// Bytes read from the socket and not yet handed on.
+    #[cfg(test)]
+    fn buffered(&self) -> usize {
+        self.buffer.len() - self.taken
+    }
+
+    /// Hands on what the buffer holds, as much as `out` takes; gives the buffer back once
+    /// it is all handed on.
+    fn hand_on(&mut self, out: &mut ReadBuf<'_>) {
+        let count = out.remaining().min(self.buffer.len() - self.taken);
+        out.put_slice(&self.buffer[self.taken..self.taken + count]);
+        self.taken += count;
+        if self.taken == self.buffer.len() {
+            self.buffer = Vec::new();
+            self.taken = 0;
+        }
     }
 }
 
@@ -292,9 +324,40 @@ impl AsyncRead for ReadAhead {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
+        out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_read(cx, buf)
+        let this = &mut *self;
+        if this.taken < this.buffer.len() {
+            this.hand_on(out);
+            return Poll::Ready(Ok(()));
+        }
+        if out.remaining() >= Self::BUFFER {
+            return Pin::new(&mut this.stream).poll_read(cx, out);
+        }
+        loop {
+            // Readiness first, so that a connection waiting for bytes holds no buffer.
+            ready!(this.stream.poll_read_ready(cx))?;
+            this.buffer.reserve_exact(Self::BUFFER);
+            match this.stream.try_read_buf(&mut this.buffer) {
+                // The end of the stream: nothing put in `out`.
+                Ok(0) => {
+                    this.buffer = Vec::new();
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(_) => {
+                    this.hand_on(out);
+                    return Poll::Ready(Ok(()));
+                }
+                // Readiness was stale: it is cleared, and the next poll waits again.
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    this.buffer = Vec::new();
+                }
+                Err(error) => {
+                    this.buffer = Vec::new();
+                    return Poll::Ready(Err(error));
+                }
+            }
+        }
     }
 }
 
@@ -304,7 +367,7 @@ impl AsyncWrite for ReadAhead {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
+        Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -312,19 +375,19 @@ impl AsyncWrite for ReadAhead {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
+        self.stream.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
+        Pin::new(&mut self.stream).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
+        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 
@@ -347,30 +410,66 @@ mod tests {
         let sent: Vec<u8> = (0..32_768u32).map(|i| (i % 251) as u8).collect();
         client.write_all(&sent).await.unwrap();
         client.shutdown().await.unwrap();
-        server.0.get_ref().readable().await.unwrap();
+        server.stream.readable().await.unwrap();
+        assert_eq!(server.buffer.capacity(), 0, "no buffer before a read");
         let mut small = [0u8; 8192];
         let mut got = Vec::new();
         let n = server.read(&mut small).await.unwrap();
         got.extend_from_slice(&small[..n]);
         // A plain socket would have given what was asked for and kept the rest.
-        assert_eq!(
-            server.0.buffer().len(),
-            sent.len() - n,
-            "one read took it all"
-        );
+        assert_eq!(server.buffered(), sent.len() - n, "one read took it all");
         loop {
             let n = server.read(&mut small).await.unwrap();
             if n == 0 {
                 break;
             }
             got.extend_from_slice(&small[..n]);
+            if server.buffered() == 0 {
+                assert_eq!(server.buffer.capacity(), 0, "given back once handed on");
+            }
         }
         assert_eq!(got, sent);
+        assert_eq!(server.buffer.capacity(), 0, "none held at the end");
 
         server.write_all(b"answer").await.unwrap();
         server.flush().await.unwrap();
         let mut answer = [0u8; 6];
         client.read_exact(&mut answer).await.unwrap();
         assert_eq!(&answer, b"answer");
+    }
+
+    #[tokio::test]
+    async fn a_connection_waiting_for_bytes_holds_no_buffer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let mut server = ReadAhead::new(accepted);
+        let mut small = [0u8; 8192];
+        let mut out = ReadBuf::new(&mut small);
+        let waiting = std::future::poll_fn(|cx| {
+            Poll::Ready(Pin::new(&mut server).poll_read(cx, &mut out).is_pending())
+        })
+        .await;
+        assert!(waiting, "nothing was sent");
+        assert_eq!(server.buffer.capacity(), 0, "no buffer while waiting");
+
+        client.write_all(b"ten bytes!").await.unwrap();
+        let mut got = [0u8; 10];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ten bytes!");
+        assert_eq!(server.buffer.capacity(), 0, "given back once handed on");
+
+        // A reader that takes more than the buffer at once reads the socket straight.
+        let mut large = vec![0u8; ReadAhead::BUFFER];
+        client.write_all(b"straight").await.unwrap();
+        let n = server.read(&mut large).await.unwrap();
+        assert_eq!(&large[..n], b"straight");
+        assert_eq!(server.buffer.capacity(), 0);
+
+        drop(client);
+        assert_eq!(server.read(&mut small).await.unwrap(), 0, "the end");
+        assert_eq!(server.buffer.capacity(), 0);
     }
 }

@@ -16,8 +16,15 @@ use super::stream::NameSet;
 /// names cost a pointer each (they are the snapshot's); these cost their bytes. Envoy names
 /// unknown resources only for a moment (a removed cluster's endpoints until it unsubscribes);
 /// a whole-mesh proxy reconnecting after half of a 50k-service mesh went holds 25k of them,
-/// about 1 MiB per type.
+/// about 2.5 MiB per type (with [`NAME_OVERHEAD`]).
 pub(super) const UNKNOWN_NAME_BYTES: usize = 4 << 20;
+
+/// What an unknown name costs beyond its bytes, and is charged for: its `Arc`'s counts and
+/// the allocator's rounding, and its entries in this set and in the stream's subscription (a
+/// pointer, a length and a control byte each, at hashbrown's load factor). Charging the bytes
+/// alone let a stream of short names keep four times the bound (300k names of 14 bytes, about
+/// 20 MiB, under a 4 MiB bound).
+pub(super) const NAME_OVERHEAD: usize = 64;
 
 /// Which resources of a type the client wants.
 #[derive(Debug, Default)]
@@ -158,7 +165,8 @@ impl FromIterator<Arc<str>> for Subscription {
 }
 
 /// The names of one type a stream made `Arc`s of because the snapshot had no resource of that
-/// name, one `Arc` per name (a name named again gets the same one), and their bytes. A name
+/// name, one `Arc` per name (a name named again gets the same one), and what they cost (their
+/// bytes and [`NAME_OVERHEAD`] each). A name
 /// leaves once nothing of the stream holds it any more ([`UnknownNames::prune`]).
 #[derive(Debug, Default)]
 pub(super) struct UnknownNames {
@@ -176,18 +184,18 @@ impl UnknownNames {
             return known.clone();
         }
         let name: Arc<str> = Arc::from(name);
-        self.bytes += name.len();
+        self.bytes += name.len() + NAME_OVERHEAD;
         self.names.insert(name.clone());
         name
     }
 
-    /// Forgets the names only this set still holds; the bytes of those the stream holds.
+    /// Forgets the names only this set still holds; what those the stream holds cost.
     pub(super) fn prune(&mut self) -> usize {
         let bytes = &mut self.bytes;
         self.names.retain(|name| {
             let held = Arc::strong_count(name) > 1;
             if !held {
-                *bytes -= name.len();
+                *bytes -= name.len() + NAME_OVERHEAD;
             }
             held
         });
@@ -256,9 +264,13 @@ mod tests {
         let again = unknown.intern(&current, "nowhere|1");
         assert!(Arc::ptr_eq(&held, &again));
         let dropped = unknown.intern(&current, "gone|22");
-        assert_eq!(unknown.bytes(), 9 + 7);
+        assert_eq!(unknown.bytes(), 9 + 7 + 2 * NAME_OVERHEAD);
         drop(dropped);
-        assert_eq!(unknown.prune(), 9, "only what is still held");
+        assert_eq!(
+            unknown.prune(),
+            9 + NAME_OVERHEAD,
+            "only what is still held"
+        );
         drop((held, again));
         assert_eq!(unknown.prune(), 0);
     }
