@@ -20,7 +20,7 @@ use crate::catalog::StatusRx;
 use crate::mesh::{MeshRx, NodeLocality};
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::trust::Authority;
+use crate::trust::{Authority, NodeSecrets};
 use crate::xds::ProxyRegistry;
 
 /// What the admin server reads: the agent's state, never a lock on the data path.
@@ -36,6 +36,8 @@ pub struct AdminState {
     pub readiness: Readiness,
     /// The issuer of workload certificates, for `/debug/identity`.
     pub authority: Arc<Authority>,
+    /// The leaves of this node's proxies, when the agent serves them.
+    pub secrets: Option<NodeSecrets>,
 }
 
 pub struct AdminServer {
@@ -242,7 +244,12 @@ async fn debug_routes(State(state): State<AdminState>) -> Response {
 }
 
 async fn debug_identity(State(state): State<AdminState>) -> Response {
-    axum::Json(state.authority.debug()).into_response()
+    let mut shown = state.authority.debug();
+    shown["leaves"] = state
+        .secrets
+        .as_ref()
+        .map_or(serde_json::Value::Null, NodeSecrets::debug);
+    axum::Json(shown).into_response()
 }
 
 async fn debug_xds(State(state): State<AdminState>) -> Response {

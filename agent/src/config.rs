@@ -145,6 +145,17 @@ pub struct AgentConfig {
     )]
     pub ca_secret: (String, String),
 
+    /// How long a workload certificate is valid, in seconds (capped at the issuer's own end):
+    /// each is renewed once half of it is gone, plus up to a tenth at random. At least 60.
+    #[arg(
+        long,
+        env = "LATTICE_LEAF_LIFETIME_SECS",
+        default_value_t = 86_400,
+        value_name = "SECONDS",
+        value_parser = clap::value_parser!(u64).range(60..)
+    )]
+    pub leaf_lifetime_secs: u64,
+
     /// How often, in seconds, the agent compares the API server's current resourceVersion
     /// with the highest its watches have seen; one below it means the API server was restored
     /// from a backup, and every resource is listed again. 0: never.

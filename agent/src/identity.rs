@@ -100,6 +100,9 @@ pub struct PodEntry {
     /// mesh), and the services it declared it uses, by DNS name.
     pub scoped: bool,
     pub uses: Vec<Arc<str>>,
+    /// The pod's service account (`default` when its spec names none, as Kubernetes'
+    /// admission sets it): its proxy's workload identity.
+    pub service_account: Arc<str>,
 }
 
 /// This node's pods that may run a proxy (they have an IP and have not finished), by IP. Several
@@ -396,6 +399,7 @@ mod tests {
             host_network,
             scoped: true,
             uses: Vec::new(),
+            service_account: Arc::from("default"),
         }
     }
 

@@ -34,7 +34,7 @@ use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::trust::{Authority, SecretRef};
+use lattice_agent::trust::{Authority, LeafPolicy, NodeSecrets, SecretRef};
 use lattice_agent::xds::{
     AdsService, Caps, Limits, ProxyRegistry, RequestBound, XdsLimits, XdsServer,
 };
@@ -327,6 +327,15 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         }),
         metrics.trust.clone(),
     ));
+    // Workload certificates, served over SDS to the proxies verified as this node's pods: only
+    // where pods are checked (Kubernetes and a node name).
+    let secrets = (kubernetes.is_some() && config.node_name.is_some()).then(|| {
+        let policy = LeafPolicy {
+            lifetime: Duration::from_secs(config.leaf_lifetime_secs),
+            ..LeafPolicy::default()
+        };
+        NodeSecrets::new(config.trust_domain.clone(), policy, metrics.trust.clone())
+    });
     let admin_state = AdminState {
         mesh: mesh_rx,
         catalog: catalog_status,
@@ -335,6 +344,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         proxies: proxies.clone(),
         readiness: readiness.clone(),
         authority: authority.clone(),
+        secrets: secrets.clone(),
     };
     let admin = AdminServer::bind(
         config.admin_addr,
@@ -366,6 +376,14 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         tasks.spawn(async move {
             source::kube::ca::watch_ca(client, secret, authority, token).await;
             Ok("issuer watch")
+        });
+    }
+    if let Some(secrets) = &secrets {
+        let (secrets, authority, token) =
+            (secrets.clone(), authority.subscribe(), shutdown.clone());
+        tasks.spawn(async move {
+            secrets.run(authority, token).await;
+            Ok("workload certificates")
         });
     }
     let identity = match (&kubernetes, &config.node_name) {
@@ -474,6 +492,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         .with_limits(xds_limits(&config.xds_limits));
     let xds = match &scopes {
         Some(scopes) => xds.with_scopes(scopes.clone()),
+        None => xds,
+    };
+    let xds = match secrets {
+        Some(secrets) => xds.with_secrets(secrets),
         None => xds,
     };
     let token = drain.clone();

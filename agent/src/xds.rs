@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod parts;
 mod proto;
 mod response;
+mod secrets;
 pub mod server;
 pub mod snapshot;
 mod sotw;

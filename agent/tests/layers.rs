@@ -22,7 +22,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("source", &["mesh", "identity", "parallel", "trust"]),
     ("catalog", &["mesh", "readiness"]),
     ("translate", &["mesh", "xds", "readiness", "parallel"]),
-    ("xds", &["identity", "scope"]),
+    ("xds", &["identity", "scope", "trust"]),
     ("metrics", &["mesh", "xds", "scope", "trust"]),
     (
         "admin",

@@ -182,6 +182,20 @@ impl Node {
     ) -> anyhow::Result<ClientPod> {
         ClientPod::start(self, label, host, xds, dns, init_args)
     }
+
+    /// [`Node::client_of`] whose bootstrap, as `lattice-init` wrote it, `edit` changes before
+    /// Envoy starts (a listener of the test's own, say).
+    pub fn client_editing(
+        &self,
+        label: &str,
+        host: u8,
+        (xds, dns): (SocketAddr, SocketAddr),
+        edit: &dyn Fn(&mut serde_json::Value),
+    ) -> anyhow::Result<ClientPod> {
+        let client = ClientPod::launch_editing(self, label, host, (xds, dns), &[], Some(edit))?;
+        client.wait_live()?;
+        Ok(client)
+    }
 }
 
 /// The node's end of its link to the internet gateway ([`Node::internet`]).
@@ -617,6 +631,17 @@ impl ClientPod {
         dns: SocketAddr,
         init_args: &[&str],
     ) -> anyhow::Result<ClientPod> {
+        ClientPod::launch_editing(node, label, host, (xds, dns), init_args, None)
+    }
+
+    fn launch_editing(
+        node: &Node,
+        label: &str,
+        host: u8,
+        (xds, dns): (SocketAddr, SocketAddr),
+        init_args: &[&str],
+        edit: Option<&dyn Fn(&mut serde_json::Value)>,
+    ) -> anyhow::Result<ClientPod> {
         let pod = node.pod(label, host)?;
         let std::net::IpAddr::V4(nameserver) = dns.ip() else {
             anyhow::bail!("the pods' nameserver is IPv4: {dns}");
@@ -647,6 +672,12 @@ impl ClientPod {
             String::from_utf8_lossy(&init.stdout),
             String::from_utf8_lossy(&init.stderr)
         );
+        if let Some(edit) = edit {
+            let mut written: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&bootstrap)?)?;
+            edit(&mut written);
+            std::fs::write(&bootstrap, serde_json::to_vec_pretty(&written)?)?;
+        }
         // Envoy runs unprivileged: it must be able to read its bootstrap.
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;

@@ -59,7 +59,7 @@ use crate::mesh::{
     TrafficDistribution,
 };
 use crate::parallel;
-use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot, fnv1a};
+use crate::xds::snapshot::{ResourceMap, ResourceType, TYPES, XdsResource, XdsSnapshot, fnv1a};
 use crate::xds::{ListenerBase, Part, PartsIndex, ServiceParts};
 
 /// The one listener every captured connection lands on, on the capture port
@@ -109,7 +109,7 @@ pub struct EnvoyTranslator {
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
-    resources: [ResourceMap; 4],
+    resources: [ResourceMap; TYPES],
     /// Each service's share of the resources; the listener and the route configurations are
     /// composed from them, for the whole mesh here and for a proxy's view in the xDS server.
     parts: PartsIndex,

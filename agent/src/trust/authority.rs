@@ -39,8 +39,13 @@ struct RootLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabel {
-    reason: &'static str,
+pub(super) struct ReasonLabel {
+    pub(super) reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct IdentityLabel {
+    pub(super) identity: String,
 }
 
 /// `lattice_identity_*`.
@@ -49,6 +54,8 @@ pub struct TrustMetrics {
     issuer_expiry: Gauge,
     root_expiry: Family<RootLabel, Gauge>,
     refusals: Family<ReasonLabel, Counter>,
+    pub(super) leaf_expiry: Family<IdentityLabel, Gauge>,
+    pub(super) leaf_failures: Family<ReasonLabel, Counter>,
 }
 
 impl TrustMetrics {
@@ -69,6 +76,16 @@ impl TrustMetrics {
             "issuer_refusals",
             "Versions of the issuer's Secret refused, by reason (the issuer before stays in use)",
             metrics.refusals.clone(),
+        );
+        identity.register(
+            "leaf_expiry_timestamp_seconds",
+            "When the leaf of each identity of this node's proxies expires (Unix time)",
+            metrics.leaf_expiry.clone(),
+        );
+        identity.register(
+            "leaf_failures",
+            "Leaves that could not be issued or renewed, by reason (a leaf held stays in use)",
+            metrics.leaf_failures.clone(),
         );
         metrics
     }

@@ -125,6 +125,19 @@ impl Leaves {
         (renewed, failed)
     }
 
+    /// Issues every leaf again now (a new issuer: leaves of the one before may chain to a root
+    /// being dropped); a failure keeps the leaf and retries as [`Leaves::renew_due`] does.
+    pub fn renew_all(
+        &mut self,
+        issuer: Option<&Issuer>,
+        now: i64,
+    ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
+        for entry in self.entries.values_mut() {
+            entry.due = entry.due.min(now);
+        }
+        self.renew_due(issuer, now)
+    }
+
     /// When the next leaf is due, if any is wanted.
     pub fn next_due(&self) -> Option<i64> {
         self.entries.values().map(|e| e.due).min()

@@ -10,7 +10,7 @@ use super::held::ClientView;
 use super::inbound::Plain;
 use super::interest::{Subscription, UnknownNames};
 use super::response::DeltaResponse;
-use super::snapshot::{Names, ResourceType, XdsResource, XdsSnapshot, parse_version};
+use super::snapshot::{Names, ResourceType, TYPES, XdsResource, XdsSnapshot, parse_version};
 use super::stream::{Ads, Delivery, Event, Flavour, Limits, NameSet, Push, Types, nonce, too_many};
 use super::wire::{DeltaRequest, VersionList};
 
@@ -25,7 +25,7 @@ struct DeltaExtra {
 #[derive(Debug, Default)]
 pub struct DeltaStream {
     pub(super) common: Types,
-    extra: [DeltaExtra; 4],
+    extra: [DeltaExtra; TYPES],
 }
 
 impl Ads for DeltaStream {

@@ -156,7 +156,7 @@ mod tests {
     use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 
     use super::*;
-    use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource};
+    use crate::xds::snapshot::{ResourceMap, ResourceType, TYPES, XdsResource};
 
     /// A snapshot of clusters named `names`, and nothing else.
     fn snapshot(names: impl IntoIterator<Item = String>) -> XdsSnapshot {
@@ -167,7 +167,7 @@ mod tests {
                 (Arc::from(name), resource)
             })
             .collect();
-        let mut resources: [ResourceMap; 4] = Default::default();
+        let mut resources: [ResourceMap; TYPES] = Default::default();
         resources[ResourceType::Cluster.index()] = clusters;
         XdsSnapshot {
             version: 1,

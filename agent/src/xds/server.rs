@@ -29,11 +29,13 @@ use super::inbound::{Inbound, InboundError, RequestBudget};
 use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
-use super::snapshot::{XdsRx, XdsSnapshot};
+use super::secrets;
+use super::snapshot::{ResourceMap, XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
+use crate::trust::{NodeSecrets, SecretsWatch, SpiffeId};
 
 /// Responses a stream task queues before it waits for its client: one per type in flight and
 /// a little more. What they hold is shared with the snapshots (the resources, by `Arc`); a
@@ -52,13 +54,16 @@ pub struct ProxyStatus {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
     pub connected_for_seconds: u64,
-    /// Last ACKed version per type (`cds`, `eds`, `lds`, `rds`).
+    /// Last ACKed version per type (`sds`, `cds`, `eds`, `lds`, `rds`).
     pub acked: BTreeMap<&'static str, String>,
     pub nacks: u64,
     /// The services the proxy holds when its pod's scope limits them (its pod's and their
     /// routes' backends); absent when it holds the whole mesh.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope: Option<Vec<String>>,
+    /// The workload identity whose certificate the proxy is served (SDS), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
     #[serde(skip)]
     connected_at: Option<Instant>,
 }
@@ -112,6 +117,8 @@ pub struct XdsServer {
     /// reconnecting), so a hundred per 10 s are logged, then the count of the rest.
     lifecycle: Arc<RateLimitedLog>,
     scopes: Option<Arc<ScopeRegistry>>,
+    /// Each verified proxy's certificate and the trust bundle, served over SDS.
+    secrets: Option<NodeSecrets>,
     heads: Arc<SharedHeads>,
     limits: Arc<XdsLimits>,
     admission: Arc<Admission>,
@@ -143,6 +150,7 @@ impl XdsServer {
             log: Arc::default(),
             lifecycle: Arc::new(RateLimitedLog::with_burst(100)),
             scopes: None,
+            secrets: None,
             heads: Arc::default(),
             admission: Arc::new(Admission::new(limits.caps)),
             budget: RequestBudget::new(
@@ -194,6 +202,14 @@ impl XdsServer {
     /// Gives each verified proxy whose pod is scoped only the services its pod uses.
     pub fn with_scopes(mut self, scopes: Arc<ScopeRegistry>) -> Self {
         self.scopes = Some(scopes);
+        self
+    }
+
+    /// Serves each proxy verified as a pod of this node its workload certificate, for its pod's
+    /// service account, and the trust bundle over SDS (with identity checking on; no stream
+    /// gets a secret otherwise).
+    pub fn with_secrets(mut self, secrets: NodeSecrets) -> Self {
+        self.secrets = Some(secrets);
         self
     }
 
@@ -267,6 +283,8 @@ impl XdsServer {
             verified: None,
             scopes: self.scopes.clone(),
             scoped: None,
+            node_secrets: self.secrets.clone(),
+            secrets: None,
         };
         tokio::spawn(stream.run(guard));
         Ok(Opened {
@@ -339,6 +357,7 @@ impl StreamGuard {
                 nacks: 0,
                 connected_at: Some(Instant::now()),
                 scope: None,
+                identity: None,
             },
         );
         StreamGuard {
@@ -382,6 +401,43 @@ struct StreamTask<A: Ads> {
     scopes: Option<Arc<ScopeRegistry>>,
     /// The pod's scope and the proxy's view, when the proxy holds only what its pod uses.
     scoped: Option<Scoped>,
+    node_secrets: Option<NodeSecrets>,
+    /// The verified pod's identity's secrets, and their resources as its view holds them.
+    secrets: Option<Held>,
+}
+
+struct Held {
+    watch: SecretsWatch,
+    resources: ResourceMap,
+}
+
+impl Held {
+    fn new(mut watch: SecretsWatch) -> Held {
+        let resources = Held::resources_of(&mut watch);
+        Held { watch, resources }
+    }
+
+    fn resources_of(watch: &mut SecretsWatch) -> ResourceMap {
+        watch
+            .rx
+            .borrow_and_update()
+            .as_deref()
+            .map(secrets::resources)
+            .unwrap_or_default()
+    }
+}
+
+/// Waits for the next change of a proxy's secrets; forever when it has none.
+async fn secrets_changed(held: &mut Option<Held>) {
+    match held {
+        Some(held) => {
+            if held.watch.rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            held.resources = Held::resources_of(&mut held.watch);
+        }
+        None => std::future::pending().await,
+    }
 }
 
 struct Scoped {
@@ -514,6 +570,7 @@ impl<A: Ads> StreamTask<A> {
                 let shown_pod = pod.as_ref().map(PodKey::to_string);
                 self.proxies.update(self.id, |p| p.pod = shown_pod);
                 self.scope_if_known(pod.as_ref());
+                self.secrets_if_known(pod.as_ref());
                 self.verified = Some(pod);
             }
             Err(refusal) => {
@@ -566,6 +623,10 @@ impl<A: Ads> StreamTask<A> {
                     view = self.view_of(&snapshot);
                     self.state.on_snapshot(&view)
                 },
+                () = secrets_changed(&mut self.secrets) => {
+                    view = self.view_of(&snapshot);
+                    self.state.on_snapshot(&view)
+                },
                 changed = self.snapshots.changed() => {
                     if changed.is_err() {
                         return Ended::ShuttingDown;
@@ -603,8 +664,48 @@ impl<A: Ads> StreamTask<A> {
         }
     }
 
-    /// What this proxy holds of `snapshot`: all of it, or its view.
+    /// Follows the secrets of the pod's identity (its service account) when the proxy was
+    /// verified as a pod's, not on the host network (whose address any process of the node
+    /// shares), and the agent serves secrets.
+    fn secrets_if_known(&mut self, pod: Option<&PodKey>) {
+        let (Some(node_secrets), Some(peer), Some(pod), Some(pods)) =
+            (&self.node_secrets, self.peer, pod, &self.pods)
+        else {
+            return;
+        };
+        let account = pods
+            .borrow()
+            .as_ref()
+            .and_then(|d| d.entry(pod, peer))
+            .filter(|entry| !entry.host_network)
+            .map(|entry| entry.service_account.clone());
+        let Some(account) = account else {
+            return;
+        };
+        match SpiffeId::new(node_secrets.trust_domain(), &pod.namespace, &account) {
+            Ok(identity) => {
+                self.proxies
+                    .update(self.id, |p| p.identity = Some(identity.to_string()));
+                self.secrets = Some(Held::new(node_secrets.watch(identity)));
+            }
+            Err(error) => {
+                tracing::warn!(stream = self.id, %pod, %error, "the pod's service account makes no workload identity: no certificate for its proxy");
+            }
+        }
+    }
+
+    /// What this proxy holds of `snapshot`: all of it, or its view; with its secrets.
     fn view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {
+        let view = self.scoped_view_of(snapshot);
+        match &self.secrets {
+            Some(held) if !held.resources.is_empty() => {
+                Arc::new(view.with_secrets(held.resources.clone()))
+            }
+            _ => view,
+        }
+    }
+
+    fn scoped_view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {
         let Some(scoped) = &mut self.scoped else {
             return snapshot.clone();
         };

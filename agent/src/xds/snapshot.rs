@@ -1,6 +1,8 @@
-//! What the xDS server hands out: the four resource types, encoded resources with content
+//! What the xDS server hands out: the five resource types, encoded resources with content
 //! versions, the snapshot of all of them for one mesh version, and the channel it is published
-//! on. The Envoy translator produces these; the stream state machines only read them.
+//! on. The Envoy translator produces these (secrets aside: a proxy's are its own, added to its
+//! view of the snapshot, see [`XdsSnapshot::with_secrets`]); the stream state machines only
+//! read them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -13,18 +15,26 @@ use tokio::sync::watch;
 
 use super::parts::PartsIndex;
 
-/// The four resource types, in the order Envoy must receive them (CDS → EDS → LDS → RDS), so a
-/// listener never points at a cluster or route that does not exist yet.
+/// How many resource types there are.
+pub const TYPES: usize = 5;
+
+/// The resource types. [`ResourceType::ALL`] is the order Envoy must receive them in (SDS →
+/// CDS → EDS → LDS → RDS), so a cluster or listener never points at a secret, cluster or
+/// route that does not exist yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ResourceType {
     Cluster = 0,
     Endpoint = 1,
     Listener = 2,
     Route = 3,
+    /// A proxy's certificate and key (`default`) and the trust bundle (`ROOTCA`): each proxy's
+    /// own, never in the snapshot every proxy shares.
+    Secret = 4,
 }
 
 impl ResourceType {
-    pub const ALL: [ResourceType; 4] = [
+    pub const ALL: [ResourceType; TYPES] = [
+        ResourceType::Secret,
         ResourceType::Cluster,
         ResourceType::Endpoint,
         ResourceType::Listener,
@@ -39,6 +49,9 @@ impl ResourceType {
             }
             ResourceType::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
             ResourceType::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+            ResourceType::Secret => {
+                "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+            }
         }
     }
 
@@ -53,10 +66,12 @@ impl ResourceType {
             ResourceType::Endpoint => "eds",
             ResourceType::Listener => "lds",
             ResourceType::Route => "rds",
+            ResourceType::Secret => "sds",
         }
     }
 
-    /// Clusters and listeners are fetched as a whole (wildcard); endpoints and routes by name.
+    /// Clusters and listeners are fetched as a whole (wildcard); endpoints, routes and secrets
+    /// by name.
     pub fn is_wildcard_by_default(self) -> bool {
         matches!(self, ResourceType::Cluster | ResourceType::Listener)
     }
@@ -143,7 +158,7 @@ pub type ResourceMap = imbl::OrdMap<Arc<str>, Arc<XdsResource>>;
 pub struct XdsSnapshot {
     /// The mesh snapshot version this was built from.
     pub version: u64,
-    pub resources: [ResourceMap; 4],
+    pub resources: [ResourceMap; TYPES],
     /// Each service's share of the resources, for proxies that hold only some services
     /// (`resources` holds every service's).
     pub parts: PartsIndex,
@@ -156,6 +171,23 @@ pub struct XdsSnapshot {
 impl XdsSnapshot {
     pub fn of(&self, kind: ResourceType) -> &ResourceMap {
         &self.resources[kind.index()]
+    }
+
+    /// This snapshot as one proxy sees it, with `secrets` its own: everything else, and what
+    /// was computed of it, shared (a push to a proxy with secrets costs what it costs any).
+    pub fn with_secrets(&self, secrets: ResourceMap) -> XdsSnapshot {
+        let mut resources = self.resources.clone();
+        resources[ResourceType::Secret.index()] = secrets;
+        let mut indexes = self.indexes.clone();
+        indexes.names[ResourceType::Secret.index()] = Arc::default();
+        indexes.wholes[ResourceType::Secret.index()] = Arc::default();
+        XdsSnapshot {
+            version: self.version,
+            resources,
+            parts: self.parts.clone(),
+            changed_at: self.changed_at,
+            indexes,
+        }
     }
 
     /// Looks up `count` names of a type. Many names at once (a stream's first request, which
@@ -269,11 +301,12 @@ const BULK_LOOKUP: usize = 1024;
 pub type NameIndex = HashMap<Arc<str>, Arc<XdsResource>, foldhash::fast::RandomState>;
 
 /// Per resource type, what is computed from a snapshot only when first asked for: a hash
-/// index by name, and the type's [`Whole`].
-#[derive(Default)]
+/// index by name, and the type's [`Whole`]. Each behind an `Arc`, so that a proxy's view
+/// with its secrets ([`XdsSnapshot::with_secrets`]) shares those of the other types.
+#[derive(Clone, Default)]
 pub struct Indexes {
-    names: [OnceLock<Arc<NameIndex>>; 4],
-    wholes: [OnceLock<Whole>; 4],
+    names: [Arc<OnceLock<Arc<NameIndex>>>; TYPES],
+    wholes: [Arc<OnceLock<Whole>>; TYPES],
 }
 
 impl Indexes {

@@ -14,7 +14,8 @@ use super::inbound::Plain;
 use super::interest::Subscription;
 use super::response::SotwResponse;
 use super::snapshot::{
-    ResourceMap, ResourceType, XdsResource, XdsSnapshot, entry_hash, format_version, parse_version,
+    ResourceMap, ResourceType, TYPES, XdsResource, XdsSnapshot, entry_hash, format_version,
+    parse_version,
 };
 use super::stream::{
     Ads, Delivery, Event, Flavour, Limits, NameSet, Push, TypeDiff, TypeState, Types, nonce,
@@ -41,7 +42,7 @@ struct SotwExtra {
 #[derive(Debug, Default)]
 pub struct SotwStream {
     pub(super) common: Types,
-    extra: [SotwExtra; 4],
+    extra: [SotwExtra; TYPES],
 }
 
 impl Ads for SotwStream {
@@ -343,12 +344,14 @@ fn made_at(map: &ResourceMap) -> String {
 }
 
 /// What a type sent by change depends on: Envoy drops an assignment when its cluster goes or
-/// is re-created, and a route configuration when no listener names it any more.
+/// is re-created, and a route configuration when no listener names it any more. Secrets are
+/// named by clusters and listeners alike: with no one basis, a reconnecting client's are never
+/// taken on their digest, and go out again (two small resources).
 fn basis_of(kind: ResourceType) -> Option<ResourceType> {
     match kind {
         ResourceType::Endpoint => Some(ResourceType::Cluster),
         ResourceType::Route => Some(ResourceType::Listener),
-        ResourceType::Cluster | ResourceType::Listener => None,
+        ResourceType::Cluster | ResourceType::Listener | ResourceType::Secret => None,
     }
 }
 

@@ -10,13 +10,14 @@
 //!   and the refused versions are not sent again until they change; a stale nonce is ignored
 //!   (SotW) or only its subscription changes are taken (Delta, where requests are incremental);
 //! - at most one un-ACKed response per type; a newer snapshot waits for the ACK;
-//! - make before break: types go out CDS → EDS → LDS → RDS, and a listener or route
+//! - make before break: types go out SDS → CDS → EDS → LDS → RDS, and a listener or route
 //!   configuration change waits while a cluster new to the client lacks its endpoints (Envoy
 //!   warms a new cluster until they come; a route to it meanwhile finds no cluster), once the
 //!   client holds listeners or routes (in its first sync nothing flows through them yet). A
 //!   removal waits until what may refer to the removed resource is acknowledged without it:
 //!   a cluster until the listeners and route configurations are in sync, an assignment until
-//!   the clusters are, a route configuration until the listeners are;
+//!   the clusters are, a route configuration until the listeners are, a secret until the
+//!   clusters and listeners are;
 //! - after a cluster changes, its endpoints are sent again, because Envoy re-creates the
 //!   cluster and waits for them;
 //! - SotW: clusters and listeners go out whole (the protocol requires it: what a response
@@ -42,7 +43,7 @@ use imbl::ordmap::DiffItem;
 use super::held::ClientView;
 use super::inbound::RequestDecoder;
 use super::interest::{Interest, UNKNOWN_NAME_BYTES, UnknownNames};
-use super::snapshot::{ResourceMap, ResourceType, Whole, XdsResource, XdsSnapshot};
+use super::snapshot::{ResourceMap, ResourceType, TYPES, Whole, XdsResource, XdsSnapshot};
 
 /// The two ADS flavours, as the server drives them: one value per stream, fed the proxy's
 /// requests and every new snapshot, answering with what to send.
@@ -561,7 +562,7 @@ impl Flavour {
 /// The per-type states of one stream, and what they share.
 #[derive(Debug, Default)]
 pub(super) struct Types {
-    pub(super) types: [TypeState; 4],
+    pub(super) types: [TypeState; TYPES],
     /// Clusters new to the client (sent, acknowledged or not) whose endpoints it does not hold
     /// yet: Envoy warms such a cluster until they come, and a listener or route that names it
     /// meanwhile sends its traffic nowhere, so listener and route changes wait for them.
@@ -613,10 +614,10 @@ impl Types {
         &mut self,
         snapshot: &XdsSnapshot,
         flavour: Flavour,
-    ) -> [Option<TypeDiff>; 4] {
+    ) -> [Option<TypeDiff>; TYPES] {
         self.follow_warming(snapshot);
         self.check_warming(snapshot);
-        let mut found: [Option<TypeDiff>; 4] = Default::default();
+        let mut found: [Option<TypeDiff>; TYPES] = Default::default();
         for kind in ResourceType::ALL {
             let state = &mut self.types[kind.index()];
             if !state.requested || state.in_flight.is_some() {
@@ -653,7 +654,7 @@ impl Types {
             }
             found[kind.index()] = Some(diff);
         }
-        let mut settled = [false; 4];
+        let mut settled = [false; TYPES];
         for (kind, waits_on) in [
             (ResourceType::Listener, &[][..]),
             (ResourceType::Route, &[ResourceType::Listener][..]),
@@ -662,6 +663,10 @@ impl Types {
                 &[ResourceType::Listener, ResourceType::Route][..],
             ),
             (ResourceType::Endpoint, &[ResourceType::Cluster][..]),
+            (
+                ResourceType::Secret,
+                &[ResourceType::Cluster, ResourceType::Listener][..],
+            ),
         ] {
             let i = kind.index();
             let ready = waits_on.iter().all(|k| settled[k.index()]);
@@ -683,12 +688,16 @@ impl Types {
         found
     }
 
-    /// See [`Ads::holds`].
+    /// See [`Ads::holds`]. Secrets are not what a DNS answer waits for (a proxy that asks
+    /// for none, with mTLS off, would keep it waiting).
     pub(super) fn holds(&self, snapshot: &XdsSnapshot) -> bool {
         self.warming.is_empty()
-            && ResourceType::ALL.into_iter().all(|kind| {
-                self.types[kind.index()].in_sync(snapshot.of(kind), snapshot.whole(kind))
-            })
+            && ResourceType::ALL
+                .into_iter()
+                .filter(|kind| *kind != ResourceType::Secret)
+                .all(|kind| {
+                    self.types[kind.index()].in_sync(snapshot.of(kind), snapshot.whole(kind))
+                })
     }
 
     /// The client acknowledged the in-flight response of `kind` (see [`TypeState::accept`]).

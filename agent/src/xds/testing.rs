@@ -1,7 +1,7 @@
 //! Fixtures for the stream state machines' tests: a little mesh that can be edited and its real
 //! translations, and a stream wrapped the way the server drives it.
 
-use super::snapshot::{ResourceType, XdsSnapshot};
+use super::snapshot::{ResourceType, TYPES, XdsSnapshot};
 use super::stream::{Ads, Event};
 use std::sync::Arc;
 
@@ -13,6 +13,7 @@ pub(super) const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluste
 pub(super) const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 pub(super) const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub(super) const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+pub(super) const SDS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 
 /// A little mesh that can be edited, and its translations.
 pub(super) struct World {
@@ -153,7 +154,7 @@ impl TypeUrl for super::DeltaResponse {
 #[derive(Default)]
 pub(super) struct Tested<A: Ads> {
     pub(super) machine: A,
-    acked: [Option<String>; 4],
+    acked: [Option<String>; TYPES],
 }
 
 impl<A: Ads> Tested<A>

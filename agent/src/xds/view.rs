@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use imbl::ordmap::DiffItem;
 
-use super::snapshot::{ResourceMap, ResourceType, XdsSnapshot};
+use super::snapshot::{ResourceMap, ResourceType, TYPES, XdsSnapshot};
 use super::stream::NameSet;
 use crate::identity::PodKey;
 
@@ -94,7 +94,7 @@ impl View {
             .iter()
             .flat_map(|p| p.clusters.iter().cloned())
             .collect();
-        let mut resources: [ResourceMap; 4] = Default::default();
+        let mut resources: [ResourceMap; TYPES] = Default::default();
         for kind in [ResourceType::Cluster, ResourceType::Endpoint] {
             let all = snapshot.of(kind);
             resources[kind.index()] = self
@@ -117,7 +117,7 @@ impl View {
     fn remember(
         &mut self,
         snapshot: &Arc<XdsSnapshot>,
-        resources: [ResourceMap; 4],
+        resources: [ResourceMap; TYPES],
     ) -> Arc<XdsSnapshot> {
         let made = Arc::new(XdsSnapshot {
             version: snapshot.version,

@@ -52,6 +52,13 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
         ips.extend(status.and_then(|s| s.pod_ip.as_deref()));
     }
     let (scoped, uses) = scoping(pod, &key);
+    let service_account: std::sync::Arc<str> = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.as_deref())
+        .filter(|name| !name.is_empty())
+        .unwrap_or("default")
+        .into();
     ips.into_iter()
         .filter_map(|ip| ip.parse().ok())
         .map(|ip| PodEntry {
@@ -60,6 +67,7 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
             host_network,
             scoped,
             uses: uses.clone(),
+            service_account: service_account.clone(),
         })
         .collect()
 }

@@ -29,7 +29,7 @@ use super::{Ads, Event, Types};
 use crate::mesh::{Protocol, ServiceSpec};
 use crate::xds::delta::DeltaStream;
 use crate::xds::response::{DeltaResponse, SotwResponse};
-use crate::xds::snapshot::{ResourceType, XdsResource, XdsSnapshot, format_version};
+use crate::xds::snapshot::{ResourceType, TYPES, XdsResource, XdsSnapshot, format_version};
 use crate::xds::sotw::SotwStream;
 use crate::xds::testing::{World, routed};
 use crate::xds::wire::{DeltaRequest, SotwRequest};
@@ -38,6 +38,9 @@ const CDS: ResourceType = ResourceType::Cluster;
 const EDS: ResourceType = ResourceType::Endpoint;
 const LDS: ResourceType = ResourceType::Listener;
 const RDS: ResourceType = ResourceType::Route;
+/// Never asked for by the model's client (its snapshots have no secrets): the model checks
+/// that a fifth type leaves the other four as they were; `secrets_*` tests below cover it.
+const SDS: ResourceType = ResourceType::Secret;
 
 /// Services of the model mesh, `/m/s<i>`.
 const SERVICES: usize = 5;
@@ -194,7 +197,7 @@ type Held = BTreeMap<Arc<str>, Arc<XdsResource>>;
 /// An Envoy-like client: what it holds and subscribes to, and how it answers.
 #[derive(Clone, Debug, Default)]
 struct Client {
-    held: [Held; 4],
+    held: [Held; TYPES],
     /// Its endpoint subscription: the clusters it holds.
     eds: BTreeSet<Arc<str>>,
     /// Its route subscription: the route configurations its listeners name.
@@ -204,10 +207,10 @@ struct Client {
     /// Envoy asks for listeners once its first clusters are warm.
     initialized: bool,
     /// SotW: the version it last accepted and the nonce it last received, per type.
-    versions: [String; 4],
-    nonces: [String; 4],
+    versions: [String; TYPES],
+    nonces: [String; TYPES],
     /// The names it last sent per type (SotW requests repeat them).
-    sent: [BTreeSet<Arc<str>>; 4],
+    sent: [BTreeSet<Arc<str>>; TYPES],
     /// SotW: clusters the first response after a reconnect dropped (see `Op::Reconnect`).
     dropped_while_away: BTreeSet<String>,
     /// Clusters it refused (NACKed) and does not hold: what names them cannot be helped (the
@@ -221,7 +224,7 @@ struct Client {
     /// SotW: per type, what it held when it reconnected and was not sent since. When its
     /// version did not match, the agent cannot know it (a digest says only whether it holds
     /// what is wanted): left out of the comparison of beliefs.
-    unknown: [BTreeSet<Arc<str>>; 4],
+    unknown: [BTreeSet<Arc<str>>; TYPES],
 }
 
 /// The clusters a listener sends TCP to, and the route configurations it names.
@@ -296,6 +299,7 @@ impl Client {
             CDS | LDS => true,
             EDS => self.eds.contains(name),
             RDS => self.rds.contains(name),
+            SDS => false,
         };
         let mut applied = Vec::new();
         for resource in resources {
@@ -376,7 +380,7 @@ impl Client {
                 let rds = &self.rds;
                 self.held[RDS.index()].retain(|name, _| rds.contains(name));
             }
-            RDS => {}
+            RDS | SDS => {}
         }
         self.held[i] = after;
         // Holding none before, it sent no traffic through them (its first sync).
@@ -546,7 +550,7 @@ impl Client {
         match kind {
             EDS => self.eds.clone(),
             RDS => self.rds.clone(),
-            CDS | LDS => BTreeSet::new(),
+            CDS | LDS | SDS => BTreeSet::new(),
         }
     }
 }
@@ -564,6 +568,7 @@ impl Wire for SotwStream {
                 CDS => true,
                 LDS => client.initialized,
                 EDS | RDS => !client.names(kind).is_empty(),
+                SDS => false,
             };
             if asked {
                 let names = client.names(kind);
@@ -671,6 +676,7 @@ impl Wire for DeltaStream {
                 CDS => true,
                 LDS => client.initialized,
                 EDS | RDS => !client.names(kind).is_empty(),
+                SDS => false,
             };
             if asked {
                 let names = client.names(kind);

@@ -83,7 +83,7 @@ impl Types {
                 let recheck = sent.filter(|name| warming.contains(*name)).cloned();
                 self.warming_recheck.extend(recheck);
             }
-            ResourceType::Listener | ResourceType::Route => {}
+            ResourceType::Listener | ResourceType::Route | ResourceType::Secret => {}
         }
     }
 
@@ -94,7 +94,7 @@ impl Types {
     /// then on: the clusters it holds or is being sent whose endpoints it does not hold warm
     /// (see [`Types::clusters_sent`]).
     pub(super) fn follow_warming(&mut self, snapshot: &XdsSnapshot) {
-        let [clusters, endpoints, listeners, routes] = &self.types;
+        let [clusters, endpoints, listeners, routes, _secrets] = &self.types;
         let asked = listeners.requested || routes.requested;
         let serving = self.reconnected || listeners.client.len() > 0 || routes.client.len() > 0;
         if self.warming_checked.is_some() || !asked || !serving {

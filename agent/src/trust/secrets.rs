@@ -1,0 +1,402 @@
+//! The secrets of the node's proxies: for each identity a proxy of the node was verified as,
+//! its leaf and the trust bundle, published to every stream of that identity
+//! ([`NodeSecrets::watch`]) and followed as leaves renew and the issuer changes. An identity
+//! is wanted while a verified stream of it lives, and forgotten (its leaf with it) when the
+//! last one ends: the agent never holds a leaf for an identity no proxy of its node has.
+//!
+//! Issuing runs on the caller's thread under a lock: a P-256 key and a signature take well
+//! under a millisecond, and a node has a few hundred identities at most.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::authority::{AuthorityState, IdentityLabel, ReasonLabel, TrustMetrics};
+use super::issuer::{Issuer, Leaf, LeafPolicy};
+use super::leaves::{LeafError, Leaves};
+use super::spiffe::SpiffeId;
+
+/// What a proxy of one identity is handed: its leaf and the bundle its peers are checked
+/// against.
+#[derive(Debug)]
+pub struct ProxySecrets {
+    pub identity: SpiffeId,
+    pub leaf: Arc<Leaf>,
+    /// PEM: every root of the trust bundle.
+    pub bundle_pem: Arc<str>,
+}
+
+type SecretsTx = watch::Sender<Option<Arc<ProxySecrets>>>;
+/// An identity's secrets; `None` while it has no leaf (no issuer yet, or issuing failed).
+pub type SecretsRx = watch::Receiver<Option<Arc<ProxySecrets>>>;
+
+/// The node's secrets, shared by the xDS streams and the task that renews them.
+#[derive(Clone)]
+pub struct NodeSecrets {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    trust_domain: String,
+    state: Mutex<State>,
+    /// Wakes the renewing task: an identity was added, so the next due time may be sooner.
+    added: Notify,
+    metrics: TrustMetrics,
+}
+
+struct State {
+    leaves: Leaves,
+    issuer: Option<Arc<Issuer>>,
+    slots: HashMap<SpiffeId, Slot>,
+}
+
+struct Slot {
+    tx: SecretsTx,
+    /// Live streams of this identity.
+    streams: usize,
+}
+
+/// One stream's hold on an identity's secrets: the identity stays wanted while it lives.
+pub struct SecretsWatch {
+    pub rx: SecretsRx,
+    identity: SpiffeId,
+    inner: Arc<Inner>,
+}
+
+impl Drop for SecretsWatch {
+    fn drop(&mut self) {
+        let mut state = lock(&self.inner.state);
+        let Some(slot) = state.slots.get_mut(&self.identity) else {
+            return;
+        };
+        slot.streams -= 1;
+        if slot.streams == 0 {
+            state.slots.remove(&self.identity);
+            state.leaves.forget(&self.identity);
+            self.inner.metrics.leaf_expiry.remove(&IdentityLabel {
+                identity: self.identity.to_string(),
+            });
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn now() -> i64 {
+    OffsetDateTime::now_utc().unix_timestamp()
+}
+
+impl NodeSecrets {
+    pub fn new(trust_domain: String, policy: LeafPolicy, metrics: TrustMetrics) -> NodeSecrets {
+        // The jitter's seed: this process's start, so two agents do not renew in step.
+        let seed = u64::from(std::process::id()) ^ now().unsigned_abs().rotate_left(17);
+        NodeSecrets {
+            inner: Arc::new(Inner {
+                trust_domain,
+                state: Mutex::new(State {
+                    leaves: Leaves::new(policy, seed),
+                    issuer: None,
+                    slots: HashMap::new(),
+                }),
+                added: Notify::new(),
+                metrics,
+            }),
+        }
+    }
+
+    pub fn trust_domain(&self) -> &str {
+        &self.inner.trust_domain
+    }
+
+    /// The secrets of `identity`, for a stream verified as one of its proxies: issued now if
+    /// the identity has no leaf yet and there is an issuer.
+    pub fn watch(&self, identity: SpiffeId) -> SecretsWatch {
+        let mut state = lock(&self.inner.state);
+        let state = &mut *state;
+        let rx = match state.slots.get_mut(&identity) {
+            Some(slot) => {
+                slot.streams += 1;
+                slot.tx.subscribe()
+            }
+            None => {
+                let tx = watch::channel(None).0;
+                let rx = tx.subscribe();
+                state
+                    .slots
+                    .insert(identity.clone(), Slot { tx, streams: 1 });
+                let now = now();
+                let issued = state.leaves.get(&identity, state.issuer.as_deref(), now);
+                self.inner.issued(state, &identity, issued.err());
+                rx
+            }
+        };
+        self.inner.added.notify_one();
+        SecretsWatch {
+            rx,
+            identity,
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Renews leaves when due and follows the issuer, until `shutdown`.
+    pub async fn run(
+        self,
+        mut authority: watch::Receiver<AuthorityState>,
+        shutdown: CancellationToken,
+    ) {
+        let mut issuer = authority.borrow_and_update().issuer.clone();
+        self.inner.new_issuer(issuer.clone());
+        loop {
+            let next = {
+                let mut state = lock(&self.inner.state);
+                let state = &mut *state;
+                let (renewed, failed) = state.leaves.renew_due(state.issuer.as_deref(), now());
+                for identity in renewed {
+                    self.inner.issued(state, &identity, None);
+                }
+                for (identity, error) in failed {
+                    self.inner.issued(state, &identity, Some(error));
+                }
+                state.leaves.next_due()
+            };
+            // Unix seconds to a wait; a day at most, so a clock step is caught up with.
+            let wait = next.map_or(Duration::from_secs(86_400), |due| {
+                Duration::from_secs(u64::try_from(due - now()).unwrap_or(0).min(86_400))
+            });
+            tokio::select! {
+                changed = authority.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let latest = authority.borrow_and_update().issuer.clone();
+                    let same = match (&issuer, &latest) {
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        (None, None) => true,
+                        _ => false,
+                    };
+                    if !same {
+                        issuer = latest;
+                        self.inner.new_issuer(issuer.clone());
+                    }
+                }
+                () = tokio::time::sleep(wait) => {}
+                () = self.inner.added.notified() => {}
+                () = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// `/debug/identity`'s leaves: each identity with a leaf, its serial, its end, and how
+    /// many streams hold it.
+    pub fn debug(&self) -> Value {
+        let state = lock(&self.inner.state);
+        let now = now();
+        let mut leaves: Vec<Value> = state
+            .slots
+            .iter()
+            .map(|(identity, slot)| {
+                let leaf = state.leaves.current(identity, now);
+                json!({
+                    "identity": identity.to_string(),
+                    "streams": slot.streams,
+                    "serial": leaf.as_ref().map(|l| l.serial.clone()),
+                    "not_after": leaf.as_ref().map(|l| l.not_after),
+                })
+            })
+            .collect();
+        leaves.sort_by(|a, b| a["identity"].as_str().cmp(&b["identity"].as_str()));
+        Value::Array(leaves)
+    }
+}
+
+impl Inner {
+    /// Another issuer (or none): leaves are issued again by it, and every identity's
+    /// secrets published with its bundle. With none, leaves held stay in use until they end.
+    fn new_issuer(&self, issuer: Option<Arc<Issuer>>) {
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+        state.issuer = issuer;
+        if state.issuer.is_none() {
+            return;
+        }
+        let (renewed, failed) = state.leaves.renew_all(state.issuer.as_deref(), now());
+        // Wanted identities that had no leaf yet (no issuer until now) are issued too.
+        let missing: Vec<SpiffeId> = state
+            .slots
+            .keys()
+            .filter(|id| !renewed.contains(id) && !failed.iter().any(|(f, _)| f == *id))
+            .cloned()
+            .collect();
+        for identity in renewed {
+            self.issued(state, &identity, None);
+        }
+        for (identity, error) in failed {
+            self.issued(state, &identity, Some(error));
+        }
+        for identity in missing {
+            let issued = state.leaves.get(&identity, state.issuer.as_deref(), now());
+            self.issued(state, &identity, issued.err());
+        }
+    }
+
+    /// Publishes `identity`'s secrets after an issue (`failed`: why it failed; its leaf
+    /// before, if any, stays).
+    fn issued(&self, state: &mut State, identity: &SpiffeId, failed: Option<LeafError>) {
+        if let Some(error) = failed {
+            self.metrics
+                .leaf_failures
+                .get_or_create(&ReasonLabel {
+                    reason: error.reason(),
+                })
+                .inc();
+            if !matches!(error, LeafError::NoIssuer) {
+                tracing::warn!(%identity, %error, "a workload certificate could not be issued; the one held, if any, stays in use");
+            }
+        }
+        let Some(slot) = state.slots.get(identity) else {
+            return;
+        };
+        let leaf = state.leaves.current(identity, now());
+        let secrets = match (leaf, &state.issuer) {
+            (Some(leaf), Some(issuer)) => {
+                self.metrics
+                    .leaf_expiry
+                    .get_or_create(&IdentityLabel {
+                        identity: identity.to_string(),
+                    })
+                    .set(leaf.not_after);
+                Some(Arc::new(ProxySecrets {
+                    identity: identity.clone(),
+                    leaf,
+                    bundle_pem: Arc::from(issuer.bundle_pem()),
+                }))
+            }
+            // A leaf with its issuer gone keeps the bundle it was published with.
+            (Some(leaf), None) => slot.tx.borrow().as_ref().map(|held| {
+                Arc::new(ProxySecrets {
+                    identity: identity.clone(),
+                    leaf,
+                    bundle_pem: held.bundle_pem.clone(),
+                })
+            }),
+            (None, _) => None,
+        };
+        slot.tx.send_if_modified(|held| {
+            let same = match (&*held, &secrets) {
+                (Some(a), Some(b)) => Arc::ptr_eq(&a.leaf, &b.leaf) && a.bundle_pem == b.bundle_pem,
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                *held = secrets;
+            }
+            !same
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+
+    use super::*;
+
+    fn issuer(name: &str) -> Arc<Issuer> {
+        let now = OffsetDateTime::now_utc();
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        params.not_before = now - Duration::from_secs(86_400);
+        params.not_after = now + Duration::from_secs(10 * 365 * 86_400);
+        let key = KeyPair::generate().unwrap();
+        let pem = params.self_signed(&key).unwrap().pem();
+        Arc::new(
+            Issuer::from_secret(
+                pem.as_bytes(),
+                key.serialize_pem().as_bytes(),
+                pem.as_bytes(),
+                now,
+            )
+            .unwrap(),
+        )
+    }
+
+    fn id(sa: &str) -> SpiffeId {
+        SpiffeId::new("cluster.local", "shop", sa).unwrap()
+    }
+
+    async fn changed(rx: &mut SecretsRx) -> Option<Arc<ProxySecrets>> {
+        tokio::time::timeout(Duration::from_secs(10), rx.changed())
+            .await
+            .expect("a change within 10 s")
+            .unwrap();
+        rx.borrow_and_update().clone()
+    }
+
+    #[tokio::test]
+    async fn an_identity_gets_its_leaf_once_an_issuer_comes_and_a_new_one_when_it_changes() {
+        let secrets = NodeSecrets::new(
+            "cluster.local".into(),
+            LeafPolicy::default(),
+            TrustMetrics::default(),
+        );
+        let (authority, rx) = watch::channel(AuthorityState::default());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(secrets.clone().run(rx, shutdown.clone()));
+
+        let mut cart = secrets.watch(id("cart"));
+        assert!(cart.rx.borrow_and_update().is_none(), "no issuer yet");
+
+        let first = issuer("first CA");
+        authority.send_modify(|s| s.issuer = Some(first.clone()));
+        let got = changed(&mut cart.rx).await.expect("a leaf");
+        assert_eq!(got.identity, id("cart"));
+        assert_eq!(&*got.bundle_pem, first.bundle_pem());
+        assert!(got.leaf.chain_pem.contains("BEGIN CERTIFICATE"));
+
+        // A second stream of the identity shares the leaf; another identity gets its own.
+        let again = secrets.watch(id("cart"));
+        let shared = again.rx.borrow().clone().unwrap();
+        assert!(Arc::ptr_eq(&shared.leaf, &got.leaf));
+        let pay = secrets.watch(id("pay"));
+        let other = pay.rx.borrow().clone().expect("issued at once");
+        assert_ne!(other.leaf.serial, got.leaf.serial);
+
+        // A new issuer: every leaf again, with its bundle.
+        let second = issuer("second CA");
+        authority.send_modify(|s| s.issuer = Some(second.clone()));
+        let renewed = changed(&mut cart.rx).await.expect("a leaf");
+        assert_ne!(renewed.leaf.serial, got.leaf.serial);
+        assert_eq!(&*renewed.bundle_pem, second.bundle_pem());
+
+        // The issuer gone: the leaf held stays.
+        authority.send_modify(|s| s.issuer = None);
+        tokio::task::yield_now().await;
+        let kept = cart.rx.borrow().clone().expect("kept");
+        assert!(Arc::ptr_eq(&kept.leaf, &renewed.leaf));
+
+        // The last stream of an identity gone: forgotten.
+        drop((cart, again));
+        let shown = secrets.debug();
+        let identities: Vec<&str> = shown
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["identity"].as_str().unwrap())
+            .collect();
+        assert_eq!(identities, ["spiffe://cluster.local/ns/shop/sa/pay"]);
+
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+}

@@ -1,0 +1,325 @@
+//! Workload certificates over SDS: the agent runs as the DaemonSet runs it (node-local address,
+//! `NODE_NAME`, Kubernetes from the fake API server with this node's Pods and the CA's
+//! Secret), and a real Envoy in a pod's network namespace asks for its secrets over its ADS
+//! stream, as a TLS listener of its own names them (`default`, `ROOTCA`).
+//!
+//! What fails when the feature breaks:
+//! - the pod's Envoy serves TLS with a leaf whose only URI SAN is its pod's service account's
+//!   SPIFFE ID, and that leaf verifies against the CA's bundle (checked with openssl);
+//! - another pod of the node asking for `default` over a stream of its own gets its own
+//!   identity's leaf, never the first pod's;
+//! - `/debug/identity` lists each identity's leaf, `/debug/xds` each proxy's identity, and
+//!   neither shows a key.
+//!
+//! Build the binaries first: `cargo build --workspace --bins`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Node as EnvoyNode;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
+use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use k8s_openapi::ByteString;
+use lattice_e2e::agent::AgentAddrs;
+use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::netns::Netns;
+use lattice_e2e::node::{ADMIN, Node};
+use lattice_e2e::wait;
+use lattice_inject::certs::Chain;
+use prost::Message;
+use serde_json::{Value, json};
+
+const NODE_LOCAL: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
+const XDS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 15010);
+const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 53);
+const SECRETS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+const PROBE_PORT: u16 = 15443;
+const WITHIN: Duration = Duration::from_secs(20);
+
+fn pod(name: &str, account: Option<&str>, ip: Ipv4Addr) -> Value {
+    let mut spec = json!({"nodeName": "node-a", "containers": [{"name": "app", "image": "app"}]});
+    if let Some(account) = account {
+        spec["serviceAccountName"] = json!(account);
+    }
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"namespace": "default", "name": name},
+           "spec": spec,
+           "status": {"phase": "Running", "podIP": ip.to_string(),
+                      "podIPs": [{"ip": ip.to_string()}]}})
+}
+
+fn ca_secret(chain: &Chain) -> Value {
+    let bytes = |text: &str| json!(ByteString(text.as_bytes().to_vec()));
+    json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
+        "data": {"tls.crt": bytes(&chain.ca_cert), "tls.key": bytes(&chain.ca_key),
+                 "ca.crt": bytes(&chain.ca_cert)}
+    })
+}
+
+/// A TLS listener on the pod's loopback whose certificate and trusted CAs are the SDS secrets
+/// `default` and `ROOTCA`, fetched over ADS: what a mesh listener will name.
+fn add_tls_listener(bootstrap: &mut Value) {
+    let over_ads =
+        |name: &str| json!({"name": name, "sds_config": {"ads": {}, "resource_api_version": "V3"}});
+    let listener = json!({
+        "name": "sds-probe",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": PROBE_PORT}},
+        "filter_chains": [{
+            // HTTP, whose connection manager waits for a request: the handshake completes
+            // first (a filter that answers on connect would close before it does).
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "sds_probe",
+                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                    "route_config": {"virtual_hosts": [{"name": "probe", "domains": ["*"],
+                        "routes": [{"match": {"prefix": "/"},
+                                    "direct_response": {"status": 200, "body": {"inline_string": "over TLS"}}}]}]}
+                }
+            }],
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "common_tls_context": {
+                        "tls_certificate_sds_secret_configs": [over_ads("default")],
+                        "validation_context_sds_secret_config": over_ads("ROOTCA")
+                    }
+                }
+            }
+        }]
+    });
+    let listeners = &mut bootstrap["static_resources"]["listeners"];
+    match listeners.as_array_mut() {
+        Some(list) => list.push(listener),
+        None => *listeners = json!([listener]),
+    }
+}
+
+/// Runs `openssl` with `args` in `netns`; its stdout, or why it failed.
+fn openssl(netns: &Netns, args: &[&str], stdin: &str) -> Result<String, String> {
+    use std::io::Write as _;
+    let mut child = netns
+        .command("openssl")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "openssl {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// The PEM blocks of `text`, in order.
+fn certificates(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("-----BEGIN CERTIFICATE-----") {
+        let end_marker = "-----END CERTIFICATE-----";
+        let Some(end) = rest[start..].find(end_marker) else {
+            break;
+        };
+        let end = start + end + end_marker.len();
+        out.push(format!("{}\n", &rest[start..end]));
+        rest = &rest[end..];
+    }
+    out
+}
+
+/// The URI SANs of a PEM certificate.
+fn uri_sans(netns: &Netns, pem: &str) -> Vec<String> {
+    let text = openssl(netns, &["x509", "-noout", "-ext", "subjectAltName"], pem).unwrap();
+    text.split([',', '\n'])
+        .filter_map(|part| part.trim().strip_prefix("URI:").map(str::to_string))
+        .collect()
+}
+
+/// A Delta ADS stream from inside `netns` as `node_id` that subscribes to the secret
+/// `default`: the first certificate chain it is sent.
+fn workload_secret(netns: &Netns, node_id: &str) -> Result<String, String> {
+    let node_id = node_id.to_string();
+    netns
+        .enter(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            runtime.block_on(async move {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{XDS}"))
+                    .map_err(|e| e.to_string())?
+                    .connect_timeout(Duration::from_secs(2))
+                    .connect()
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?;
+                let mut client = AggregatedDiscoveryServiceClient::new(channel);
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                tx.send(DeltaDiscoveryRequest {
+                    node: Some(EnvoyNode {
+                        id: node_id,
+                        ..EnvoyNode::default()
+                    }),
+                    type_url: SECRETS.to_string(),
+                    resource_names_subscribe: vec!["default".to_string()],
+                    ..DeltaDiscoveryRequest::default()
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+                let mut stream = client
+                    .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .into_inner();
+                let response = tokio::time::timeout(Duration::from_secs(5), stream.message())
+                    .await
+                    .map_err(|_| "no answer in 5 s".to_string())?
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the stream ended")?;
+                drop(tx);
+                let resource = response
+                    .resources
+                    .iter()
+                    .find(|r| r.name == "default")
+                    .ok_or_else(|| format!("no `default` in {response:?}"))?;
+                let body = resource.resource.as_ref().ok_or("no body")?;
+                let secret = Secret::decode(body.value.as_slice()).map_err(|e| e.to_string())?;
+                match secret.r#type {
+                    Some(secret::Type::TlsCertificate(tls)) => {
+                        match tls.certificate_chain.and_then(|c| c.specifier) {
+                            Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineString(pem)) => Ok(pem),
+                            other => Err(format!("chain {other:?}")),
+                        }
+                    }
+                    other => Err(format!("not a certificate: {other:?}")),
+                }
+            })
+        })
+        .map_err(|e| e.to_string())?
+}
+
+#[test]
+fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
+    let node = Node::new("sds").unwrap();
+    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
+    server.apply_json(ca_secret(&chain)).unwrap();
+    for (name, account, host) in [("client", Some("cart"), 2), ("batch", None, 4)] {
+        server
+            .apply_json(pod(name, account, Ipv4Addr::new(10, 200, 0, host)))
+            .unwrap();
+    }
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let agent = node
+        .agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &["--node-local-dns", &NODE_LOCAL.to_string()],
+            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+        )
+        .unwrap();
+
+    let client = node
+        .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
+        .unwrap();
+    let netns = client.netns();
+    let target = format!("127.0.0.1:{PROBE_PORT}");
+    let shown = wait::until("Envoy serving TLS with its SDS certificate", WITHIN, || {
+        openssl(
+            netns,
+            &[
+                "s_client",
+                "-connect",
+                &target,
+                "-showcerts",
+                "-servername",
+                "probe",
+            ],
+            "",
+        )
+    })
+    .unwrap_or_else(|e| {
+        let stats = client.envoy_admin("/stats?filter=15443");
+        panic!(
+            "{e}\nthe listener's stats: {stats:?}\n{}\n{}",
+            agent.log(),
+            client.envoy_log()
+        )
+    });
+    let presented = certificates(&shown);
+    assert!(!presented.is_empty(), "no certificate in: {shown}");
+    assert_eq!(
+        uri_sans(netns, &presented[0]),
+        ["spiffe://cluster.local/ns/default/sa/cart"],
+        "the leaf names the pod's service account, and only it"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    std::fs::write(&bundle, &chain.ca_cert).unwrap();
+    let verified = openssl(
+        netns,
+        &["verify", "-CAfile", bundle.to_str().unwrap()],
+        &presented[0],
+    )
+    .unwrap();
+    assert!(verified.contains("OK"), "{verified}");
+
+    // Another pod of the node, as itself: its own identity, never the client's.
+    let batch = node.pod("batch", 4).unwrap();
+    let pem = workload_secret(&batch.netns, "batch.default").unwrap();
+    assert_eq!(
+        uri_sans(&batch.netns, &certificates(&pem)[0]),
+        ["spiffe://cluster.local/ns/default/sa/default"]
+    );
+
+    // What the operator sees, and no key anywhere in it.
+    let (_, proxies) = agent.get("/debug/xds").unwrap();
+    assert!(
+        proxies.contains("\"identity\":\"spiffe://cluster.local/ns/default/sa/cart\""),
+        "/debug/xds: {proxies}"
+    );
+    let (_, identity) = agent.get("/debug/identity").unwrap();
+    let identity: Value = serde_json::from_str(&identity).unwrap();
+    let leaves: Vec<&str> = identity["leaves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["identity"].as_str())
+        .collect();
+    assert!(
+        leaves.contains(&"spiffe://cluster.local/ns/default/sa/cart"),
+        "{identity}"
+    );
+    for shown in [&proxies, &identity.to_string()] {
+        assert!(!shown.contains("PRIVATE KEY"), "a key is shown: {shown}");
+    }
+    let (_, metrics) = agent.get("/metrics").unwrap();
+    assert!(
+        metrics.contains(
+            "lattice_identity_leaf_expiry_timestamp_seconds{identity=\"spiffe://cluster.local/ns/default/sa/cart\"}"
+        ),
+        "{metrics}"
+    );
+    drop(client);
+}
