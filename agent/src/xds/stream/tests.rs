@@ -1,12 +1,14 @@
 //! Model-based tests of the per-stream bookkeeping, for both flavours: random interleavings of
 //! snapshots (services added, removed, changed in endpoints, protocol, port and routes, and
-//! blue-green flips that delete the old version in the same edit), of an Envoy-like client's
+//! blue-green flips that delete the old version in the same edit; the proxy's secrets renewed,
+//! rotated or gone), of an Envoy-like client's
 //! requests (subscriptions as Envoy makes them, ACKs, NACKs, stale nonces from the races of the
 //! wire, reconnects that say what it holds) and of deliveries, checked against a plain model of
 //! what the client holds and wants:
 //! - whenever the wire is quiet, what the machine believes the client holds is what it holds,
 //!   and the machine says the client holds the snapshot exactly when it does;
-//! - in the end the client holds exactly the latest snapshot (but what it refused);
+//! - in the end the client holds exactly the latest snapshot (but what it refused, and over
+//!   SotW a secret gone from the snapshot, which that protocol cannot remove);
 //! - make before break, as the client sees it: no listener or route configuration it holds
 //!   names a cluster it lacks or one that is still warming, and no assignment is removed while
 //!   its cluster is held.
@@ -29,7 +31,9 @@ use super::{Ads, Event, Types};
 use crate::mesh::{Protocol, ServiceSpec};
 use crate::xds::delta::DeltaStream;
 use crate::xds::response::{DeltaResponse, SotwResponse};
-use crate::xds::snapshot::{ResourceType, TYPES, XdsResource, XdsSnapshot, format_version};
+use crate::xds::snapshot::{
+    ResourceMap, ResourceType, TYPES, XdsResource, XdsSnapshot, format_version,
+};
 use crate::xds::sotw::SotwStream;
 use crate::xds::testing::{World, routed};
 use crate::xds::wire::{DeltaRequest, SotwRequest};
@@ -38,9 +42,10 @@ const CDS: ResourceType = ResourceType::Cluster;
 const EDS: ResourceType = ResourceType::Endpoint;
 const LDS: ResourceType = ResourceType::Listener;
 const RDS: ResourceType = ResourceType::Route;
-/// Never asked for by the model's client (its snapshots have no secrets): the model checks
-/// that a fifth type leaves the other four as they were; `secrets_*` tests below cover it.
+/// The proxy's own secrets: the client always wants both (a mesh listener names them); the
+/// snapshot has them or not as [`Op::Secrets`] says.
 const SDS: ResourceType = ResourceType::Secret;
+const SECRET_NAMES: [&str; 2] = ["default", "ROOTCA"];
 
 /// Services of the model mesh, `/m/s<i>`.
 const SERVICES: usize = 5;
@@ -81,6 +86,8 @@ enum Op {
     Reconnect,
     /// Everything delivered and acknowledged until the wire is quiet.
     Settle,
+    /// The proxy's secrets change (a renewed leaf, a new bundle), or go (`0`).
+    Secrets(u8),
 }
 
 fn protocol() -> impl Strategy<Value = Protocol> {
@@ -123,6 +130,7 @@ fn op() -> impl Strategy<Value = Op> {
         8 => Just(Op::ToServer),
         1 => Just(Op::Reconnect),
         1 => Just(Op::Settle),
+        1 => any::<u8>().prop_map(Op::Secrets),
     ]
 }
 
@@ -202,6 +210,8 @@ struct Client {
     eds: BTreeSet<Arc<str>>,
     /// Its route subscription: the route configurations its listeners name.
     rds: BTreeSet<Arc<str>>,
+    /// Its secret subscription.
+    sds: BTreeSet<Arc<str>>,
     /// Clusters new to it whose endpoints it does not hold yet (Envoy warms them).
     warming: BTreeSet<Arc<str>>,
     /// Envoy asks for listeners once its first clusters are warm.
@@ -299,7 +309,7 @@ impl Client {
             CDS | LDS => true,
             EDS => self.eds.contains(name),
             RDS => self.rds.contains(name),
-            SDS => false,
+            SDS => self.sds.contains(name),
         };
         let mut applied = Vec::new();
         for resource in resources {
@@ -491,19 +501,23 @@ impl Client {
     /// Whether it holds exactly `snapshot` (what a proxy of the whole mesh wants), but what the
     /// agent cannot know it holds (see `Client::unknown`).
     fn holds(&self, snapshot: &XdsSnapshot) -> bool {
-        ResourceType::ALL.into_iter().all(|kind| {
-            let unknown = &self.unknown[kind.index()];
-            let held = &self.held[kind.index()];
-            let extra = held
-                .keys()
-                .filter(|n| unknown.contains(*n) && !snapshot.of(kind).contains_key(*n))
-                .count();
-            held.len() - extra == snapshot.of(kind).len()
-                && snapshot
-                    .of(kind)
-                    .iter()
-                    .all(|(name, r)| held.get(name).is_some_and(|h| h.version == r.version))
-        })
+        // Secrets are not what a DNS answer waits for (`Types::holds`).
+        ResourceType::ALL
+            .into_iter()
+            .filter(|kind| *kind != SDS)
+            .all(|kind| {
+                let unknown = &self.unknown[kind.index()];
+                let held = &self.held[kind.index()];
+                let extra = held
+                    .keys()
+                    .filter(|n| unknown.contains(*n) && !snapshot.of(kind).contains_key(*n))
+                    .count();
+                held.len() - extra == snapshot.of(kind).len()
+                    && snapshot
+                        .of(kind)
+                        .iter()
+                        .all(|(name, r)| held.get(name).is_some_and(|h| h.version == r.version))
+            })
     }
 }
 
@@ -550,7 +564,8 @@ impl Client {
         match kind {
             EDS => self.eds.clone(),
             RDS => self.rds.clone(),
-            CDS | LDS | SDS => BTreeSet::new(),
+            SDS => self.sds.clone(),
+            CDS | LDS => BTreeSet::new(),
         }
     }
 }
@@ -563,12 +578,11 @@ impl Wire for SotwStream {
     fn connect(client: &mut Client) -> Vec<SotwRequest> {
         client.nonces = Default::default();
         let mut out = Vec::new();
-        for kind in [CDS, EDS, LDS, RDS] {
+        for kind in [SDS, CDS, EDS, LDS, RDS] {
             let asked = match kind {
                 CDS => true,
                 LDS => client.initialized,
-                EDS | RDS => !client.names(kind).is_empty(),
-                SDS => false,
+                EDS | RDS | SDS => !client.names(kind).is_empty(),
             };
             if asked {
                 let names = client.names(kind);
@@ -671,12 +685,11 @@ impl Wire for DeltaStream {
 
     fn connect(client: &mut Client) -> Vec<DeltaRequest> {
         let mut out = Vec::new();
-        for kind in [CDS, EDS, LDS, RDS] {
+        for kind in [SDS, CDS, EDS, LDS, RDS] {
             let asked = match kind {
                 CDS => true,
                 LDS => client.initialized,
-                EDS | RDS => !client.names(kind).is_empty(),
-                SDS => false,
+                EDS | RDS | SDS => !client.names(kind).is_empty(),
             };
             if asked {
                 let names = client.names(kind);
@@ -748,6 +761,8 @@ impl Wire for DeltaStream {
 struct Conversation<A: Wire> {
     world: World,
     mesh: Mesh,
+    /// The proxy's secrets, added to each snapshot as the server adds them to its view.
+    secrets: ResourceMap,
     snapshot: XdsSnapshot,
     machine: A,
     client: Client,
@@ -778,12 +793,17 @@ where
                 },
             );
         }
-        let snapshot = world.replace(mesh.specs());
-        let mut client = Client::default();
+        let secrets = secrets(1);
+        let snapshot = world.replace(mesh.specs()).with_secrets(secrets.clone());
+        let mut client = Client {
+            sds: SECRET_NAMES.into_iter().map(Arc::from).collect(),
+            ..Client::default()
+        };
         let to_server = A::connect(&mut client).into();
         Conversation {
             world,
             mesh,
+            secrets,
             snapshot,
             machine: A::default(),
             client,
@@ -796,7 +816,10 @@ where
         match op {
             Op::Mesh(change) => {
                 self.mesh.apply(change);
-                self.snapshot = self.world.replace(self.mesh.specs());
+                self.snapshot = self
+                    .world
+                    .replace(self.mesh.specs())
+                    .with_secrets(self.secrets.clone());
                 let pushes = self.machine.on_snapshot(&self.snapshot);
                 if std::env::var_os("MODEL_TRACE").is_some() {
                     eprintln!("snapshot {change:?}");
@@ -855,6 +878,13 @@ where
                 }
             }
             Op::Settle => self.settle()?,
+            Op::Secrets(n) => {
+                self.secrets = secrets(*n);
+                self.snapshot = self.snapshot.with_secrets(self.secrets.clone());
+                let pushes = self.machine.on_snapshot(&self.snapshot);
+                self.to_client
+                    .extend(pushes.into_iter().map(|p| p.response));
+            }
         }
         Ok(())
     }
@@ -940,7 +970,7 @@ where
                 continue;
             }
             for (name, resource) in current {
-                if matches!(kind, EDS | RDS) && !wanted.contains(name) {
+                if matches!(kind, EDS | RDS | SDS) && !wanted.contains(name) {
                     continue;
                 }
                 let refused = state.rejected.get(name) == Some(&resource.version);
@@ -964,11 +994,16 @@ where
             // says whether it may hold it).
             let clusters = &self.client.held[CDS.index()];
             let of_held_cluster = |n: &Arc<str>| kind == EDS && clusters.contains_key(n);
+            // SotW cannot remove a secret (a response of a type sent by change leaves out
+            // what it does not name): the client keeps the last one, which serves until it
+            // ends.
+            let kept_secret = kind == SDS && A::MODE == "sotw";
             let gone = |n: &&Arc<str>| {
                 !current.contains_key(*n)
                     && !unknown.contains(*n)
                     && !stale_route(n)
                     && !of_held_cluster(n)
+                    && !kept_secret
             };
             if let Some(extra) = held.keys().find(gone) {
                 return Err(format!("{kind:?} {extra}: held, gone from the snapshot"));
@@ -976,6 +1011,32 @@ where
         }
         Ok(())
     }
+}
+
+/// The proxy's secrets for `n`: none for a multiple of 4 (its identity has no leaf), else a
+/// leaf that changes with `n` and a bundle that changes with `n / 64`.
+fn secrets(n: u8) -> ResourceMap {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
+    if n.is_multiple_of(4) {
+        return ResourceMap::new();
+    }
+    let secret = |name: &str, text: String| {
+        let body = Secret {
+            name: name.to_string(),
+            r#type: Some(secret::Type::GenericSecret(Default::default())),
+        };
+        let mut resource = XdsResource::new(name, body);
+        // Content that differs with `text`, so its version does.
+        Arc::get_mut(&mut resource).unwrap().version = crate::xds::snapshot::fnv1a(text.as_bytes());
+        resource
+    };
+    [
+        secret(SECRET_NAMES[0], format!("leaf {n}")),
+        secret(SECRET_NAMES[1], format!("bundle {}", n / 64)),
+    ]
+    .into_iter()
+    .map(|r| (r.name.clone(), r))
+    .collect()
 }
 
 fn run<A: Wire>(ops: &[Op]) -> Result<(), TestCaseError>
