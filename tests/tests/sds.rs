@@ -8,6 +8,8 @@
 //!   SPIFFE ID, and that leaf verifies against the CA's bundle (checked with openssl);
 //! - another pod of the node asking for `default` over a stream of its own gets its own
 //!   identity's leaf, never the first pod's;
+//! - a new issuer in the CA's Secret reaches the running Envoy: it serves a leaf the new CA
+//!   verifies, with no restart;
 //! - `/debug/identity` lists each identity's leaf, `/debug/xds` each proxy's identity, and
 //!   neither shows a key.
 //!
@@ -314,6 +316,40 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
     for shown in [&proxies, &identity.to_string()] {
         assert!(!shown.contains("PRIVATE KEY"), "a key is shown: {shown}");
     }
+    // A new issuer, its root added to the bundle: the pod's Envoy serves a leaf of the new
+    // issuer, pushed over SDS, with no restart.
+    let next = Chain::issue(&["unused.example".to_string()]).unwrap();
+    let mut rotated = ca_secret(&next);
+    let both = format!("{}{}", chain.ca_cert, next.ca_cert);
+    rotated["data"]["ca.crt"] = json!(ByteString(both.into_bytes()));
+    server.apply_json(rotated).unwrap();
+    let next_bundle = dir.path().join("next.pem");
+    std::fs::write(&next_bundle, &next.ca_cert).unwrap();
+    wait::until("Envoy serving a leaf of the new issuer", WITHIN, || {
+        let shown = openssl(
+            netns,
+            &[
+                "s_client",
+                "-connect",
+                &target,
+                "-showcerts",
+                "-servername",
+                "probe",
+            ],
+            "",
+        )?;
+        let leaf = certificates(&shown)
+            .into_iter()
+            .next()
+            .ok_or("no certificate")?;
+        openssl(
+            netns,
+            &["verify", "-CAfile", next_bundle.to_str().unwrap()],
+            &leaf,
+        )
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+
     let (_, metrics) = agent.get("/metrics").unwrap();
     assert!(
         metrics.contains(
