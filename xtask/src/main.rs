@@ -32,6 +32,10 @@ const DEBIAN: &[(&str, &str)] = &[
     ("procps", "ps"),
     ("util-linux", "setpriv"),
     ("python3-venv", "python3"),
+    // The image test: podman builds and runs the image (with runc), on a base mmdebstrap makes.
+    ("podman", "podman"),
+    ("runc", "runc"),
+    ("mmdebstrap", "mmdebstrap"),
 ];
 
 #[derive(Parser)]
@@ -81,6 +85,19 @@ enum Task {
         #[arg(long, default_value = "query")]
         target: String,
     },
+    /// Build the container image (deploy/Dockerfile's runtime stage) with no registry: release
+    /// binaries from the workspace build, a Debian base made locally with mmdebstrap (cached
+    /// for a week under the target directory), podman with --pull=never. Needs root, podman,
+    /// runc and mmdebstrap.
+    Image {
+        /// The image's name in podman's storage.
+        #[arg(long, default_value = concat!("localhost/lattice:", env!("CARGO_PKG_VERSION")))]
+        tag: String,
+        /// Also write the image here as an OCI archive (`podman load`, `docker load`,
+        /// `skopeo copy oci-archive:...`).
+        #[arg(long, value_name = "FILE")]
+        oci_archive: Option<PathBuf>,
+    },
     /// Render the Kubernetes manifests (deploy/ and deploy/examples/) for users without
     /// kustomize: to stdout, or as lattice.yaml and lattice-example.yaml under --out.
     Manifests {
@@ -118,6 +135,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => lattice_bench(&["demo".to_string()]),
         Task::Fuzz { seconds, target } => fuzz(&target, seconds),
         Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
+        Task::Image { tag, oci_archive } => image(&tag, oci_archive.as_deref()),
     }
 }
 
@@ -177,6 +195,31 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         test.arg("--").args(extra);
     }
     run(&mut test)
+}
+
+/// `cargo xtask image`: see [`Task::Image`].
+fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
+    use xtask::image::{self, Labels, PROGRAMS, Podman};
+    let dockerfile = std::fs::read_to_string(workspace_root().join(image::DOCKERFILE))?;
+    let base = image::base(&image::cache_dir(), &image::runtime_packages(&dockerfile)?)?;
+    let binaries = PROGRAMS
+        .iter()
+        .map(|program| built_executable(program, true))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let podman = Podman::system()?;
+    podman.load(&base)?;
+    podman.build(&base, &binaries, &Labels::of_checkout(), tag)?;
+    eprintln!(
+        "xtask: built {tag} ({:.1} MB); push it with `podman push {tag} docker://REGISTRY/lattice:TAG`",
+        podman.size(tag)? as f64 / 1e6
+    );
+    if let Some(path) = oci_archive {
+        let path = path.to_string_lossy();
+        run(podman
+            .command()
+            .args(["save", "--format", "oci-archive", "--output", &path, tag]))?;
+    }
+    Ok(())
 }
 
 /// cargo-fuzz needs nightly-only compiler flags (sanitizers); RUSTC_BOOTSTRAP lets the one
