@@ -62,7 +62,13 @@ fn every_manifest_command_line_runs_in_the_image() -> anyhow::Result<()> {
     let binaries: Vec<PathBuf> = PROGRAMS.iter().map(|p| bins::path(p)).collect();
     let labels = Labels::of_checkout();
     podman.build(&base, &binaries, &labels, IMAGE)?;
-    eprintln!("image built in {:?}", started.elapsed());
+    eprintln!(
+        "image built in {:?}: {:.1} MB on a {:.1} MB base (`cargo xtask image` gives the \
+         compressed size)",
+        started.elapsed(),
+        podman.size(IMAGE)? as f64 / 1e6,
+        podman.size(&base.name)? as f64 / 1e6
+    );
     let image = ImageConfig::inspect(&podman, &labels)?;
 
     let files = tempfile::tempdir()?;

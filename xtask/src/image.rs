@@ -261,31 +261,29 @@ impl Podman {
     }
 
     /// Builds the Dockerfile's runtime stage as `tag` on `base` (loaded) from `binaries` (a
-    /// path per [`PROGRAMS`] entry, in order): no pull, no network.
+    /// path per [`PROGRAMS`] entry, in order): no pull, no network. Returns the size of each
+    /// program as the image holds it.
     pub fn build(
         &self,
         base: &Base,
         binaries: &[PathBuf],
         labels: &Labels,
         tag: &str,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Vec<u64>> {
         ensure!(
             binaries.len() == PROGRAMS.len(),
             "the image needs {PROGRAMS:?}"
         );
-        // The `binaries` build context: out/<program>. Hard links where the target directory
-        // shares the file system, copies elsewhere.
+        // The `binaries` build context: out/<program>, without its debug information, as the
+        // Dockerfile's build stage stages them.
         let context = self.dir.join("context");
         let out = context.join("binaries/out");
         std::fs::create_dir_all(&out)?;
+        let mut sizes = Vec::new();
         for (program, path) in PROGRAMS.iter().zip(binaries) {
             let staged = out.join(program);
-            let _ = std::fs::remove_file(&staged);
-            if std::fs::hard_link(path, &staged).is_err() {
-                std::fs::copy(path, &staged).with_context(|| {
-                    format!("cannot copy {} into the build context", path.display())
-                })?;
-            }
+            strip_debug(path, &staged)?;
+            sizes.push(std::fs::metadata(&staged)?.len());
         }
         let mut command = self.command();
         command
@@ -304,7 +302,7 @@ impl Podman {
             .arg(context.join("binaries"));
         let built = crate::run(&mut command);
         let _ = std::fs::remove_dir_all(&context);
-        built
+        built.map(|()| sizes)
     }
 
     /// The image's size in bytes as podman stores it (uncompressed layers).
@@ -313,6 +311,35 @@ impl Podman {
         text.trim()
             .parse()
             .with_context(|| format!("podman reported the size of {image} as {text:?}"))
+    }
+
+    /// The image's layers as a registry stores them (gzip-compressed), in bytes, base first:
+    /// the figure registries publish as an image's size.
+    pub fn compressed_layers(&self, image: &str) -> anyhow::Result<Vec<u64>> {
+        let dir = self.dir.join("compressed");
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir_arg = dir.to_string_lossy().into_owned();
+        let saved = self.output(&[
+            "save",
+            "--quiet",
+            "--format=docker-dir",
+            "--compress",
+            "--output",
+            &dir_arg,
+            image,
+        ]);
+        let layers = saved.and_then(|_| {
+            let manifest: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json"))?)?;
+            manifest["layers"]
+                .as_array()
+                .context("the saved manifest lists no layers")?
+                .iter()
+                .map(|layer| layer["size"].as_u64().context("a layer without a size"))
+                .collect()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        layers
     }
 }
 
@@ -335,6 +362,25 @@ impl Drop for Podman {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `binary` without its debug information (the workspace's profiles keep line tables, which
+/// make up five sixths of a release binary), its symbols kept so that a backtrace still names
+/// functions: what the Dockerfile's build stage does too.
+fn strip_debug(binary: &Path, to: &Path) -> anyhow::Result<()> {
+    let output = Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(binary)
+        .arg(to)
+        .output()
+        .context("cannot run objcopy (binutils, which the Rust toolchain's linker needs)")?;
+    ensure!(
+        output.status.success(),
+        "objcopy --strip-debug {} failed: {}",
+        binary.display(),
+        String::from_utf8_lossy(&output.stderr).trim()
+    );
+    Ok(())
 }
 
 /// The configuration: `runc` where installed (crun fails on cgroup v1 hybrid hosts), and the

@@ -208,11 +208,20 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let podman = Podman::system()?;
     podman.load(&base)?;
-    podman.build(&base, &binaries, &Labels::of_checkout(), tag)?;
+    let sizes = podman.build(&base, &binaries, &Labels::of_checkout(), tag)?;
+    let mb = |bytes: u64| bytes as f64 / 1e6;
+    let layers = podman.compressed_layers(tag)?;
+    let shown: Vec<String> = layers.iter().map(|l| format!("{:.1}", mb(*l))).collect();
     eprintln!(
-        "xtask: built {tag} ({:.1} MB); push it with `podman push {tag} docker://REGISTRY/lattice:TAG`",
-        podman.size(tag)? as f64 / 1e6
+        "xtask: built {tag}: {:.1} MB, {:.1} MB compressed (layers, base first: {} MB)",
+        mb(podman.size(tag)?),
+        mb(layers.iter().sum()),
+        shown.join(" + ")
     );
+    for (program, size) in PROGRAMS.iter().zip(sizes) {
+        eprintln!("xtask:   {program}: {:.1} MB", mb(size));
+    }
+    eprintln!("xtask: push it with `podman push {tag} docker://REGISTRY/lattice:TAG`");
     if let Some(path) = oci_archive {
         let path = path.to_string_lossy();
         run(podman
