@@ -187,7 +187,14 @@ fn setup() -> anyhow::Result<()> {
 /// Builds the workspace once, every target (the end-to-end tests run the real binaries, built
 /// with the tests' features: see [`DEBUG_BUILD`]), then runs every test.
 fn test(extra: &[String]) -> anyhow::Result<()> {
+    let base = image_base_in_background();
     run(cargo().args(DEBUG_BUILD))?;
+    match base.join() {
+        Ok(Ok(())) => {}
+        // The image test makes it again, and fails with the reason if it still cannot.
+        Ok(Err(err)) => eprintln!("xtask: the image test's base could not be made: {err:#}"),
+        Err(_) => eprintln!("xtask: making the image test's base panicked"),
+    }
     let mut test = cargo();
     test.args(["test", "--workspace", "--no-fail-fast"])
         .env("LATTICE_ENVOY", Path::new(ENVOY_VENV).join("bin/envoy"));
@@ -229,6 +236,17 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
             .args(["save", "--format", "oci-archive", "--output", &path, tag]))?;
     }
     Ok(())
+}
+
+/// Makes the Debian base of the image test (mmdebstrap: about a minute and a half, once a week
+/// on a machine that keeps its target directory) while the workspace builds, instead of in the
+/// test run after the build.
+fn image_base_in_background() -> std::thread::JoinHandle<anyhow::Result<()>> {
+    std::thread::spawn(|| {
+        use xtask::image;
+        let dockerfile = std::fs::read_to_string(workspace_root().join(image::DOCKERFILE))?;
+        image::base(&image::cache_dir(), &image::runtime_packages(&dockerfile)?).map(drop)
+    })
 }
 
 /// cargo-fuzz needs nightly-only compiler flags (sanitizers); RUSTC_BOOTSTRAP lets the one
