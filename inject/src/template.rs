@@ -47,6 +47,9 @@ pub const INIT_CONTAINER: &str = "lattice-init";
 pub const PROXY_CONTAINER: &str = "lattice-proxy";
 /// The `emptyDir` the two share.
 pub const VOLUME: &str = "lattice-bootstrap";
+/// lattice-init's own `emptyDir`, its /run: iptables-legacy takes its lock in /run
+/// (/run/xtables.lock), which the read-only root filesystem does not allow.
+pub const RUN_VOLUME: &str = "lattice-init-run";
 /// Where it is mounted, and the bootstrap in it.
 const MOUNT: &str = "/etc/lattice";
 const BOOTSTRAP: &str = "/etc/lattice/envoy.json";
@@ -152,16 +155,23 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
         created.push("initContainers".to_string());
         ops.push(add(&["spec", "initContainers"], json!([init, proxy])));
     }
-    let volume = to_value(&Volume {
-        name: VOLUME.to_string(),
-        empty_dir: Some(Default::default()),
-        ..Volume::default()
-    });
+    let volumes: Vec<Value> = [VOLUME, RUN_VOLUME]
+        .iter()
+        .map(|name| {
+            to_value(&Volume {
+                name: name.to_string(),
+                empty_dir: Some(Default::default()),
+                ..Volume::default()
+            })
+        })
+        .collect();
     if raw_spec.get("volumes").is_some_and(Value::is_array) {
-        ops.push(add(&["spec", "volumes", "-"], volume));
+        for volume in volumes {
+            ops.push(add(&["spec", "volumes", "-"], volume));
+        }
     } else {
         created.push("volumes".to_string());
-        ops.push(add(&["spec", "volumes"], json!([volume])));
+        ops.push(add(&["spec", "volumes"], Value::Array(volumes)));
     }
     ops.push(add(&["spec", "dnsPolicy"], json!("None")));
     ops.push(add(
@@ -210,7 +220,7 @@ pub fn uninject(pod: &Value) -> Result<Patch, NotInjected> {
     let mut ops = Vec::new();
     for (field, ours) in [
         ("initContainers", &[INIT_CONTAINER, PROXY_CONTAINER][..]),
-        ("volumes", &[VOLUME][..]),
+        ("volumes", &[VOLUME, RUN_VOLUME][..]),
     ] {
         let Some(items) = spec.get(field).and_then(Value::as_array) else {
             continue;
@@ -320,11 +330,13 @@ fn check(spec: &PodSpec) -> Result<(), Skip> {
     {
         return Err(Skip::DnsNameservers);
     }
-    if spec.volumes.iter().flatten().any(|v| v.name == VOLUME) {
-        return Err(Skip::NameTaken {
-            what: "volume",
-            name: VOLUME,
-        });
+    for name in [VOLUME, RUN_VOLUME] {
+        if spec.volumes.iter().flatten().any(|v| v.name == name) {
+            return Err(Skip::NameTaken {
+                what: "volume",
+                name,
+            });
+        }
     }
     if has_container(spec, PROXY_CONTAINER) {
         return Err(Skip::NameTaken {
@@ -385,11 +397,18 @@ fn init_container(config: &InjectConfig, overrides: &Overrides) -> Container {
             field("POD_NAME", "metadata.name"),
             field("POD_NAMESPACE", "metadata.namespace"),
         ]),
-        volume_mounts: Some(vec![VolumeMount {
-            name: VOLUME.to_string(),
-            mount_path: MOUNT.to_string(),
-            ..VolumeMount::default()
-        }]),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: VOLUME.to_string(),
+                mount_path: MOUNT.to_string(),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: RUN_VOLUME.to_string(),
+                mount_path: "/run".to_string(),
+                ..VolumeMount::default()
+            },
+        ]),
         resources: Some(resources("10m", "16Mi", "64Mi")),
         security_context: Some(SecurityContext {
             run_as_user: Some(0),

@@ -5,7 +5,7 @@
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use lattice_inject::annotations::{BadAnnotation, INJECTED};
-use lattice_inject::template::{INIT_CONTAINER, PROXY_CONTAINER, READY_PORT, VOLUME};
+use lattice_inject::template::{INIT_CONTAINER, PROXY_CONTAINER, READY_PORT, RUN_VOLUME, VOLUME};
 use lattice_inject::{InjectConfig, Skip, inject, uninject};
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -83,7 +83,7 @@ fn a_chart_pod_gets_the_mesh_first_and_keeps_everything_of_its_own() {
         .flatten()
         .map(|v| v.name.as_str())
         .collect();
-    assert_eq!(volumes, ["cache", VOLUME]);
+    assert_eq!(volumes, ["cache", VOLUME, RUN_VOLUME]);
     assert_eq!(spec.dns_policy.as_deref(), Some("None"));
     let dns = spec.dns_config.unwrap();
     assert_eq!(dns.nameservers.unwrap(), ["169.254.20.10"]);
@@ -151,7 +151,7 @@ fn a_bare_pod_gets_every_field_it_lacks_and_parses_as_a_pod() {
         names(spec.init_containers.as_deref().unwrap()),
         [INIT_CONTAINER, PROXY_CONTAINER]
     );
-    assert_eq!(spec.volumes.unwrap().len(), 1);
+    assert_eq!(spec.volumes.unwrap().len(), 2);
     assert!(typed.metadata.annotations.unwrap().contains_key(INJECTED));
     assert_eq!(uninjected(&out), pod);
 }
@@ -227,6 +227,11 @@ fn pods_the_mesh_cannot_take_are_left_alone_with_the_reason() {
         (
             "the mesh's volume name taken",
             Box::new(|p| p["spec"]["volumes"][0]["name"] = json!(VOLUME)),
+            |s| matches!(s, Skip::NameTaken { what: "volume", .. }),
+        ),
+        (
+            "lattice-init's volume name taken",
+            Box::new(|p| p["spec"]["volumes"][0]["name"] = json!(RUN_VOLUME)),
             |s| matches!(s, Skip::NameTaken { what: "volume", .. }),
         ),
         (

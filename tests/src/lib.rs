@@ -13,6 +13,7 @@ pub mod injector;
 pub mod iptables;
 pub mod k8s_objects;
 pub mod kubelet;
+pub mod manifests;
 pub mod mesh_source;
 pub mod netns;
 pub mod node;

