@@ -11,7 +11,9 @@
 //! - a new issuer in the CA's Secret reaches the running Envoy: it serves a leaf the new CA
 //!   verifies, with no restart;
 //! - `/debug/identity` lists each identity's leaf, `/debug/xds` each proxy's identity, and
-//!   neither shows a key.
+//!   neither shows a key;
+//! - with leaves of a minute, the pod's Envoy serves a renewed leaf before the first one ends,
+//!   and no TLS handshake made meanwhile (one every 200 ms) fails.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -218,9 +220,19 @@ fn workload_secret(netns: &Netns, node_id: &str) -> Result<String, String> {
         .map_err(|e| e.to_string())?
 }
 
-#[test]
-fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
-    let node = Node::new("sds").unwrap();
+/// The node: the fake API server with the CA's Secret and two pods of node-a (`client` as
+/// service account `cart`, `batch` as none), and the agent as the DaemonSet runs it with
+/// `args`.
+struct Setup {
+    node: Node,
+    server: FakeApiServer,
+    chain: Chain,
+    agent: lattice_e2e::agent::Agent,
+    _kubeconfig: tempfile::TempDir,
+}
+
+fn setup(label: &str, args: &[&str]) -> Setup {
+    let node = Node::new(label).unwrap();
     let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
     let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
     server.apply_json(ca_secret(&chain)).unwrap();
@@ -229,7 +241,10 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
             .apply_json(pod(name, account, Ipv4Addr::new(10, 200, 0, host)))
             .unwrap();
     }
-    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let (dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let local = NODE_LOCAL.to_string();
+    let mut all_args = vec!["--node-local-dns", local.as_str()];
+    all_args.extend_from_slice(args);
     let agent = node
         .agent_at(
             AgentAddrs {
@@ -237,10 +252,50 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
                 dns: DNS,
                 admin: ADMIN,
             },
-            &["--node-local-dns", &NODE_LOCAL.to_string()],
+            &all_args,
             &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
         )
         .unwrap();
+    Setup {
+        node,
+        server,
+        chain,
+        agent,
+        _kubeconfig: dir,
+    }
+}
+
+/// The certificates the TLS listener in `netns` presents.
+fn served_certificates(netns: &Netns) -> Result<Vec<String>, String> {
+    let target = format!("127.0.0.1:{PROBE_PORT}");
+    let shown = openssl(
+        netns,
+        &[
+            "s_client",
+            "-connect",
+            &target,
+            "-showcerts",
+            "-servername",
+            "probe",
+        ],
+        "",
+    )?;
+    let found = certificates(&shown);
+    if found.is_empty() {
+        return Err(format!("no certificate in: {shown}"));
+    }
+    Ok(found)
+}
+
+#[test]
+fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
+    let Setup {
+        node,
+        server,
+        chain,
+        agent,
+        _kubeconfig,
+    } = setup("sds", &[]);
 
     let client = node
         .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
@@ -358,4 +413,81 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
         "{metrics}"
     );
     drop(client);
+}
+
+/// The serial of a PEM certificate, as openssl prints it.
+fn serial(netns: &Netns, pem: &str) -> String {
+    openssl(netns, &["x509", "-noout", "-serial"], pem)
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// When a PEM certificate ends, in Unix seconds.
+fn not_after(netns: &Netns, pem: &str) -> i64 {
+    let text = openssl(netns, &["x509", "-noout", "-enddate"], pem).unwrap();
+    let date = text.trim().trim_start_matches("notAfter=");
+    let out = std::process::Command::new("date")
+        .args(["-u", "-d", date, "+%s"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+fn unix_now() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    i64::try_from(since.as_secs()).unwrap()
+}
+
+#[test]
+fn a_minute_long_leaf_is_renewed_before_it_ends_and_no_handshake_fails() {
+    let setup = setup("sdsr", &["--leaf-lifetime-secs=60"]);
+    let client = setup
+        .node
+        .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
+        .unwrap();
+    let netns = client.netns();
+    let first = wait::until("Envoy serving its first leaf", WITHIN, || {
+        served_certificates(netns)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", setup.agent.log()));
+    let (first_serial, first_end) = (serial(netns, &first[0]), not_after(netns, &first[0]));
+    assert!(
+        first_end - unix_now() <= 60,
+        "a leaf of a minute, not one ending at {first_end}"
+    );
+    // A handshake every 200 ms until a renewed leaf is served: none may fail.
+    let (mut handshakes, mut failures) = (0, Vec::new());
+    let renewed = loop {
+        assert!(
+            unix_now() < first_end,
+            "no renewed leaf before the first ended ({handshakes} handshakes)\n{}",
+            setup.agent.log()
+        );
+        handshakes += 1;
+        match served_certificates(netns) {
+            Ok(found) if serial(netns, &found[0]) != first_serial => break found,
+            Ok(_) => {}
+            Err(e) => failures.push(e),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        failures.is_empty(),
+        "{} of {handshakes} handshakes failed: {failures:?}",
+        failures.len()
+    );
+    assert!(
+        not_after(netns, &renewed[0]) > first_end,
+        "the renewed leaf ends later"
+    );
+    assert_eq!(
+        uri_sans(netns, &renewed[0]),
+        ["spiffe://cluster.local/ns/default/sa/cart"]
+    );
+    eprintln!("renewed after {handshakes} handshakes, none failed");
+    drop(client);
+    drop(setup.server);
 }
