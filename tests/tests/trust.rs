@@ -124,3 +124,84 @@ fn the_issuer_follows_its_secret_and_a_bad_version_keeps_the_one_before() {
         Some(0.0)
     );
 }
+
+/// The commands of install.md's block marked `workload-ca`, continuation lines joined.
+fn install_guide_commands() -> Vec<String> {
+    let guide = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/install.md"),
+    )
+    .unwrap();
+    let after = guide
+        .split_once("<!-- workload-ca:")
+        .expect("install.md marks the workload CA's commands")
+        .1;
+    let block = after
+        .split_once("```sh\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("a sh block after the marker")
+        .0;
+    block
+        .replace("\\\n", " ")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// install.md's commands for a CA made by hand, run as written (openssl), and the Secret its
+/// `kubectl create secret` line makes, from the files it names: the agent takes the CA.
+#[test]
+fn a_ca_made_as_the_install_guide_says_is_taken() {
+    let commands = install_guide_commands();
+    let dir = tempfile::tempdir().unwrap();
+    let mut data = serde_json::Map::new();
+    for command in &commands {
+        if command.starts_with("openssl ") {
+            let status = std::process::Command::new("sh")
+                .args(["-c", command])
+                .current_dir(dir.path())
+                .status()
+                .unwrap();
+            assert!(status.success(), "{command}");
+        } else if command.starts_with("kubectl ") {
+            assert!(command.contains("--type=kubernetes.io/tls"), "{command}");
+            assert!(command.contains("-n lattice-system") && command.contains(" lattice-ca "));
+            for argument in command.split_whitespace() {
+                if let Some((key, file)) = argument
+                    .strip_prefix("--from-file=")
+                    .and_then(|pair| pair.split_once('='))
+                {
+                    let bytes = std::fs::read(dir.path().join(file)).unwrap();
+                    data.insert(key.to_string(), json!(ByteString(bytes)));
+                }
+            }
+        } else {
+            panic!("a command this test does not know: {command}");
+        }
+    }
+    let keys: Vec<&str> = data.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["ca.crt", "tls.crt", "tls.key"]);
+
+    let api = FakeApiServer::start().unwrap();
+    let (_dir, kubeconfig) = api.kubeconfig_file().unwrap();
+    let agent = Agent::start_with_env(&[], &[("KUBECONFIG", &kubeconfig)]);
+    agent.wait_ready().unwrap();
+    api.apply_json(json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
+        "data": data,
+    }))
+    .unwrap();
+    let state = until(&agent, "the issuer", |s| {
+        !s["issuer"].is_null() || !s["refused"].is_null()
+    });
+    assert!(state["refused"].is_null(), "{state}");
+    assert!(
+        state["issuer"]["subject"]
+            .as_str()
+            .unwrap()
+            .contains("lattice workload CA"),
+        "{state}"
+    );
+}
