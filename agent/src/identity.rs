@@ -137,6 +137,14 @@ impl PodDirectory {
             .find(|p| p.key == *pod)
     }
 
+    /// Every pod at `ip` (several only on the host network, or while a pod that went keeps
+    /// an address another was given).
+    pub fn at(&self, ip: IpAddr) -> &[PodEntry] {
+        self.by_ip
+            .get(&ip.to_canonical())
+            .map_or(&[], Vec::as_slice)
+    }
+
     /// Whether `pod` still runs at `ip`.
     pub fn holds(&self, pod: &PodKey, ip: IpAddr) -> bool {
         self.by_ip

@@ -7,7 +7,8 @@
 //! - the pod's Envoy serves TLS with a leaf whose only URI SAN is its pod's service account's
 //!   SPIFFE ID, and that leaf verifies against the CA's bundle (checked with openssl);
 //! - another pod of the node asking for `default` over a stream of its own gets its own
-//!   identity's leaf, never the first pod's;
+//!   identity's leaf, never the first pod's; once a second pod is listed at its address (one
+//!   that went, not yet gone from the list), a stream from there gets no secret, as either;
 //! - a new issuer in the CA's Secret reaches the running Envoy: it serves a leaf the new CA
 //!   verifies, with no restart;
 //! - `/debug/identity` lists each identity's leaf, `/debug/xds` each proxy's identity, and
@@ -349,6 +350,23 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
         uri_sans(&batch.netns, &certificates(&pem)[0]),
         ["spiffe://cluster.local/ns/default/sa/default"]
     );
+
+    // A pod that went but is still listed, at the address another was given: a stream from
+    // that address may be either, so neither pod's key is handed out.
+    server
+        .apply_json(pod("ghost", Some("admin"), Ipv4Addr::new(10, 200, 0, 4)))
+        .unwrap();
+    for claimed in ["ghost.default", "batch.default"] {
+        wait::until(
+            "no secret at a shared address",
+            WITHIN,
+            || match workload_secret(&batch.netns, claimed) {
+                Err(e) if e.contains("no `default`") => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .unwrap_or_else(|e| panic!("as {claimed}: {e}\n{}", agent.log()));
+    }
 
     // What the operator sees, and no key anywhere in it.
     let (_, proxies) = agent.get("/debug/xds").unwrap();

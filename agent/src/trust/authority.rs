@@ -143,11 +143,25 @@ impl Authority {
     pub fn seen(&self, tls_crt: &[u8], tls_key: &[u8], ca_crt: &[u8]) {
         match Issuer::from_secret(tls_crt, tls_key, ca_crt, OffsetDateTime::now_utc()) {
             Ok(issuer) => {
-                tracing::info!(issuer = %issuer.subject(), roots = issuer.roots().len(), not_after = issuer.not_after(), "workload certificates are issued by this CA");
-                self.tx.send_modify(|state| {
-                    state.issuer = Some(Arc::new(issuer));
+                let same = self
+                    .tx
+                    .borrow()
+                    .issuer
+                    .as_ref()
+                    .is_some_and(|held| held.same_as(&issuer));
+                if !same {
+                    tracing::info!(issuer = %issuer.subject(), roots = issuer.roots().len(), not_after = issuer.not_after(), "workload certificates are issued by this CA");
+                }
+                // The same CA read again keeps the issuer in use (its `Arc`), so nothing that
+                // follows it sees a new one.
+                self.tx.send_if_modified(|state| {
+                    let changed = !same || state.refused.is_some() || !state.present;
+                    if !same {
+                        state.issuer = Some(Arc::new(issuer));
+                    }
                     state.refused = None;
                     state.present = true;
+                    changed
                 });
             }
             Err(error) => self.refuse(&error),

@@ -73,8 +73,8 @@ impl Default for LeafPolicy {
 }
 
 /// A leaf: its certificate and the chain up to (not including) the root, its key, and when it
-/// ends.
-#[derive(Clone, Debug)]
+/// ends. Its `Debug` leaves the key out, so no log or panic message can carry it.
+#[derive(Clone)]
 pub struct Leaf {
     /// PEM: the leaf, then the issuer's chain.
     pub chain_pem: String,
@@ -84,6 +84,27 @@ pub struct Leaf {
     pub not_after: i64,
     /// Hex, as openssl prints it.
     pub serial: String,
+}
+
+impl std::fmt::Debug for Leaf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leaf")
+            .field("serial", &self.serial)
+            .field("not_after", &self.not_after)
+            .field("key_pem", &"[redacted]")
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether two issuers are the same material: chain, key and bundle. A Secret read again
+/// (a relist, an edit of its labels) makes a new `Issuer` of the same material, which must
+/// not re-issue every leaf of the node.
+impl Issuer {
+    pub fn same_as(&self, other: &Issuer) -> bool {
+        self.chain == other.chain
+            && self.roots == other.roots
+            && self.key.serialize_der() == other.key.serialize_der()
+    }
 }
 
 /// A checked issuer.
@@ -554,5 +575,25 @@ mod tests {
             try_with(&leaf.chain_pem, &leaf.key_pem, issuer.bundle_pem(), now),
             Err(IssuerError::NotCa)
         ));
+    }
+
+    /// The same Secret read again is the same issuer; another key or another bundle is not.
+    #[test]
+    fn an_issuer_read_again_is_the_same_and_one_of_other_material_is_not() {
+        let (root, intermediate, first) = issuer(365 * DAY);
+        let read = |key: &KeyPair, bundle: &str| {
+            Issuer::from_secret(
+                intermediate.pem.as_bytes(),
+                key.serialize_pem().as_bytes(),
+                bundle.as_bytes(),
+                OffsetDateTime::now_utc(),
+            )
+        };
+        assert!(first.same_as(&read(&intermediate.key, &root.pem).unwrap()));
+        let other = ca("other root", 3650 * DAY, None);
+        let both = format!("{}{}", root.pem, other.pem);
+        assert!(!first.same_as(&read(&intermediate.key, &both).unwrap()));
+        let (_, _, another) = issuer(365 * DAY);
+        assert!(!first.same_as(&another));
     }
 }

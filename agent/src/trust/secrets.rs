@@ -31,6 +31,12 @@ pub struct ProxySecrets {
     pub bundle_pem: Arc<str>,
 }
 
+/// The renewing task's shortest and longest wait between two looks at what is due.
+const LEAST_WAIT: Duration = Duration::from_secs(1);
+const MOST_WAIT: Duration = Duration::from_secs(60);
+/// Failures to issue are logged at most once per this interval, with the count of the rest.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
 type SecretsTx = watch::Sender<Option<Arc<ProxySecrets>>>;
 /// An identity's secrets; `None` while it has no leaf (no issuer yet, or issuing failed).
 pub type SecretsRx = watch::Receiver<Option<Arc<ProxySecrets>>>;
@@ -47,6 +53,8 @@ struct Inner {
     /// Wakes the renewing task: an identity was added, so the next due time may be sooner.
     added: Notify,
     metrics: TrustMetrics,
+    /// When a failure to issue was last logged, and how many were not since.
+    warned: Mutex<(Option<std::time::Instant>, u64)>,
 }
 
 struct State {
@@ -109,6 +117,7 @@ impl NodeSecrets {
                 }),
                 added: Notify::new(),
                 metrics,
+                warned: Mutex::new((None, 0)),
             }),
         }
     }
@@ -168,9 +177,12 @@ impl NodeSecrets {
                 }
                 state.leaves.next_due()
             };
-            // Unix seconds to a wait; a day at most, so a clock step is caught up with.
-            let wait = next.map_or(Duration::from_secs(86_400), |due| {
-                Duration::from_secs(u64::try_from(due - now()).unwrap_or(0).min(86_400))
+            // Unix seconds to a wait: at least a second, so a leaf that cannot outlive its
+            // issuer's last second is not issued again in a loop; at most a minute, so a clock
+            // step or a paused machine is caught up with.
+            let wait = next.map_or(MOST_WAIT, |due| {
+                Duration::from_secs(u64::try_from(due - now()).unwrap_or(0))
+                    .clamp(LEAST_WAIT, MOST_WAIT)
             });
             tokio::select! {
                 changed = authority.changed() => {
@@ -259,7 +271,15 @@ impl Inner {
                 })
                 .inc();
             if !matches!(error, LeafError::NoIssuer) {
-                tracing::warn!(%identity, %error, "a workload certificate could not be issued; the one held, if any, stays in use");
+                let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+                let due = warned.0.is_none_or(|at| at.elapsed() >= WARN_EVERY);
+                if due {
+                    let suppressed = std::mem::take(&mut warned.1);
+                    warned.0 = Some(std::time::Instant::now());
+                    tracing::warn!(%identity, %error, suppressed, "a workload certificate could not be issued; the one held, if any, stays in use");
+                } else {
+                    warned.1 += 1;
+                }
             }
         }
         let Some(slot) = state.slots.get(identity) else {

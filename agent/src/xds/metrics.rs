@@ -153,8 +153,11 @@ impl XdsMetrics {
         self.resources_sent
             .get_or_create(&kind.into())
             .inc_by(resources as u64);
-        self.push_latency
-            .observe(changed_at.elapsed().as_secs_f64());
+        // A secret changes with its leaf, not with the mesh: it has no mesh-change latency.
+        if kind != ResourceType::Secret {
+            self.push_latency
+                .observe(changed_at.elapsed().as_secs_f64());
+        }
     }
 
     /// An ADS stream was refused, or ended by the server, for `reason`.

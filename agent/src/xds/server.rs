@@ -673,15 +673,27 @@ impl<A: Ads> StreamTask<A> {
         else {
             return;
         };
-        let account = pods
-            .borrow()
-            .as_ref()
-            .and_then(|d| d.entry(pod, peer))
-            .filter(|entry| !entry.host_network)
-            .map(|entry| entry.service_account.clone());
+        let (account, sharing) = {
+            let directory = pods.borrow();
+            let Some(directory) = directory.as_ref() else {
+                return;
+            };
+            let account = directory
+                .entry(pod, peer)
+                .filter(|entry| !entry.host_network)
+                .map(|entry| entry.service_account.clone());
+            (account, directory.at(peer).len())
+        };
         let Some(account) = account else {
             return;
         };
+        // Two pods at one address (one that went, whose entry is not gone yet, and the one
+        // given its address): the stream may be either, so neither's key is handed out; its
+        // proxy asks again once the directory is plain (its stream ends when its pod goes).
+        if sharing > 1 {
+            tracing::warn!(stream = self.id, %pod, %peer, pods = sharing, "several pods have this address: no workload certificate for the stream until one remains");
+            return;
+        }
         match SpiffeId::new(node_secrets.trust_domain(), &pod.namespace, &account) {
             Ok(identity) => {
                 self.proxies
