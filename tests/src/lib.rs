@@ -3,6 +3,7 @@
 //! real list/watch wire protocol.
 
 pub mod ads_client;
+pub mod ads_probe;
 pub mod ads_tap;
 pub mod agent;
 pub mod bins;

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::Node as EnvoyNode;
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use lattice_e2e::ads_probe::first_delta_answer;
 use lattice_e2e::agent::{Agent, AgentAddrs};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
@@ -46,47 +46,15 @@ fn pod(name: &str, node: &str, ip: Ipv4Addr) -> serde_json::Value {
 /// Opens a Delta ADS stream from inside `netns` to `xds` as `node_id`, and returns the type of
 /// the agent's first response, or the status that ended the stream.
 fn first_answer(netns: &Netns, xds: SocketAddr, node_id: &str) -> Result<String, Status> {
-    let node_id = node_id.to_string();
-    netns
-        .enter(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| Status::internal(e.to_string()))?;
-            runtime.block_on(async move {
-                let channel = tonic::transport::Endpoint::from_shared(format!("http://{xds}"))
-                    .map_err(|e| Status::internal(e.to_string()))?
-                    .connect_timeout(Duration::from_secs(2))
-                    .connect()
-                    .await
-                    .map_err(|e| Status::unavailable(format!("connect: {e}")))?;
-                let mut client = AggregatedDiscoveryServiceClient::new(channel);
-                let (tx, rx) = tokio::sync::mpsc::channel(1);
-                tx.send(DeltaDiscoveryRequest {
-                    node: Some(EnvoyNode {
-                        id: node_id,
-                        ..EnvoyNode::default()
-                    }),
-                    type_url: CLUSTERS.to_string(),
-                    ..DeltaDiscoveryRequest::default()
-                })
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?;
-                let mut stream = client
-                    .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
-                    .await?
-                    .into_inner();
-                let answer = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
-                drop(tx);
-                match answer {
-                    Ok(Ok(Some(response))) => Ok(response.type_url),
-                    Ok(Ok(None)) => Err(Status::unknown("stream closed without an answer")),
-                    Ok(Err(status)) => Err(status),
-                    Err(_) => Err(Status::deadline_exceeded("no answer in 5 s")),
-                }
-            })
-        })
-        .unwrap_or_else(|e| Err(Status::internal(e.to_string())))
+    let request = DeltaDiscoveryRequest {
+        node: Some(EnvoyNode {
+            id: node_id.to_string(),
+            ..EnvoyNode::default()
+        }),
+        type_url: CLUSTERS.to_string(),
+        ..DeltaDiscoveryRequest::default()
+    };
+    first_delta_answer(netns, xds, request).map(|response| response.type_url)
 }
 
 fn refused(answer: Result<String, Status>, saying: &str) {

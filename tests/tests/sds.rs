@@ -21,11 +21,11 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::Node as EnvoyNode;
+use envoy_types::pb::envoy::config::core::v3::{Node as EnvoyNode, data_source};
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use k8s_openapi::ByteString;
+use lattice_e2e::ads_probe::first_delta_answer;
 use lattice_e2e::agent::AgentAddrs;
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
@@ -162,63 +162,32 @@ fn uri_sans(netns: &Netns, pem: &str) -> Vec<String> {
 /// A Delta ADS stream from inside `netns` as `node_id` that subscribes to the secret
 /// `default`: the first certificate chain it is sent.
 fn workload_secret(netns: &Netns, node_id: &str) -> Result<String, String> {
-    let node_id = node_id.to_string();
-    netns
-        .enter(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            runtime.block_on(async move {
-                let channel = tonic::transport::Endpoint::from_shared(format!("http://{XDS}"))
-                    .map_err(|e| e.to_string())?
-                    .connect_timeout(Duration::from_secs(2))
-                    .connect()
-                    .await
-                    .map_err(|e| format!("connect: {e}"))?;
-                let mut client = AggregatedDiscoveryServiceClient::new(channel);
-                let (tx, rx) = tokio::sync::mpsc::channel(1);
-                tx.send(DeltaDiscoveryRequest {
-                    node: Some(EnvoyNode {
-                        id: node_id,
-                        ..EnvoyNode::default()
-                    }),
-                    type_url: SECRETS.to_string(),
-                    resource_names_subscribe: vec!["default".to_string()],
-                    ..DeltaDiscoveryRequest::default()
-                })
-                .await
-                .map_err(|e| e.to_string())?;
-                let mut stream = client
-                    .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .into_inner();
-                let response = tokio::time::timeout(Duration::from_secs(5), stream.message())
-                    .await
-                    .map_err(|_| "no answer in 5 s".to_string())?
-                    .map_err(|e| e.to_string())?
-                    .ok_or("the stream ended")?;
-                drop(tx);
-                let resource = response
-                    .resources
-                    .iter()
-                    .find(|r| r.name == "default")
-                    .ok_or_else(|| format!("no `default` in {response:?}"))?;
-                let body = resource.resource.as_ref().ok_or("no body")?;
-                let secret = Secret::decode(body.value.as_slice()).map_err(|e| e.to_string())?;
-                match secret.r#type {
-                    Some(secret::Type::TlsCertificate(tls)) => {
-                        match tls.certificate_chain.and_then(|c| c.specifier) {
-                            Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineString(pem)) => Ok(pem),
-                            other => Err(format!("chain {other:?}")),
-                        }
-                    }
-                    other => Err(format!("not a certificate: {other:?}")),
-                }
-            })
-        })
-        .map_err(|e| e.to_string())?
+    let request = DeltaDiscoveryRequest {
+        node: Some(EnvoyNode {
+            id: node_id.to_string(),
+            ..EnvoyNode::default()
+        }),
+        type_url: SECRETS.to_string(),
+        resource_names_subscribe: vec!["default".to_string()],
+        ..DeltaDiscoveryRequest::default()
+    };
+    let response = first_delta_answer(netns, XDS, request).map_err(|e| e.to_string())?;
+    let resource = response
+        .resources
+        .iter()
+        .find(|r| r.name == "default")
+        .ok_or_else(|| format!("no `default` in {response:?}"))?;
+    let body = resource.resource.as_ref().ok_or("no body")?;
+    let secret = Secret::decode(body.value.as_slice()).map_err(|e| e.to_string())?;
+    match secret.r#type {
+        Some(secret::Type::TlsCertificate(tls)) => {
+            match tls.certificate_chain.and_then(|c| c.specifier) {
+                Some(data_source::Specifier::InlineString(pem)) => Ok(pem),
+                other => Err(format!("chain {other:?}")),
+            }
+        }
+        other => Err(format!("not a certificate: {other:?}")),
+    }
 }
 
 /// The node: the fake API server with the CA's Secret and two pods of node-a (`client` as
@@ -302,20 +271,8 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
         .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
         .unwrap();
     let netns = client.netns();
-    let target = format!("127.0.0.1:{PROBE_PORT}");
-    let shown = wait::until("Envoy serving TLS with its SDS certificate", WITHIN, || {
-        openssl(
-            netns,
-            &[
-                "s_client",
-                "-connect",
-                &target,
-                "-showcerts",
-                "-servername",
-                "probe",
-            ],
-            "",
-        )
+    let presented = wait::until("Envoy serving TLS with its SDS certificate", WITHIN, || {
+        served_certificates(netns)
     })
     .unwrap_or_else(|e| {
         let stats = client.envoy_admin("/stats?filter=15443");
@@ -325,8 +282,6 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
             client.envoy_log()
         )
     });
-    let presented = certificates(&shown);
-    assert!(!presented.is_empty(), "no certificate in: {shown}");
     assert_eq!(
         uri_sans(netns, &presented[0]),
         ["spiffe://cluster.local/ns/default/sa/cart"],
@@ -399,22 +354,7 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
     let next_bundle = dir.path().join("next.pem");
     std::fs::write(&next_bundle, &next.ca_cert).unwrap();
     wait::until("Envoy serving a leaf of the new issuer", WITHIN, || {
-        let shown = openssl(
-            netns,
-            &[
-                "s_client",
-                "-connect",
-                &target,
-                "-showcerts",
-                "-servername",
-                "probe",
-            ],
-            "",
-        )?;
-        let leaf = certificates(&shown)
-            .into_iter()
-            .next()
-            .ok_or("no certificate")?;
+        let leaf = served_certificates(netns)?.remove(0);
         openssl(
             netns,
             &["verify", "-CAfile", next_bundle.to_str().unwrap()],

@@ -96,17 +96,6 @@ impl std::fmt::Debug for Leaf {
     }
 }
 
-/// Whether two issuers are the same material: chain, key and bundle. A Secret read again
-/// (a relist, an edit of its labels) makes a new `Issuer` of the same material, which must
-/// not re-issue every leaf of the node.
-impl Issuer {
-    pub fn same_as(&self, other: &Issuer) -> bool {
-        self.chain == other.chain
-            && self.roots == other.roots
-            && self.key.serialize_der() == other.key.serialize_der()
-    }
-}
-
 /// A checked issuer.
 pub struct Issuer {
     /// DER: the issuer's certificate, then what it chains through.
@@ -306,6 +295,15 @@ impl Issuer {
             not_after: params.not_after.unix_timestamp(),
             serial,
         })
+    }
+
+    /// Whether `other` is the same material: chain, key and bundle. A Secret read again (a
+    /// relist, an edit of its labels) makes a new `Issuer` of the same material, which must
+    /// not re-issue every leaf of the node.
+    pub fn same_as(&self, other: &Issuer) -> bool {
+        self.chain == other.chain
+            && self.roots == other.roots
+            && self.key.serialize_der() == other.key.serialize_der()
     }
 
     /// The trust bundle, PEM.

@@ -240,23 +240,14 @@ impl Inner {
         if state.issuer.is_none() {
             return;
         }
+        // Every wanted identity has an entry (made by `watch`, issued or not): all of them are
+        // issued again, those that had no leaf yet (no issuer until now) included.
         let (renewed, failed) = state.leaves.renew_all(state.issuer.as_deref(), now());
-        // Wanted identities that had no leaf yet (no issuer until now) are issued too.
-        let missing: Vec<SpiffeId> = state
-            .slots
-            .keys()
-            .filter(|id| !renewed.contains(id) && !failed.iter().any(|(f, _)| f == *id))
-            .cloned()
-            .collect();
         for identity in renewed {
             self.issued(state, &identity, None);
         }
         for (identity, error) in failed {
             self.issued(state, &identity, Some(error));
-        }
-        for identity in missing {
-            let issued = state.leaves.get(&identity, state.issuer.as_deref(), now());
-            self.issued(state, &identity, issued.err());
         }
     }
 

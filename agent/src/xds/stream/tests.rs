@@ -1016,19 +1016,26 @@ where
 /// The proxy's secrets for `n`: none for a multiple of 4 (its identity has no leaf), else a
 /// leaf that changes with `n` and a bundle that changes with `n / 64`.
 fn secrets(n: u8) -> ResourceMap {
-    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
+    use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        GenericSecret, Secret, secret,
+    };
     if n.is_multiple_of(4) {
         return ResourceMap::new();
     }
+    // Content, and so the version, that differs with `text`.
     let secret = |name: &str, text: String| {
         let body = Secret {
             name: name.to_string(),
-            r#type: Some(secret::Type::GenericSecret(Default::default())),
+            r#type: Some(secret::Type::GenericSecret(GenericSecret {
+                secret: Some(DataSource {
+                    specifier: Some(data_source::Specifier::InlineString(text)),
+                    ..DataSource::default()
+                }),
+                ..GenericSecret::default()
+            })),
         };
-        let mut resource = XdsResource::new(name, body);
-        // Content that differs with `text`, so its version does.
-        Arc::get_mut(&mut resource).unwrap().version = crate::xds::snapshot::fnv1a(text.as_bytes());
-        resource
+        XdsResource::new(name, body)
     };
     [
         secret(SECRET_NAMES[0], format!("leaf {n}")),
