@@ -48,12 +48,13 @@ fn print_summary(xds: &serde_json::Value) {
     let change = &xds["envoy_change_ms"];
     let f = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1}"));
     println!(
-        "xDS, {} services: agent RSS {} MiB quiet, {} at the peak under attack (+{}), {} after \
-         ({}x); Envoy change p99 {} ms quiet, {} under attack ({}x)",
+        "xDS, {} services: agent RSS {} MiB quiet (peak {}), {} at the peak under attack (+{} \
+         over the quiet peak), {} after ({}x); Envoy change p99 {} ms quiet, {} under attack ({}x)",
         xds["services"],
         f(&mib["quiet"]),
+        f(&mib["quiet_peak"]),
         f(&mib["attack_peak"]),
-        f(&mib["growth_under_attack"]),
+        f(&mib["growth_over_quiet_peak"]),
         f(&mib["after"]),
         f(&mib["after_vs_quiet"]),
         f(&change["quiet"]["p99"]),

@@ -277,7 +277,7 @@ impl DeltaStream {
             let state = self.common.of(kind);
             state.in_flight = Some(Delivery {
                 nonce: nonce.clone(),
-                sent: found.changed.clone(),
+                listed: found.changed.clone(),
                 removed: found.removed,
                 whole: None,
                 narrowings: state.interest.narrowings(),

@@ -218,7 +218,7 @@ impl SotwStream {
                 let state = self.common.of(kind);
                 let delivery = Delivery {
                     nonce: String::new(),
-                    sent: found.changed.clone(),
+                    listed: found.changed.clone(),
                     removed: Vec::new(),
                     whole: None,
                     narrowings: state.interest.narrowings(),
@@ -298,7 +298,12 @@ fn whole_response(
     };
     let delivery = Delivery {
         nonce: String::new(),
-        sent: resources.clone(),
+        // The map in `whole` says what it carries.
+        listed: if whole.is_some() {
+            Vec::new()
+        } else {
+            resources.clone()
+        },
         removed,
         whole,
         narrowings: state.interest.narrowings(),

@@ -173,8 +173,11 @@ impl TypeDiff {
 #[derive(Debug)]
 pub(super) struct Delivery {
     pub(super) nonce: String,
-    /// The resources it carries, in name order.
-    pub(super) sent: Vec<Arc<XdsResource>>,
+    /// The resources it carries, in name order, unless `whole` is the very map it carries:
+    /// then empty, and [`Delivery::carried`] reads the map. A list of a whole type would be
+    /// 80 KB a stream at 10k clusters, kept until the client ACKs (a client that does not read
+    /// never does).
+    pub(super) listed: Vec<Arc<XdsResource>>,
     /// The names it removes.
     pub(super) removed: Vec<Arc<str>>,
     /// When the client holds exactly a snapshot map once it applies this (a SotW response of a
@@ -185,6 +188,14 @@ pub(super) struct Delivery {
     pub(super) narrowings: u64,
     /// Reported on its ACK or NACK.
     pub(super) version: String,
+}
+
+impl Delivery {
+    /// The resources it carries, in name order.
+    pub(super) fn carried(&self) -> impl Iterator<Item = &Arc<XdsResource>> {
+        let whole = self.whole.iter().flat_map(|(map, _)| map.values());
+        self.listed.iter().chain(whole)
+    }
 }
 
 /// Per type, the state both flavours keep for one stream.
@@ -263,7 +274,7 @@ impl TypeState {
                 && (self.interest.names.len() + self.client.len()) * 4 < current.len() =>
             {
                 // Everything this client names or holds, a small part of the snapshot.
-                self.backlog.clear();
+                self.clear_backlog();
                 let mut names: NameSet = self.client.names().cloned().collect();
                 names.extend(self.interest.names.iter().cloned());
                 for name in &names {
@@ -285,7 +296,7 @@ impl TypeState {
     /// name, and `changed` comes out sorted), then what the client holds or named that it
     /// lacks.
     fn walk(&mut self, current: &ResourceMap, found: &mut TypeDiff) {
-        self.backlog.clear();
+        self.clear_backlog();
         // How many of the client's names, and of the names it subscribed to, the walk met:
         // when all of them, none is missing from the snapshot, and the two lookups per name
         // below are skipped (at 10k, 20k ordered lookups per type and stream).
@@ -379,9 +390,14 @@ impl TypeState {
         });
         if let Some(at) = over {
             let keep = at.max(1);
+            self.backlog.reserve(changed.len() - keep);
             for resource in changed.drain(keep..).rev() {
                 self.backlog.push_front(resource);
             }
+            // The response keeps only the room for what it carries: the list of a whole
+            // type's walk (128 KiB at 10k resources) would otherwise stay with it until h2
+            // sent it, for as long as a client that does not read likes.
+            changed.shrink_to_fit();
             return;
         }
         while let Some(next) = self.backlog.front() {
@@ -391,6 +407,15 @@ impl TypeState {
             bytes += next.body.value.len();
             changed.extend(self.backlog.pop_front());
         }
+        if self.backlog.is_empty() {
+            self.clear_backlog();
+        }
+    }
+
+    /// Empties the backlog and gives its room back: a stream keeps it for its life, and a
+    /// whole-mesh backlog's is 64–128 KiB a stream.
+    fn clear_backlog(&mut self) {
+        self.backlog = VecDeque::new();
     }
 
     /// Makes the next push look at `name` whatever the snapshot says. Without a baseline the
@@ -422,9 +447,9 @@ impl TypeState {
                     self.client.remove(name);
                 }
                 if delivery.narrowings == self.interest.narrowings() {
-                    self.client.extend(current, delivery.sent.iter());
+                    self.client.extend(current, delivery.listed.iter());
                 } else {
-                    for resource in &delivery.sent {
+                    for resource in &delivery.listed {
                         if self.interest.wants(&resource.name) {
                             self.client.insert(resource.clone());
                         }
@@ -436,7 +461,7 @@ impl TypeState {
             // Taken at the refused version after all. A resource sent at another (the one the
             // client holds, in place of the refused one in a whole type's response) leaves the
             // refusal standing.
-            for resource in &delivery.sent {
+            for resource in delivery.carried() {
                 if self.rejected.get(&resource.name) == Some(&resource.version) {
                     self.rejected.remove(&resource.name);
                 }
@@ -450,7 +475,7 @@ impl TypeState {
     /// carried is not sent again until it changes, and what it removed is looked at again.
     pub(super) fn reject(&mut self) -> Option<Delivery> {
         let delivery = self.in_flight.take()?;
-        for resource in &delivery.sent {
+        for resource in delivery.carried() {
             let name = &resource.name;
             if self.interest.wants(name) && self.client.version(name) != Some(resource.version) {
                 self.rejected.insert(name.clone(), resource.version);
@@ -726,8 +751,7 @@ impl Types {
                 // Not known what a reconnecting SotW client held: any may be re-created.
                 let unknown = std::mem::take(&mut self.clusters_unknown);
                 delivery
-                    .sent
-                    .iter()
+                    .carried()
                     .filter(|r| {
                         unknown
                             || state
@@ -778,7 +802,7 @@ impl Types {
             if let Some(delivery) = &mut endpoints.in_flight
                 && before(&delivery.nonce)
             {
-                delivery.sent.retain(|r| r.name != name);
+                delivery.listed.retain(|r| r.name != name);
             }
             endpoints.look_again(name);
         }

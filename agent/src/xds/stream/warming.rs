@@ -42,7 +42,7 @@ impl Types {
     ) {
         if kind == ResourceType::Cluster && accepted && self.warming_checked.is_some() {
             // Its endpoint request naming them is on its way.
-            let sent = delivery.sent.iter().map(|r| r.name.clone());
+            let sent = delivery.carried().map(|r| r.name.clone());
             self.acked_since_endpoints.extend(sent);
         }
         if self.warming.is_empty() {
@@ -52,7 +52,7 @@ impl Types {
             // What it took, or refused while it wanted it (Envoy then gives up waiting).
             ResourceType::Endpoint => {
                 let endpoints = &self.types[ResourceType::Endpoint.index()];
-                for resource in &delivery.sent {
+                for resource in delivery.carried() {
                     let name = &resource.name;
                     let settled = if accepted {
                         endpoints.client.get(name).is_some()
@@ -71,7 +71,7 @@ impl Types {
                     }
                 } else {
                     let held = &self.types[ResourceType::Cluster.index()].client;
-                    for resource in &delivery.sent {
+                    for resource in delivery.carried() {
                         if held.get(&resource.name).is_none() {
                             self.warming.remove(&resource.name);
                         }
@@ -79,7 +79,7 @@ impl Types {
                 }
                 // What it kept warming only while on its way is looked at again.
                 let warming = &self.warming;
-                let sent = delivery.sent.iter().map(|r| &r.name);
+                let sent = delivery.carried().map(|r| &r.name);
                 let recheck = sent.filter(|name| warming.contains(*name)).cloned();
                 self.warming_recheck.extend(recheck);
             }
@@ -107,7 +107,7 @@ impl Types {
         let in_flight = clusters
             .in_flight
             .iter()
-            .flat_map(|d| d.sent.iter().map(|r| &r.name));
+            .flat_map(|d| d.carried().map(|r| &r.name));
         let all_held = endpoints.client.is_based_on(assignments);
         let held = (!all_held)
             .then(|| clusters.client.names())
@@ -126,7 +126,7 @@ impl Types {
     /// The clusters of the response in flight.
     fn clusters_on_their_way(&self) -> NameSet {
         let clusters = &self.types[ResourceType::Cluster.index()];
-        let sent = clusters.in_flight.iter().flat_map(|d| &d.sent);
+        let sent = clusters.in_flight.iter().flat_map(|d| d.carried());
         sent.map(|r| r.name.clone()).collect()
     }
 
