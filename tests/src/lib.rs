@@ -18,6 +18,7 @@ pub mod manifests;
 pub mod mesh_source;
 pub mod netns;
 pub mod node;
+pub mod procstat;
 pub mod raw_grpc;
 pub mod sizing;
 pub mod wait;

@@ -21,7 +21,9 @@
 //! Reported: the agent's RSS at the quiet run's peak and once it settled after it, its peak
 //! under attack (both peaks sampled every 200 ms) and after the attackers went (once it stops
 //! falling); the Envoy's change latency
-//! quiet and under attack (p50, p99) and their ratio; the agent's refusal counters and
+//! quiet and under attack (p50, p99) and their ratio, and which changes under attack were the
+//! slowest; the CPU the agent, Envoy and this process
+//! (relay and attackers) took in each phase, in cores; the agent's refusal counters and
 //! buffered-bytes gauges under attack. `LATTICE_BENCH_HOSTILE_ATTACKS` (comma-separated, all by
 //! default) chooses the attacks; sizes from `LATTICE_BENCH_SERVICES` (10000),
 //! `LATTICE_BENCH_CHANGES` (100), `LATTICE_BENCH_HOSTILE_NAMES` (10000000), `_STREAMS` (4000),
@@ -41,6 +43,7 @@ use lattice_e2e::ads_tap::AdsTap;
 use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::k8s_objects::{generated, ip};
+use lattice_e2e::procstat;
 use lattice_e2e::raw_grpc::{Connect, DELTA, RawConnection, SOTW, grpc_frame};
 use prost::Message;
 use serde_json::{Value, json};
@@ -82,21 +85,8 @@ fn mesh_file(ips: &[Vec<String>]) -> String {
     text
 }
 
-fn status_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
-}
-
 fn rss_mib(pid: u32) -> f64 {
-    status_mib(pid, "VmRSS:").unwrap_or(f64::NAN)
+    procstat::rss_mib(pid).unwrap_or(f64::NAN)
 }
 
 fn summary(values: &[f64]) -> Value {
@@ -428,6 +418,44 @@ impl Drop for Sampler {
     }
 }
 
+/// The `n` slowest of `latencies` (in the order they were made) as `[index, ms]`: whether the
+/// slow changes are those at the attack's start or spread over it.
+fn slowest(latencies: &[f64], n: usize) -> Value {
+    let mut indexed: Vec<(usize, f64)> = latencies.iter().copied().enumerate().collect();
+    indexed.sort_by(|a, b| b.1.total_cmp(&a.1));
+    json!(indexed.into_iter().take(n).collect::<Vec<_>>())
+}
+
+/// Where the two cores went over a phase: CPU seconds per second of it, for the agent, Envoy,
+/// and this process (the ADS relay and the attackers).
+struct CpuShare {
+    pids: [u32; 3],
+    start: [f64; 3],
+    began: Instant,
+}
+
+impl CpuShare {
+    fn start(agent: u32, envoy: u32) -> CpuShare {
+        let pids = [agent, envoy, std::process::id()];
+        CpuShare {
+            pids,
+            start: pids.map(|pid| procstat::cpu_seconds(pid).unwrap_or(f64::NAN)),
+            began: Instant::now(),
+        }
+    }
+
+    fn cores(&self) -> Value {
+        let wall = self.began.elapsed().as_secs_f64();
+        let used: Vec<f64> = self
+            .pids
+            .iter()
+            .zip(self.start)
+            .map(|(&pid, start)| (procstat::cpu_seconds(pid).unwrap_or(f64::NAN) - start) / wall)
+            .collect();
+        json!({"agent": used[0], "envoy": used[1], "relay_and_attackers": used[2], "seconds": wall})
+    }
+}
+
 /// The agent's RSS once it stops falling (jemalloc gives freed pages back within about a
 /// second): two samples a second apart within 1 %, or the last after 30 s.
 async fn settled_rss(pid: u32) -> f64 {
@@ -495,36 +523,51 @@ async fn xds_hostile_clients_beside_an_honest_envoy() {
 
     // The honest run's peak is sampled as the attack's is: each change has the agent read and
     // translate the whole mesh file again, which the settled figure after it does not show.
+    let envoy_pid = envoy.pid().expect("Envoy runs");
     let sampler = Sampler::start(pid);
+    let cpu = CpuShare::start(pid, envoy_pid);
     let quiet = changes(&mut tap, &path, &mut ips, change_count, 0).await;
+    let cpu_quiet = cpu.cores();
     let rss_quiet_peak = sampler.peak_mib();
     drop(sampler);
     let rss_quiet = settled_rss(pid).await;
     println!("hostile: quiet run done, agent RSS {rss_quiet:.1} MiB");
 
     let sampler = Sampler::start(pid);
+    let cpu = CpuShare::start(pid, envoy_pid);
     let xds = agent.xds;
     let tallies: BTreeMap<&str, Arc<Tally>> = ["names", "streams", "idle", "silent", "garbage"]
         .into_iter()
         .map(|a| (a, Arc::new(Tally::default())))
         .collect();
+    // The attackers run on threads of their own, as other pods' processes would: on this
+    // test's runtime they queued the relay that times the honest Envoy's changes behind their
+    // own bursts.
+    let attack_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("attacker")
+        .enable_all()
+        .build()
+        .expect("the attackers' runtime");
     let mut attackers = Vec::new();
     for attack in &attacks {
         let tally = tallies
             .get(attack.as_str())
             .unwrap_or_else(|| panic!("no attack {attack:?}"))
             .clone();
+        let runtime = &attack_runtime;
         attackers.push(match attack.as_str() {
-            "names" => tokio::spawn(async move {
+            "names" => runtime.spawn(async move {
                 let _ = names_attack(xds, names, tally).await;
             }),
-            "streams" => tokio::spawn(streams_attack(xds, streams, tally)),
-            "idle" => tokio::spawn(idle_attack(xds, idle, services, tally)),
-            "silent" => tokio::spawn(silent_attack(xds, silent, tally)),
-            _ => tokio::spawn(garbage_attack(xds, garbage, tally)),
+            "streams" => runtime.spawn(streams_attack(xds, streams, tally)),
+            "idle" => runtime.spawn(idle_attack(xds, idle, services, tally)),
+            "silent" => runtime.spawn(silent_attack(xds, silent, tally)),
+            _ => runtime.spawn(garbage_attack(xds, garbage, tally)),
         });
     }
     let attacked = changes(&mut tap, &path, &mut ips, change_count, change_count).await;
+    let cpu_attacked = cpu.cores();
     let under_attack = xds_counters(&agent);
     let rss_attack_peak = sampler.peak_mib();
     drop(sampler);
@@ -534,6 +577,7 @@ async fn xds_hostile_clients_beside_an_honest_envoy() {
     for attacker in attackers {
         let _ = attacker.await;
     }
+    attack_runtime.shutdown_background();
     // The attackers' streams end on the agent's side once their connections close: only the
     // honest Envoy's is left.
     let deadline = Instant::now() + CHANGE;
@@ -562,8 +606,10 @@ async fn xds_hostile_clients_beside_an_honest_envoy() {
         "envoy_change_ms": {
             "quiet": summary(&quiet),
             "under_attack": summary(&attacked),
+            "slowest_under_attack": slowest(&attacked, 3),
             "p99_ratio": p99(&attacked).zip(p99(&quiet)).map(|(a, q)| a / q),
         },
+        "cpu_cores": {"quiet": cpu_quiet, "under_attack": cpu_attacked},
         "attackers": tallies.iter().map(|(name, tally)| (name.to_string(), tally.report())).collect::<serde_json::Map<_, _>>(),
         "agent_under_attack": under_attack,
         "agent_after": after,

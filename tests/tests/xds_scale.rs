@@ -85,6 +85,7 @@ use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::k8s_objects::{generated, generated_slice, ip, populate};
+use lattice_e2e::procstat::{cpu_seconds, peak_rss_mib, rss_mib, running};
 use serde_json::{Value, json};
 
 /// jemalloc for the benchmark's own process, as the agent has: its 100 synthetic clients
@@ -106,8 +107,6 @@ const CHANGE: Duration = Duration::from_secs(60);
 const CHANGE_SPACING: Duration = Duration::from_millis(25);
 /// How often Envoy's admin is asked whether it holds a change.
 const ENVOY_POLL: Duration = Duration::from_millis(1);
-/// USER_HZ: the unit of utime and stime in /proc/<pid>/stat, 100 on Linux.
-const TICKS_PER_SECOND: f64 = 100.0;
 /// The scoped run's node, and the namespace of its pods.
 const NODE: &str = "bench-node";
 const POD_NAMESPACE: &str = "bench";
@@ -285,55 +284,6 @@ fn mesh_file(ips: &[Vec<String>]) -> String {
         }
     }
     text
-}
-
-fn rss_mib(pid: u32) -> Option<f64> {
-    status_mib(pid, "VmRSS:")
-}
-
-/// The most the process's resident set has been since it started (`VmHWM`).
-fn peak_rss_mib(pid: u32) -> Option<f64> {
-    status_mib(pid, "VmHWM:")
-}
-
-/// A size field of /proc/<pid>/status, in MiB.
-fn status_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
-}
-
-/// The fields of /proc/<pid>/stat after the command name (which may hold spaces): field 3
-/// (state) first.
-fn stat_fields(pid: u32) -> Option<Vec<String>> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    Some(
-        stat.rsplit_once(')')?
-            .1
-            .split_whitespace()
-            .map(str::to_string)
-            .collect(),
-    )
-}
-
-/// utime + stime of a process, in seconds.
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let fields = stat_fields(pid)?;
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / TICKS_PER_SECOND)
-}
-
-/// Whether a child process runs (it stays a zombie until waited for).
-fn running(pid: u32) -> bool {
-    stat_fields(pid).is_some_and(|f| f.first().is_some_and(|state| state != "Z"))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
