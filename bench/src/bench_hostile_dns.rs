@@ -150,16 +150,7 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
 
 /// The agent's resident set, MiB.
 fn rss_mib(agent: &Agent) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()?)).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
+    lattice_e2e::procstat::rss_mib(agent.pid()?)
 }
 
 fn mesh(services: u32) -> String {

@@ -79,6 +79,15 @@ pub fn pod_specs(objects: &[Value]) -> anyhow::Result<Vec<(String, PodSpec)>> {
     Ok(specs)
 }
 
+/// The init container of `pod` whose command names `program` (lattice-init, Envoy's native
+/// sidecar).
+pub fn init_container_running<'a>(pod: &'a PodSpec, program: &str) -> Option<&'a Container> {
+    pod.init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.command.iter().flatten().any(|w| w == program))
+}
+
 /// A container's environment as the kubelet builds it, with the downward API filled in.
 pub fn container_env(container: &Container) -> anyhow::Result<Vec<(String, String)>> {
     let mut env = Vec::new();

@@ -419,11 +419,7 @@ fn validate_envoy(pod: &PodSpec, sidecar: &Container, args: &[String]) -> anyhow
     for volume in pod.volumes.iter().flatten() {
         std::fs::create_dir_all(volumes.path().join(&volume.name))?;
     }
-    let init = pod
-        .init_containers
-        .iter()
-        .flatten()
-        .find(|c| c.command.iter().flatten().any(|w| w == "lattice-init"))
+    let init = manifests::init_container_running(pod, "lattice-init")
         .context("no lattice-init in the pod that runs Envoy")?;
     let env = container_env(init)?;
     let (_, init_args) = command_line(init, &env)?;

@@ -716,12 +716,8 @@ fn init_in_pod(
 
     // The bootstrap lattice-init wrote into the shared volume, validated by a real Envoy with
     // the sidecar's arguments (its mount paths mapped to the volume's directory).
-    let sidecar = pod
-        .init_containers
-        .iter()
-        .flatten()
-        .find(|c| c.command.iter().flatten().any(|w| w == "envoy"))
-        .context("no Envoy sidecar in the pod")?;
+    let sidecar =
+        manifests::init_container_running(pod, "envoy").context("no Envoy sidecar in the pod")?;
     let env = container_env(sidecar)?;
     let (_, args) = command_line(sidecar, &env)?;
     let mapped: Vec<String> = args

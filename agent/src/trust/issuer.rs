@@ -336,6 +336,29 @@ impl Issuer {
     }
 }
 
+/// A self-signed root of ten years that is its own issuer, as of `now`: for the tests of what
+/// issues with one.
+#[cfg(test)]
+pub(super) fn test_root(name: &str, now: OffsetDateTime) -> Issuer {
+    let mut params = CertificateParams::default();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+    params.not_before = now - Duration::from_secs(86_400);
+    params.not_after = now + Duration::from_secs(10 * 365 * 86_400);
+    let key = KeyPair::generate().unwrap();
+    let pem = params.self_signed(&key).unwrap().pem();
+    Issuer::from_secret(
+        pem.as_bytes(),
+        key.serialize_pem().as_bytes(),
+        pem.as_bytes(),
+        now,
+    )
+    .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

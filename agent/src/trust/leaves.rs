@@ -206,32 +206,13 @@ mod tests {
     use std::collections::{BTreeMap, BTreeSet};
     use std::time::Duration;
 
-    use proptest::prelude::*;
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-
     use super::*;
+    use proptest::prelude::*;
 
     const LIFE: i64 = 3600;
 
-    /// A root CA of ten years that is its own issuer, as of `now`.
     fn issuer(now: OffsetDateTime) -> Issuer {
-        let mut params = CertificateParams::default();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "test CA");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
-        params.not_before = now - Duration::from_secs(86_400);
-        params.not_after = now + Duration::from_secs(10 * 365 * 86_400);
-        let key = KeyPair::generate().unwrap();
-        let pem = params.self_signed(&key).unwrap().pem();
-        Issuer::from_secret(
-            pem.as_bytes(),
-            key.serialize_pem().as_bytes(),
-            pem.as_bytes(),
-            now,
-        )
-        .unwrap()
+        super::super::issuer::test_root("test CA", now)
     }
 
     fn id(k: u8) -> SpiffeId {

@@ -317,29 +317,13 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-
     use super::*;
 
     fn issuer(name: &str) -> Arc<Issuer> {
-        let now = OffsetDateTime::now_utc();
-        let mut params = CertificateParams::default();
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
-        params.not_before = now - Duration::from_secs(86_400);
-        params.not_after = now + Duration::from_secs(10 * 365 * 86_400);
-        let key = KeyPair::generate().unwrap();
-        let pem = params.self_signed(&key).unwrap().pem();
-        Arc::new(
-            Issuer::from_secret(
-                pem.as_bytes(),
-                key.serialize_pem().as_bytes(),
-                pem.as_bytes(),
-                now,
-            )
-            .unwrap(),
-        )
+        Arc::new(super::super::issuer::test_root(
+            name,
+            OffsetDateTime::now_utc(),
+        ))
     }
 
     fn id(sa: &str) -> SpiffeId {

@@ -60,15 +60,14 @@ pub(super) fn resources(secrets: &ProxySecrets) -> ResourceMap {
 
 #[cfg(test)]
 mod tests {
-    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
     use prost::Message;
 
     use super::*;
     use crate::mesh::Protocol;
     use crate::trust::{Leaf, SpiffeId};
     use crate::xds::snapshot::XdsSnapshot;
-    use crate::xds::testing::{SDS, Tested, World};
-    use crate::xds::{DeltaRequest, DeltaStream, SotwRequest, SotwStream};
+    use crate::xds::testing::{SDS, Tested, World, sotw};
+    use crate::xds::{DeltaRequest, DeltaStream, SotwStream};
 
     fn secrets(serial: &str) -> ResourceMap {
         resources(&ProxySecrets {
@@ -98,17 +97,6 @@ mod tests {
             response_nonce: nonce.to_string(),
             ..DeltaRequest::default()
         }
-    }
-
-    fn sotw(names: &[&str], version: &str, nonce: &str) -> SotwRequest {
-        let sent = DiscoveryRequest {
-            type_url: SDS.to_string(),
-            resource_names: names.iter().map(|s| s.to_string()).collect(),
-            version_info: version.to_string(),
-            response_nonce: nonce.to_string(),
-            ..DiscoveryRequest::default()
-        };
-        SotwRequest::decode(sent.encode_to_vec().as_slice()).unwrap()
     }
 
     /// Delta: a proxy's secrets as it subscribes, a renewed leaf alone, and nothing to a
@@ -162,10 +150,10 @@ mod tests {
         let view = shared.with_secrets(secrets("01"));
         let mut stream = Tested::<SotwStream>::default();
         let both = [WORKLOAD_SECRET, BUNDLE_SECRET];
-        let (out, _) = stream.on_request(&sotw(&both, "", ""), &view);
+        let (out, _) = stream.on_request(&sotw(SDS, &both, "", ""), &view);
         assert_eq!(out.len(), 1);
         assert_eq!(names(&out[0].resources), [BUNDLE_SECRET, WORKLOAD_SECRET]);
-        let ack = sotw(&both, &out[0].version_info, &out[0].nonce);
+        let ack = sotw(SDS, &both, &out[0].version_info, &out[0].nonce);
         let (out, _) = stream.on_request(&ack, &view);
         assert!(out.is_empty());
 
@@ -174,7 +162,7 @@ mod tests {
         assert!(names(&out[0].resources).contains(&WORKLOAD_SECRET));
 
         let mut stranger = Tested::<SotwStream>::default();
-        let (out, _) = stranger.on_request(&sotw(&[WORKLOAD_SECRET], "", ""), &shared);
+        let (out, _) = stranger.on_request(&sotw(SDS, &[WORKLOAD_SECRET], "", ""), &shared);
         assert_eq!(out.len(), 1, "the first request of a type is answered");
         assert!(out[0].resources.is_empty(), "with nothing");
     }

@@ -524,7 +524,6 @@ mod tests {
     use std::collections::{BTreeSet, HashMap};
 
     use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
-    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
     use envoy_types::pb::google::rpc::Status as RpcStatus;
     use prost::Message;
 
@@ -532,20 +531,8 @@ mod tests {
     use crate::mesh::Protocol;
     use crate::xds::stream::RESPONSE_BUDGET;
     use crate::xds::testing::{
-        BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world, names_of,
+        BUZZ, CDS, EDS, LDS, OTHER, RDS, Tested, World, big_world, names_of, sotw,
     };
-
-    /// A request as Envoy sends it, read as the server reads it.
-    fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> SotwRequest {
-        let sent = DiscoveryRequest {
-            type_url: type_url.to_string(),
-            resource_names: names.iter().map(|s| s.to_string()).collect(),
-            version_info: version.to_string(),
-            response_nonce: nonce.to_string(),
-            ..DiscoveryRequest::default()
-        };
-        SotwRequest::decode(sent.encode_to_vec().as_slice()).unwrap()
-    }
 
     fn nack(mut request: SotwRequest) -> SotwRequest {
         request.error_detail = Some(RpcStatus {

@@ -3,7 +3,11 @@
 
 use super::snapshot::{ResourceType, TYPES, XdsSnapshot};
 use super::stream::{Ads, Event};
+use super::wire::SotwRequest;
 use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+use prost::Message;
 
 use crate::mesh::route::{Backend, BackendTarget, RequestMatch, test_rule};
 use crate::mesh::{EndpointSet, MeshPath, MeshState, Protocol, ServicePort, ServiceSpec};
@@ -14,6 +18,18 @@ pub(super) const EDS: &str = "type.googleapis.com/envoy.config.endpoint.v3.Clust
 pub(super) const LDS: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub(super) const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 pub(super) const SDS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+
+/// A SotW request as Envoy sends it, read as the server reads it.
+pub(super) fn sotw(type_url: &str, names: &[&str], version: &str, nonce: &str) -> SotwRequest {
+    let sent = DiscoveryRequest {
+        type_url: type_url.to_string(),
+        resource_names: names.iter().map(|s| s.to_string()).collect(),
+        version_info: version.to_string(),
+        response_nonce: nonce.to_string(),
+        ..DiscoveryRequest::default()
+    };
+    SotwRequest::decode(sent.encode_to_vec().as_slice()).unwrap()
+}
 
 /// A little mesh that can be edited, and its translations.
 pub(super) struct World {
