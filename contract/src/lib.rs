@@ -24,6 +24,10 @@ pub const DEFAULT_TRAP_CIDR: &str = "240.240.0.0/16";
 /// Envoy's outbound capture listener in the pod by default; iptables redirects the trapped
 /// block to it. Both binaries take `--envoy-port` to move it ([`CapturePort`]).
 pub const ENVOY_OUTBOUND_PORT: u16 = 15001;
+/// Envoy's inbound listener in the pod: where `lattice-init --inbound-capture` redirects the
+/// TCP that arrives for the pod, and where the agent's inbound listener listens. Fixed: no
+/// flag moves it, so the two binaries cannot disagree.
+pub const ENVOY_INBOUND_PORT: u16 = 15006;
 /// Envoy's admin interface in the pod, on loopback only.
 pub const ENVOY_ADMIN_PORT: u16 = 15000;
 /// Envoy's readiness endpoint in the pod, on every address: the kubelet probes it (the mesh

@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::{ENVOY_ADMIN_PORT, ENVOY_OUTBOUND_PORT, ENVOY_READINESS_PORT};
+use crate::{ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_OUTBOUND_PORT, ENVOY_READINESS_PORT};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CapturePortError {
@@ -44,6 +44,10 @@ impl CapturePort {
             ENVOY_READINESS_PORT => Err(CapturePortError::Taken {
                 port,
                 role: "readiness",
+            }),
+            ENVOY_INBOUND_PORT => Err(CapturePortError::Taken {
+                port,
+                role: "inbound",
             }),
             port => Ok(CapturePort(port)),
         }
@@ -88,13 +92,14 @@ mod tests {
     fn envoys_other_ports_and_non_ports_are_refused_with_the_value_named() {
         assert_eq!("15001".parse(), Ok(CapturePort::default()));
         assert_eq!(
-            "15006".parse::<CapturePort>().map(CapturePort::get),
-            Ok(15006)
+            "16001".parse::<CapturePort>().map(CapturePort::get),
+            Ok(16001)
         );
         for (value, needle) in [
             ("0", "--envoy-port 0"),
             ("15000", "admin port"),
             ("15021", "readiness port"),
+            ("15006", "inbound port"),
             ("70000", "\"70000\" is not a port"),
             ("-1", "\"-1\" is not a port"),
             ("", "\"\" is not a port"),

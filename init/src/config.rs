@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use lattice_contract::{
-    CapturePort, DEFAULT_TRAP_CIDR, ENVOY_UID, NODE_LOCAL_DNS, TrapCidrError, TrapCidrs, XDS_PORT,
+    CapturePort, DEFAULT_TRAP_CIDR, ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT,
+    ENVOY_UID, NODE_LOCAL_DNS, TrapCidrError, TrapCidrs, XDS_PORT,
 };
 
 pub use lattice_contract::TrapCidr;
@@ -78,6 +79,24 @@ pub struct Args {
     /// Where to write the Envoy bootstrap (JSON). Without it no bootstrap is written.
     #[arg(long, env = "LATTICE_BOOTSTRAP_OUT")]
     pub bootstrap_out: Option<PathBuf>,
+
+    /// Also capture the TCP that arrives for the pod: every port but Envoy's own and those of
+    /// --exclude-inbound-port is redirected to Envoy's inbound listener (port 15006), which
+    /// hands it to the app on its original port. Covers each family a trapped block is given
+    /// for; a pod with an address of another family is refused, since that family would
+    /// reach the app uncaptured.
+    #[arg(long, env = "LATTICE_INBOUND_CAPTURE", action = ArgAction::SetTrue)]
+    pub inbound_capture: bool,
+
+    /// Ports whose inbound TCP reaches the app directly, never Envoy (repeat or comma list),
+    /// beside Envoy's own (admin, capture, inbound, readiness). Only with --inbound-capture.
+    #[arg(
+        long,
+        env = "LATTICE_EXCLUDE_INBOUND_PORT",
+        value_delimiter = ',',
+        value_name = "PORT"
+    )]
+    pub exclude_inbound_port: Vec<u16>,
 
     /// Send DNS (UDP and TCP port 53) from non-excluded UIDs to the node agent's DNS at ADDR:PORT.
     /// Applies to the address family of ADDR only.
@@ -210,6 +229,17 @@ pub struct CaptureConfig {
     pub exclude_uids: Vec<u32>,
     pub exclude_gids: Vec<u32>,
     pub redirect_dns: Option<DnsTarget>,
+    /// Inbound capture, when asked for.
+    pub inbound: Option<InboundCapture>,
+}
+
+/// What of the pod's inbound TCP is redirected to Envoy's inbound listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundCapture {
+    /// Where it is redirected: [`ENVOY_INBOUND_PORT`].
+    pub port: u16,
+    /// Destination ports left alone, sorted: Envoy's own, then the pod's.
+    pub exclude_ports: Vec<u16>,
 }
 
 impl CaptureConfig {
@@ -266,6 +296,14 @@ pub enum ConfigError {
     XdsAddress { value: String },
     #[error("--node-id {value:?} must be non-empty without whitespace, e.g. <pod>.<namespace>")]
     NodeId { value: String },
+    #[error(
+        "--exclude-inbound-port 0 is not a port; give the ports whose inbound TCP must reach the app directly (1-65535)"
+    )]
+    InboundPortZero,
+    #[error(
+        "--exclude-inbound-port is given without --inbound-capture; add --inbound-capture, or drop the ports"
+    )]
+    InboundPortsWithoutCapture,
     #[error("the Envoy bootstrap needs {missing}; set it, or drop --bootstrap-out")]
     BootstrapIncomplete { missing: &'static str },
 }
@@ -356,6 +394,8 @@ fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
     exclude_uids.retain(|uid| *uid != args.envoy_uid);
     let exclude_gids = ids(&args.exclude_gid, "gid")?;
 
+    let inbound = inbound_capture(args)?;
+
     let capture = CaptureConfig {
         trap,
         envoy_port: args.envoy_port.get(),
@@ -363,6 +403,7 @@ fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
         exclude_uids,
         exclude_gids,
         redirect_dns: None,
+        inbound,
     };
     let redirect_dns = match &args.redirect_dns {
         None => None,
@@ -392,6 +433,36 @@ fn capture_config(args: &Args) -> Result<CaptureConfig, ConfigError> {
         redirect_dns,
         ..capture
     })
+}
+
+fn inbound_capture(args: &Args) -> Result<Option<InboundCapture>, ConfigError> {
+    if !args.inbound_capture {
+        if !args.exclude_inbound_port.is_empty() {
+            return Err(ConfigError::InboundPortsWithoutCapture);
+        }
+        return Ok(None);
+    }
+    if args.exclude_inbound_port.contains(&0) {
+        return Err(ConfigError::InboundPortZero);
+    }
+    // Envoy's own ports are never the app's: the kubelet reaches readiness directly, and a
+    // connection redirected to the inbound or capture port would be handed back to Envoy.
+    let own = [
+        ENVOY_ADMIN_PORT,
+        args.envoy_port.get(),
+        ENVOY_INBOUND_PORT,
+        ENVOY_READINESS_PORT,
+    ];
+    let mut exclude_ports: Vec<u16> = own
+        .into_iter()
+        .chain(args.exclude_inbound_port.iter().copied())
+        .collect();
+    exclude_ports.sort_unstable();
+    exclude_ports.dedup();
+    Ok(Some(InboundCapture {
+        port: ENVOY_INBOUND_PORT,
+        exclude_ports,
+    }))
 }
 
 #[cfg(test)]
@@ -465,6 +536,14 @@ mod tests {
             (&["--xds-address", "10.0.0.1"], "--xds-address"),
             (&["--xds-address", "bad host:15010"], "--xds-address"),
             (&["--node-id", "a b"], "--node-id"),
+            (
+                &["--inbound-capture", "--exclude-inbound-port", "8080,0"],
+                "--exclude-inbound-port 0",
+            ),
+            (
+                &["--exclude-inbound-port", "8080"],
+                "without --inbound-capture",
+            ),
         ];
         for (args, needle) in cases {
             let err = parse(args).expect_err(&format!("{args:?} must be refused"));
@@ -485,6 +564,28 @@ mod tests {
                 "{args:?}"
             );
         }
+    }
+
+    #[test]
+    fn inbound_capture_always_spares_envoys_own_ports() {
+        assert_eq!(parse(&[]).unwrap().capture.inbound, None);
+        let config = parse(&[
+            "--inbound-capture",
+            "--envoy-port",
+            "16001",
+            "--exclude-inbound-port",
+            "9090,8081",
+            "--exclude-inbound-port",
+            "15021",
+        ])
+        .unwrap();
+        assert_eq!(
+            config.capture.inbound,
+            Some(InboundCapture {
+                port: 15006,
+                exclude_ports: vec![8081, 9090, 15000, 15006, 15021, 16001],
+            })
+        );
     }
 
     #[test]

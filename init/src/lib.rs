@@ -285,6 +285,9 @@ fn check_pod_addresses(config: &CaptureConfig) -> Result<(), InitError> {
         .map_err(InitError::Runtime)?;
     let addresses = runtime.block_on(interfaces::addresses())?;
     interfaces::check_outside_trap(&addresses, &config.trap)?;
+    if config.inbound.is_some() {
+        interfaces::check_inbound_covered(&addresses, &config.trap)?;
+    }
     Ok(())
 }
 

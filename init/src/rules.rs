@@ -1,25 +1,60 @@
 //! Owns the capture ruleset as text: config → the `iptables-restore` input that installs it, and
 //! `iptables-save` output → what of ours is already installed. Pure: no processes, no kernel.
 //!
-//! Everything lives in the nat table, in two chains of our own reached by one jump from OUTPUT.
-//! A run declares both chains (which creates or flushes them under `--noflush`) and refills
-//! them, and appends the jump only when `iptables-save` shows none, so a re-run rewrites our
-//! chains and leaves the rest of the table alone.
+//! Everything lives in the nat table, in chains of our own, each group reached by one jump from
+//! a built-in chain: OUTPUT → LATTICE_OUTPUT (the app's connections into the trapped block) and,
+//! with inbound capture, PREROUTING → LATTICE_INBOUND (connections arriving for the pod). A run
+//! declares the chains it wants (which creates or flushes them under `--noflush`), refills them,
+//! appends a jump only when `iptables-save` shows none, and removes the chains and jumps of ours
+//! it no longer wants, so a re-run rewrites our chains and leaves the rest of the table alone.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fmt::Write as _;
 
-use crate::config::{CaptureConfig, TrapCidr};
+use crate::config::{CaptureConfig, InboundCapture, TrapCidr};
 
-/// Our entry chain, jumped to from OUTPUT.
+/// Our outbound entry chain, jumped to from OUTPUT.
 pub const OUTPUT_CHAIN: &str = "LATTICE_OUTPUT";
-/// Where captured TCP is sent to Envoy.
+/// Where captured outbound TCP is sent to Envoy's capture listener.
 pub const REDIRECT_CHAIN: &str = "LATTICE_REDIRECT";
+/// Our inbound entry chain, jumped to from PREROUTING.
+pub const INBOUND_CHAIN: &str = "LATTICE_INBOUND";
+/// Where captured inbound TCP is sent to Envoy's inbound listener.
+pub const INBOUND_REDIRECT_CHAIN: &str = "LATTICE_IN_REDIRECT";
 /// Every chain we own, in declaration order.
-pub const OWNED_CHAINS: [&str; 2] = [OUTPUT_CHAIN, REDIRECT_CHAIN];
-/// The jump rule spec, as `iptables-save` prints it after `-A OUTPUT `.
-const JUMP_SPEC: &str = "-j LATTICE_OUTPUT";
+pub const OWNED_CHAINS: [&str; 4] = [
+    OUTPUT_CHAIN,
+    REDIRECT_CHAIN,
+    INBOUND_CHAIN,
+    INBOUND_REDIRECT_CHAIN,
+];
+
+/// A jump from a built-in chain of the nat table into one of our entry chains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    hook: &'static str,
+    chain: &'static str,
+}
+
+/// Our entry points, in the order their jumps are written.
+const ENTRIES: [Entry; 2] = [
+    Entry {
+        hook: "OUTPUT",
+        chain: OUTPUT_CHAIN,
+    },
+    Entry {
+        hook: "PREROUTING",
+        chain: INBOUND_CHAIN,
+    },
+];
+
+impl Entry {
+    /// The jump as we write it, and as `iptables-save` prints it after `-A <hook> `.
+    fn spec(self) -> String {
+        format!("-j {}", self.chain)
+    }
+}
 
 /// An address family: one restore transaction each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -53,7 +88,8 @@ impl fmt::Display for Family {
 }
 
 /// The desired content of our chains for one family: rule specs per chain, written exactly as
-/// `iptables-save` prints them so that an installed ruleset compares equal.
+/// `iptables-save` prints them so that an installed ruleset compares equal. A chain absent
+/// here is one of ours that must not exist, its jump included.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CaptureRules {
     pub family: Family,
@@ -94,16 +130,45 @@ impl CaptureRules {
         for block in blocks {
             output.push(format!("-d {block} -p tcp -j {REDIRECT_CHAIN}"));
         }
-        let redirect = vec![format!(
-            "-p tcp -j REDIRECT --to-ports {}",
-            config.envoy_port
-        )];
-        let chains = BTreeMap::from([
+        let mut chains = BTreeMap::from([
             (OUTPUT_CHAIN.to_owned(), output),
-            (REDIRECT_CHAIN.to_owned(), redirect),
+            (REDIRECT_CHAIN.to_owned(), vec![redirect(config.envoy_port)]),
         ]);
+        if let Some(inbound) = &config.inbound {
+            chains.extend(inbound_chains(inbound));
+        }
         Some(Self { family, chains })
     }
+}
+
+fn redirect(port: u16) -> String {
+    format!("-p tcp -j REDIRECT --to-ports {port}")
+}
+
+/// PREROUTING sees only what arrives from outside the pod: the app's own connections to its
+/// address, and Envoy's to the app, take OUTPUT and are never matched here.
+fn inbound_chains(inbound: &InboundCapture) -> [(String, Vec<String>); 2] {
+    let mut entry: Vec<String> = inbound
+        .exclude_ports
+        .iter()
+        .map(|port| format!("-p tcp -m tcp --dport {port} -j RETURN"))
+        .collect();
+    entry.push(format!("-p tcp -j {INBOUND_REDIRECT_CHAIN}"));
+    [
+        (INBOUND_CHAIN.to_owned(), entry),
+        (
+            INBOUND_REDIRECT_CHAIN.to_owned(),
+            vec![redirect(inbound.port)],
+        ),
+    ]
+}
+
+/// A rule of a built-in chain that jumps to one of our entry chains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Jump {
+    pub hook: String,
+    /// The rule spec as `iptables-save` prints it after `-A <hook> `.
+    pub spec: String,
 }
 
 /// What of ours one family's nat table holds, read from `iptables-save`.
@@ -111,8 +176,8 @@ impl CaptureRules {
 pub struct NatState {
     /// Our chains that exist, with their rule specs in order.
     pub chains: BTreeMap<String, Vec<String>>,
-    /// OUTPUT rules that jump to our entry chain (normally exactly one).
-    pub jumps: Vec<String>,
+    /// Rules of built-in chains that jump to our entry chains (normally one per entry in use).
+    pub jumps: Vec<Jump>,
     /// Number of `-A` rules in every table of the dump, ours included: backend detection
     /// evidence.
     pub rule_count: usize,
@@ -147,8 +212,14 @@ impl NatState {
                         .entry(chain.to_owned())
                         .or_default()
                         .push(spec.to_owned());
-                } else if chain == "OUTPUT" && jumps_to_us(spec) {
-                    state.jumps.push(spec.to_owned());
+                } else if ENTRIES
+                    .iter()
+                    .any(|entry| entry.hook == chain && jumps_to(spec, entry.chain))
+                {
+                    state.jumps.push(Jump {
+                        hook: chain.to_owned(),
+                        spec: spec.to_owned(),
+                    });
                 }
             }
         }
@@ -160,41 +231,84 @@ impl NatState {
         !self.chains.is_empty() || !self.jumps.is_empty()
     }
 
-    /// Whether the table already holds exactly `rules` with one jump: a re-run has nothing to do.
-    pub fn matches(&self, rules: &CaptureRules) -> bool {
-        self.chains == rules.chains && self.jumps == [JUMP_SPEC]
+    fn jumps_of(&self, entry: Entry) -> impl Iterator<Item = &Jump> {
+        self.jumps
+            .iter()
+            .filter(move |jump| jump.hook == entry.hook && jumps_to(&jump.spec, entry.chain))
     }
 
-    /// The state right after `rules` were applied on top of `self`.
-    pub fn after_apply(&self, rules: &CaptureRules) -> Self {
-        let jumps = if self.jumps.is_empty() {
-            vec![JUMP_SPEC.to_owned()]
-        } else {
-            self.jumps.clone()
-        };
+    /// Whether the table already holds exactly `rules` with one plain jump per entry chain
+    /// they use, and none to an entry chain they do not: a re-run has nothing to do.
+    pub fn matches(&self, rules: &CaptureRules) -> bool {
+        self.chains == rules.chains
+            && ENTRIES.into_iter().all(|entry| {
+                let jumps: Vec<&Jump> = self.jumps_of(entry).collect();
+                if rules.chains.contains_key(entry.chain) {
+                    jumps.len() == 1 && jumps[0].spec == entry.spec()
+                } else {
+                    jumps.is_empty()
+                }
+            })
+    }
+
+    /// The state right after [`transition_text`] took `self` to `chains`.
+    fn after(&self, chains: &BTreeMap<String, Vec<String>>) -> Self {
+        let mut jumps = Vec::new();
+        for entry in ENTRIES {
+            if !chains.contains_key(entry.chain) {
+                continue;
+            }
+            let kept: Vec<Jump> = self.jumps_of(entry).cloned().collect();
+            if kept.is_empty() {
+                jumps.push(Jump {
+                    hook: entry.hook.to_owned(),
+                    spec: entry.spec(),
+                });
+            } else {
+                jumps.extend(kept);
+            }
+        }
         Self {
-            chains: rules.chains.clone(),
+            chains: chains.clone(),
             jumps,
             rule_count: self.rule_count,
         }
     }
 }
 
-fn jumps_to_us(spec: &str) -> bool {
+fn jumps_to(spec: &str, chain: &str) -> bool {
     let mut words = spec.split_whitespace();
     while let Some(word) = words.next() {
-        if (word == "-j" || word == "-g") && words.next() == Some(OUTPUT_CHAIN) {
+        if (word == "-j" || word == "-g") && words.next() == Some(chain) {
             return true;
         }
     }
     false
 }
 
-/// Restore input that makes our chains hold exactly `chains`, adding the jump only if `current`
-/// has none.
-fn install_text(chains: &BTreeMap<String, Vec<String>>, current: &NatState) -> String {
+/// Restore input that takes our part of the table from `current` to exactly `chains`: the
+/// chains wanted are declared (created, or flushed) and filled, an entry chain wanted gets a
+/// jump unless it has one, and every chain of ours not wanted is unhooked, flushed and
+/// deleted. Jumps go before the chains they reach are flushed, and every flush before any
+/// delete, since our chains reference each other. Rules we did not write are not named.
+fn transition_text(chains: &BTreeMap<String, Vec<String>>, current: &NatState) -> String {
     let mut text = String::from("*nat\n");
-    for chain in OWNED_CHAINS {
+    for entry in ENTRIES {
+        if !chains.contains_key(entry.chain) {
+            for jump in current.jumps_of(entry) {
+                let _ = writeln!(text, "-D {} {}", jump.hook, jump.spec);
+            }
+        }
+    }
+    let stale: Vec<&str> = OWNED_CHAINS
+        .into_iter()
+        .filter(|chain| current.chains.contains_key(*chain) && !chains.contains_key(*chain))
+        .collect();
+    for chain in OWNED_CHAINS
+        .into_iter()
+        .filter(|chain| chains.contains_key(*chain))
+        .chain(stale.iter().copied())
+    {
         let _ = writeln!(text, ":{chain} - [0:0]");
     }
     for chain in OWNED_CHAINS {
@@ -202,8 +316,13 @@ fn install_text(chains: &BTreeMap<String, Vec<String>>, current: &NatState) -> S
             let _ = writeln!(text, "-A {chain} {spec}");
         }
     }
-    if current.jumps.is_empty() {
-        let _ = writeln!(text, "-A OUTPUT {JUMP_SPEC}");
+    for entry in ENTRIES {
+        if chains.contains_key(entry.chain) && current.jumps_of(entry).next().is_none() {
+            let _ = writeln!(text, "-A {} {}", entry.hook, entry.spec());
+        }
+    }
+    for chain in stale {
+        let _ = writeln!(text, "-X {chain}");
     }
     text.push_str("COMMIT\n");
     text
@@ -214,36 +333,28 @@ pub fn apply_text(rules: &CaptureRules, current: &NatState) -> Option<String> {
     if current.matches(rules) {
         return None;
     }
-    Some(install_text(&rules.chains, current))
+    Some(transition_text(&rules.chains, current))
 }
 
-/// Restore input that removes everything of ours in `current` (every jump to our chain, then
-/// our chains), or `None` when nothing of ours is there. Rules we did not write are not named.
+/// Restore input that removes everything of ours in `current` (every jump to our entry chains,
+/// then our chains), or `None` when nothing of ours is there.
 pub fn cleanup_text(current: &NatState) -> Option<String> {
     if !current.is_installed() {
         return None;
     }
-    let mut text = String::from("*nat\n");
-    for spec in &current.jumps {
-        let _ = writeln!(text, "-D OUTPUT {spec}");
-    }
-    // Flush every chain before deleting any: LATTICE_OUTPUT references LATTICE_REDIRECT.
-    for chain in current.chains.keys() {
-        let _ = writeln!(text, ":{chain} - [0:0]");
-    }
-    for chain in current.chains.keys() {
-        let _ = writeln!(text, "-X {chain}");
-    }
-    text.push_str("COMMIT\n");
-    Some(text)
+    Some(transition_text(&BTreeMap::new(), current))
 }
 
 /// Restore input that puts back `previous` after `rules` were applied over it: used to undo one
 /// family when a later family fails, so that nothing is left half-applied.
 pub fn rollback_text(previous: &NatState, rules: &CaptureRules) -> Option<String> {
-    let applied = previous.after_apply(rules);
-    if previous.chains.len() == OWNED_CHAINS.len() && !previous.jumps.is_empty() {
-        Some(install_text(&previous.chains, &applied))
+    let applied = previous.after(&rules.chains);
+    // A previous install missing a jump is not put back half: it is removed.
+    let whole = ENTRIES.into_iter().all(|entry| {
+        !previous.chains.contains_key(entry.chain) || previous.jumps_of(entry).next().is_some()
+    });
+    if previous.is_installed() && whole {
+        Some(transition_text(&previous.chains, &applied))
     } else {
         cleanup_text(&applied)
     }
@@ -254,7 +365,7 @@ mod tests {
     use std::net::SocketAddr;
 
     use super::*;
-    use crate::config::DnsTarget;
+    use crate::config::{DnsTarget, InboundCapture};
 
     fn config(trap: &[&str]) -> CaptureConfig {
         CaptureConfig {
@@ -264,6 +375,7 @@ mod tests {
             exclude_uids: vec![],
             exclude_gids: vec![],
             redirect_dns: None,
+            inbound: None,
         }
     }
 
@@ -467,11 +579,153 @@ COMMIT
     #[test]
     fn foreign_jumps_with_matches_are_found() {
         let state = NatState::parse("*nat\n-A OUTPUT -p tcp -j LATTICE_OUTPUT\nCOMMIT\n");
-        assert_eq!(state.jumps, ["-p tcp -j LATTICE_OUTPUT"]);
+        assert_eq!(
+            state.jumps,
+            [Jump {
+                hook: "OUTPUT".into(),
+                spec: "-p tcp -j LATTICE_OUTPUT".into()
+            }]
+        );
         let cleanup = cleanup_text(&state).unwrap();
         assert!(
             cleanup.contains("-D OUTPUT -p tcp -j LATTICE_OUTPUT\n"),
             "{cleanup}"
+        );
+    }
+    fn inbound(config: &mut CaptureConfig, exclude: &[u16]) {
+        config.inbound = Some(InboundCapture {
+            port: 15006,
+            exclude_ports: exclude.to_vec(),
+        });
+    }
+
+    #[test]
+    fn golden_inbound_capture() {
+        let mut config = config(&["240.240.0.0/16"]);
+        inbound(&mut config, &[15000, 15001, 15006, 15021]);
+        assert_eq!(
+            text(&config, Family::V4, &NatState::default()),
+            "\
+*nat
+:LATTICE_OUTPUT - [0:0]
+:LATTICE_REDIRECT - [0:0]
+:LATTICE_INBOUND - [0:0]
+:LATTICE_IN_REDIRECT - [0:0]
+-A LATTICE_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A LATTICE_OUTPUT -d 127.0.0.0/8 -j RETURN
+-A LATTICE_OUTPUT -d 240.240.0.0/16 -p tcp -j LATTICE_REDIRECT
+-A LATTICE_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A LATTICE_INBOUND -p tcp -m tcp --dport 15000 -j RETURN
+-A LATTICE_INBOUND -p tcp -m tcp --dport 15001 -j RETURN
+-A LATTICE_INBOUND -p tcp -m tcp --dport 15006 -j RETURN
+-A LATTICE_INBOUND -p tcp -m tcp --dport 15021 -j RETURN
+-A LATTICE_INBOUND -p tcp -j LATTICE_IN_REDIRECT
+-A LATTICE_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A OUTPUT -j LATTICE_OUTPUT
+-A PREROUTING -j LATTICE_INBOUND
+COMMIT
+"
+        );
+    }
+
+    /// `iptables-save` after the inbound install above, with a foreign rule beside ours.
+    const INSTALLED_INBOUND: &str = "\
+*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:LATTICE_INBOUND - [0:0]
+:LATTICE_IN_REDIRECT - [0:0]
+:LATTICE_OUTPUT - [0:0]
+:LATTICE_REDIRECT - [0:0]
+-A PREROUTING -s 192.0.2.7/32 -j ACCEPT
+-A PREROUTING -j LATTICE_INBOUND
+-A OUTPUT -j LATTICE_OUTPUT
+-A LATTICE_INBOUND -p tcp -m tcp --dport 15021 -j RETURN
+-A LATTICE_INBOUND -p tcp -j LATTICE_IN_REDIRECT
+-A LATTICE_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A LATTICE_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A LATTICE_OUTPUT -d 127.0.0.0/8 -j RETURN
+-A LATTICE_OUTPUT -d 240.240.0.0/16 -p tcp -j LATTICE_REDIRECT
+-A LATTICE_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+COMMIT
+";
+
+    #[test]
+    fn an_inbound_install_reads_back_as_installed() {
+        let mut config = config(&["240.240.0.0/16"]);
+        inbound(&mut config, &[15021]);
+        let rules = CaptureRules::for_family(&config, Family::V4).unwrap();
+        let state = NatState::parse(INSTALLED_INBOUND);
+        assert_eq!(state.jumps.len(), 2, "{:?}", state.jumps);
+        assert_eq!(apply_text(&rules, &state), None);
+        let after = state.after(&rules.chains);
+        assert_eq!(after.chains, state.chains);
+        assert_eq!(after.jumps.len(), 2, "no second jump: {:?}", after.jumps);
+    }
+
+    #[test]
+    fn golden_turning_inbound_capture_off_removes_only_its_part() {
+        let state = NatState::parse(INSTALLED_INBOUND);
+        assert_eq!(
+            text(&config(&["240.240.0.0/16"]), Family::V4, &state),
+            "\
+*nat
+-D PREROUTING -j LATTICE_INBOUND
+:LATTICE_OUTPUT - [0:0]
+:LATTICE_REDIRECT - [0:0]
+:LATTICE_INBOUND - [0:0]
+:LATTICE_IN_REDIRECT - [0:0]
+-A LATTICE_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A LATTICE_OUTPUT -d 127.0.0.0/8 -j RETURN
+-A LATTICE_OUTPUT -d 240.240.0.0/16 -p tcp -j LATTICE_REDIRECT
+-A LATTICE_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-X LATTICE_INBOUND
+-X LATTICE_IN_REDIRECT
+COMMIT
+"
+        );
+    }
+
+    #[test]
+    fn golden_cleanup_removes_both_entries() {
+        assert_eq!(
+            cleanup_text(&NatState::parse(INSTALLED_INBOUND)).unwrap(),
+            "\
+*nat
+-D OUTPUT -j LATTICE_OUTPUT
+-D PREROUTING -j LATTICE_INBOUND
+:LATTICE_OUTPUT - [0:0]
+:LATTICE_REDIRECT - [0:0]
+:LATTICE_INBOUND - [0:0]
+:LATTICE_IN_REDIRECT - [0:0]
+-X LATTICE_OUTPUT
+-X LATTICE_REDIRECT
+-X LATTICE_INBOUND
+-X LATTICE_IN_REDIRECT
+COMMIT
+"
+        );
+    }
+
+    #[test]
+    fn rollback_of_turning_inbound_on_puts_back_outbound_alone() {
+        let previous = NatState::parse(INSTALLED);
+        let mut config = config(&["240.240.0.0/16"]);
+        inbound(&mut config, &[15021]);
+        let rules = CaptureRules::for_family(&config, Family::V4).unwrap();
+        let rollback = rollback_text(&previous, &rules).unwrap();
+        assert!(
+            rollback.contains("-D PREROUTING -j LATTICE_INBOUND\n"),
+            "{rollback}"
+        );
+        assert!(rollback.contains("-X LATTICE_IN_REDIRECT\n"), "{rollback}");
+        assert!(!rollback.contains("-D OUTPUT"), "{rollback}");
+        assert!(!rollback.contains("-X LATTICE_OUTPUT"), "{rollback}");
+        assert_eq!(
+            previous.after(&rules.chains).after(&previous.chains).jumps,
+            previous.jumps
         );
     }
 }

@@ -15,6 +15,12 @@ pub const PROXY_MEMORY: &str = "lattice.mlab.com/proxy-memory";
 pub const PROXY_MEMORY_LIMIT: &str = "lattice.mlab.com/proxy-memory-limit";
 /// More UIDs whose traffic is never captured (comma-separated), beside Envoy's own.
 pub const EXCLUDE_UIDS: &str = "lattice.mlab.com/exclude-uids";
+/// `enabled` or `disabled` (the default): whether the TCP arriving for the pod is captured
+/// too, and reaches the app through its proxy's inbound listener.
+pub const INBOUND_CAPTURE: &str = "lattice.mlab.com/inbound-capture";
+/// Ports whose inbound TCP reaches the app directly (comma-separated), beside the proxy's own;
+/// only with inbound capture enabled.
+pub const EXCLUDE_INBOUND_PORTS: &str = "lattice.mlab.com/exclude-inbound-ports";
 /// `delta` (the default) or `sotw`: the ADS flavour the proxy speaks.
 pub const XDS_MODE: &str = "lattice.mlab.com/xds-mode";
 /// Read by the agent, not the injector (`docs/kubernetes.md`): which services the pod's proxy
@@ -53,6 +59,8 @@ pub struct Overrides {
     pub memory_limit: Option<String>,
     pub exclude_uids: Vec<u32>,
     pub xds_mode: Option<&'static str>,
+    pub inbound_capture: bool,
+    pub exclude_inbound_ports: Vec<u16>,
 }
 
 impl Overrides {
@@ -84,6 +92,39 @@ impl Overrides {
                             EXCLUDE_UIDS,
                             value,
                             "not a comma-separated list of UIDs",
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(value) = annotations.get(INBOUND_CAPTURE) {
+            overrides.inbound_capture = match Wish::parse(value) {
+                Some(wish) => wish == Wish::Enabled,
+                None => {
+                    return Err(BadAnnotation::new(
+                        INBOUND_CAPTURE,
+                        value,
+                        "neither enabled nor disabled",
+                    ));
+                }
+            };
+        }
+        if let Some(value) = annotations.get(EXCLUDE_INBOUND_PORTS) {
+            if !overrides.inbound_capture {
+                return Err(BadAnnotation::new(
+                    EXCLUDE_INBOUND_PORTS,
+                    value,
+                    "given without lattice.mlab.com/inbound-capture: enabled",
+                ));
+            }
+            for port in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                match port.parse::<u16>() {
+                    Ok(port) if port != 0 => overrides.exclude_inbound_ports.push(port),
+                    _ => {
+                        return Err(BadAnnotation::new(
+                            EXCLUDE_INBOUND_PORTS,
+                            value,
+                            "not a comma-separated list of ports (1-65535)",
                         ));
                     }
                 }
@@ -207,6 +248,7 @@ mod tests {
         assert!(value.len() < 100, "{value}");
         for (key, value) in [
             (EXCLUDE_UIDS, "1000,root"),
+            (INBOUND_CAPTURE, "yes"),
             (XDS_MODE, "grpc"),
             (SCOPE, "everything"),
             (USES, "/shop/web, shop"),
@@ -228,6 +270,40 @@ mod tests {
         let overrides = Overrides::read(&annotations).unwrap_or_default();
         assert_eq!(overrides.cpu.as_deref(), Some("200m"));
         assert_eq!(overrides.exclude_uids, vec![1000, 1001]);
+        assert!(!overrides.inbound_capture);
         assert_eq!(overrides.xds_mode, Some("sotw"));
+    }
+
+    #[test]
+    fn inbound_ports_are_read_only_with_inbound_capture() {
+        let read = |pairs: &[(&str, &str)]| {
+            let annotations: BTreeMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Overrides::read(&annotations)
+        };
+        let on = read(&[
+            (INBOUND_CAPTURE, "enabled"),
+            (EXCLUDE_INBOUND_PORTS, "9090, 8081"),
+        ])
+        .unwrap();
+        assert!(on.inbound_capture);
+        assert_eq!(on.exclude_inbound_ports, vec![9090, 8081]);
+        for bad in [
+            vec![(EXCLUDE_INBOUND_PORTS, "9090")],
+            vec![
+                (INBOUND_CAPTURE, "disabled"),
+                (EXCLUDE_INBOUND_PORTS, "9090"),
+            ],
+            vec![(INBOUND_CAPTURE, "enabled"), (EXCLUDE_INBOUND_PORTS, "0")],
+            vec![
+                (INBOUND_CAPTURE, "enabled"),
+                (EXCLUDE_INBOUND_PORTS, "http"),
+            ],
+        ] {
+            let err = read(&bad).unwrap_err();
+            assert_eq!(err.key, EXCLUDE_INBOUND_PORTS, "{bad:?}");
+        }
     }
 }

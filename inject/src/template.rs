@@ -376,6 +376,17 @@ fn init_container(config: &InjectConfig, overrides: &Overrides) -> Container {
         let uids: Vec<String> = overrides.exclude_uids.iter().map(u32::to_string).collect();
         args.push(format!("--exclude-uid={}", uids.join(",")));
     }
+    if overrides.inbound_capture {
+        args.push("--inbound-capture".to_string());
+        if !overrides.exclude_inbound_ports.is_empty() {
+            let ports: Vec<String> = overrides
+                .exclude_inbound_ports
+                .iter()
+                .map(u16::to_string)
+                .collect();
+            args.push(format!("--exclude-inbound-port={}", ports.join(",")));
+        }
+    }
     let field = |name: &str, path: &str| EnvVar {
         name: name.to_string(),
         value_from: Some(EnvVarSource {

@@ -78,12 +78,13 @@ fn agent_and_init_give_the_same_verdict_and_message_for_every_trap_cidr() {
 /// Values of `--envoy-port` and whether they are valid.
 const PORTS: &[(&str, bool)] = &[
     ("15001", true),
-    ("15006", true),
+    ("16001", true),
     ("1", true),
     ("65535", true),
     ("0", false),
     ("15000", false),
     ("15021", false),
+    ("15006", false),
     ("70000", false),
     ("-1", false),
     ("http", false),
@@ -130,7 +131,7 @@ fn agent_and_init_give_the_same_verdict_and_message_for_every_envoy_port() {
     }
 }
 
-/// The capture port moved on both binaries (15006): `lattice-init` redirects the trapped block
+/// The capture port moved on both binaries (16001): `lattice-init` redirects the trapped block
 /// there, the agent's listener listens there, and a request from an app crosses a real Envoy
 /// to the backend. The client's Envoy shows the listener on that port.
 #[test]
@@ -149,16 +150,16 @@ fn a_capture_port_given_to_both_binaries_carries_traffic() {
             &[
                 "--mesh-file",
                 mesh.path().to_str().unwrap(),
-                "--envoy-port=15006",
+                "--envoy-port=16001",
             ],
             &[],
         )
         .unwrap();
     let client = node
-        .client_with("captureport", 2, (XDS, DNS), &["--envoy-port=15006"])
+        .client_with("captureport", 2, (XDS, DNS), &["--envoy-port=16001"])
         .unwrap();
     let body = lattice_e2e::wait::until(
-        "a request through Envoy on 15006",
+        "a request through Envoy on 16001",
         std::time::Duration::from_secs(10),
         || client.curl("http://buzz.bar.foo.system.internal:8080/"),
     )
@@ -166,7 +167,7 @@ fn a_capture_port_given_to_both_binaries_carries_traffic() {
     assert_eq!(body.trim(), "buzz-1");
     let listeners = client.envoy_admin("/listeners").unwrap();
     assert!(
-        listeners.contains("lattice-outbound::0.0.0.0:15006"),
+        listeners.contains("lattice-outbound::0.0.0.0:16001"),
         "{listeners}"
     );
 }

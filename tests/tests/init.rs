@@ -278,11 +278,11 @@ fn rerun_is_byte_identical_and_cleanup_restores_the_previous_ruleset() {
         // A changed config rewrites our chains in place: still one jump.
         init_ok(
             &pod,
-            &["--iptables-backend", backend, "--envoy-port", "15006"],
+            &["--iptables-backend", backend, "--envoy-port", "16001"],
         );
         let changed = save(&pod, backend, "iptables");
         assert_eq!(changed.matches("-j LATTICE_OUTPUT").count(), 1, "{changed}");
-        assert!(changed.contains("--to-ports 15006\n"), "{changed}");
+        assert!(changed.contains("--to-ports 16001\n"), "{changed}");
 
         let (_, cleanup) = init_ok(&pod, &["--cleanup"]);
         assert_eq!(
@@ -915,5 +915,91 @@ fn concurrent_and_killed_runs_leave_one_rule_set_and_a_whole_bootstrap() {
             .filter(|name| name != "envoy.json")
             .collect();
         assert!(left.is_empty(), "{backend}: files left behind: {left:?}");
+    }
+}
+
+/// Inbound capture: a connection from outside the pod to an app port lands on Envoy's inbound
+/// listener (15006) with the app's address as its original destination, in both families;
+/// an excluded port and Envoy's readiness port reach their listeners directly, as do the
+/// app's own and Envoy's connections to the pod's address. Turning it off again removes only
+/// its chains and jump; a pod with an address of a family no trapped block covers is refused
+/// and left as it was. On each backend.
+#[test]
+fn inbound_capture_sends_arriving_tcp_to_envoy_and_spares_excluded_ports() {
+    for backend in backends() {
+        let net = Topology::new("inbound");
+        let before = snapshot(&net.pod);
+        let (refused, _) = init(
+            &net.pod,
+            &["--iptables-backend", backend, "--inbound-capture"],
+        );
+        assert_eq!(refused.status.code(), Some(1), "{backend}: a v6 address");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("fd00:99::1"), "{backend}: {stderr}");
+        assert_eq!(snapshot(&net.pod), before, "{backend}: refused, untouched");
+
+        let dual = "240.240.0.0/16,fd00:240::/64";
+        let args = [
+            "--iptables-backend",
+            backend,
+            "--trap-cidr",
+            dual,
+            "--inbound-capture",
+            "--exclude-inbound-port",
+            "9090",
+        ];
+        init_ok(&net.pod, &args);
+        let (rerun, _) = init_ok(&net.pod, &args);
+        assert!(
+            String::from_utf8_lossy(&rerun.stderr).contains("nothing to apply"),
+            "{backend}: a re-run is a no-op"
+        );
+
+        for (pod_ip, any) in [("10.99.0.1", "0.0.0.0"), ("fd00:99::1", "[::]")] {
+            let inbound = listen(&net.pod, &format!("{any}:15006"));
+            let app = listen(&net.pod, &format!("{any}:8080"));
+            let excluded = listen(&net.pod, &format!("{any}:9090"));
+            let readiness = listen(&net.pod, &format!("{any}:15021"));
+
+            assert!(connect_as(&net.remote, APP_UID, pod_ip, 8080), "{backend}");
+            let captured = accept(&inbound, "inbound connection on 15006");
+            let want = SocketAddr::new(pod_ip.parse().unwrap(), 8080);
+            assert_eq!(original_dst(&captured), want, "{backend}: SO_ORIGINAL_DST");
+            assert_nothing_pending(&app, "inbound traffic must not reach the app directly");
+
+            for (port, listener) in [(9090, &excluded), (15021, &readiness)] {
+                assert!(connect_as(&net.remote, APP_UID, pod_ip, port), "{backend}");
+                let direct = accept(listener, "an excluded port's connection");
+                assert_eq!(direct.local_addr().unwrap().port(), port);
+            }
+            for uid in [APP_UID, ENVOY_UID] {
+                assert!(connect_as(&net.pod, uid, pod_ip, 8080), "{backend}");
+                accept(&app, "the pod's own connection to its address");
+            }
+            assert_nothing_pending(&inbound, "only arriving traffic is captured");
+        }
+
+        init_ok(
+            &net.pod,
+            &["--iptables-backend", backend, "--trap-cidr", dual],
+        );
+        let off = save(&net.pod, backend, "iptables");
+        assert!(!off.contains("LATTICE_IN"), "{backend}: {off}");
+        assert!(
+            off.contains("-A OUTPUT -j LATTICE_OUTPUT\n"),
+            "{backend}: {off}"
+        );
+        let inbound = listen(&net.pod, "0.0.0.0:15006");
+        let app = listen(&net.pod, "0.0.0.0:8080");
+        assert!(connect_as(&net.remote, APP_UID, "10.99.0.1", 8080));
+        accept(&app, "with inbound capture off, the app");
+        assert_nothing_pending(&inbound, "inbound capture is off");
+
+        init_ok(&net.pod, &["--cleanup"]);
+        assert_eq!(
+            without_empty_tables(&snapshot(&net.pod)),
+            without_empty_tables(&before),
+            "{backend}: cleanup"
+        );
     }
 }

@@ -1683,12 +1683,12 @@ mod tests {
             ]
         );
         let moved = EnvoyTranslator::default()
-            .with_capture_port("15006".parse().unwrap())
+            .with_capture_port("16001".parse().unwrap())
             .translate(&mesh);
         let listener: Listener = decode(&moved.of(ResourceType::Listener)[OUTBOUND_LISTENER]);
         assert_eq!(
             listener.address,
-            Some(socket_address("0.0.0.0".into(), 15006)),
+            Some(socket_address("0.0.0.0".into(), 16001)),
             "the capture listener follows --envoy-port"
         );
         let routes: RouteConfiguration = decode(&xds.of(ResourceType::Route)["http.8080"]);
