@@ -103,6 +103,28 @@ pub struct PodEntry {
     /// The pod's service account (`default` when its spec names none, as Kubernetes'
     /// admission sets it): its proxy's workload identity.
     pub service_account: Arc<str>,
+    /// Whether the pod's inbound TCP is captured to its proxy, and in which mode: then its
+    /// proxy gets an inbound listener.
+    pub inbound: Option<InboundMode>,
+}
+
+/// What a pod's inbound listener does with a connection that is not mesh mTLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InboundMode {
+    /// Handed to the app as it came: the default, while callers are not all in the mesh.
+    Permissive,
+    /// Refused: only callers with a mesh identity reach the app.
+    Strict,
+}
+
+impl std::fmt::Display for InboundMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            InboundMode::Permissive => "permissive",
+            InboundMode::Strict => "strict",
+        })
+    }
 }
 
 /// This node's pods that may run a proxy (they have an IP and have not finished), by IP. Several
@@ -408,6 +430,7 @@ mod tests {
             scoped: true,
             uses: Vec::new(),
             service_account: Arc::from("default"),
+            inbound: None,
         }
     }
 

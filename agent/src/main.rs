@@ -33,6 +33,7 @@ use lattice_agent::readiness::Readiness;
 use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
+use lattice_agent::translate::envoy::inbound_listeners;
 use lattice_agent::translate::pipeline::Pipeline;
 use lattice_agent::trust::{Authority, LeafPolicy, NodeSecrets, SecretRef};
 use lattice_agent::xds::{
@@ -495,7 +496,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         None => xds,
     };
     let xds = match secrets {
-        Some(secrets) => xds.with_secrets(secrets),
+        Some(secrets) => xds
+            .with_secrets(secrets)
+            .with_inbound_listeners(inbound_listeners(&config.trust_domain, config.envoy_port)),
         None => xds,
     };
     let token = drain.clone();

@@ -28,6 +28,13 @@ pub const ENVOY_OUTBOUND_PORT: u16 = 15001;
 /// TCP that arrives for the pod, and where the agent's inbound listener listens. Fixed: no
 /// flag moves it, so the two binaries cannot disagree.
 pub const ENVOY_INBOUND_PORT: u16 = 15006;
+/// The static cluster that hands an inbound connection to the app at its original destination:
+/// in the bootstrap `lattice-init --inbound-capture` writes, named by the agent's inbound
+/// listener.
+pub const INBOUND_PASSTHROUGH_CLUSTER: &str = "lattice-inbound-passthrough";
+/// The ALPN protocol one mesh proxy offers another over mutual TLS: the inbound listener tells
+/// mesh mTLS from an app's own TLS by it.
+pub const MESH_ALPN: &str = "lattice-mtls";
 /// Envoy's admin interface in the pod, on loopback only.
 pub const ENVOY_ADMIN_PORT: u16 = 15000;
 /// Envoy's readiness endpoint in the pod, on every address: the kubelet probes it (the mesh

@@ -35,7 +35,7 @@
 
 use lattice_contract::{
     ENVOY_ADMIN_PORT, ENVOY_READINESS_PATH, ENVOY_READINESS_PORT, ENVOY_REGEX_PROGRAM_SIZE_ERROR,
-    REGEX_PROGRAM_SIZE,
+    INBOUND_PASSTHROUGH_CLUSTER, REGEX_PROGRAM_SIZE,
 };
 use serde_json::{Value, json};
 
@@ -142,8 +142,26 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
     if let Some(clusters) = value["static_resources"]["clusters"].as_array_mut() {
         clusters.push(admin_cluster());
     }
+    if config.inbound
+        && let Some(clusters) = value["static_resources"]["clusters"].as_array_mut()
+    {
+        clusters.push(inbound_passthrough_cluster());
+    }
     value["layered_runtime"] = regex_runtime();
     value
+}
+
+/// Where the agent's inbound listener hands a connection once it has terminated mesh mTLS (or
+/// accepted plaintext): the app, at the address and port the connection was for. Static, so
+/// no proxy's CDS carries it. Envoy's UID is never captured, so the connection is not
+/// redirected again.
+fn inbound_passthrough_cluster() -> Value {
+    json!({
+        "name": INBOUND_PASSTHROUGH_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "1s",
+    })
 }
 
 /// Envoy refuses a route regex whose RE2 program is larger than 100 by default, and the
@@ -227,6 +245,8 @@ fn mesh_stats() -> Value {
         "listener.",
         "http.",
         "re2.",
+        // The inbound listener's TCP proxies: mTLS and plaintext connections, per chain.
+        "tcp.inbound_",
     ];
     let mut patterns: Vec<Value> = prefixes.iter().map(|p| json!({ "prefix": p })).collect();
     patterns.push(json!({ "prefix": format!("cluster.{XDS_CLUSTER}.") }));
@@ -251,7 +271,31 @@ mod tests {
             xds: XdsAddress::parse(xds).unwrap(),
             mode,
             stats: EnvoyStats::Mesh,
+            inbound: false,
         }
+    }
+
+    #[test]
+    fn inbound_capture_adds_the_passthrough_cluster() {
+        let names = |value: &Value| -> Vec<String> {
+            value["static_resources"]["clusters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["name"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let mut config = config(XdsMode::Delta, "10.0.0.1:15010");
+        assert!(!names(&bootstrap(&config)).contains(&INBOUND_PASSTHROUGH_CLUSTER.to_string()));
+        config.inbound = true;
+        let value = bootstrap(&config);
+        let cluster = value["static_resources"]["clusters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == INBOUND_PASSTHROUGH_CLUSTER)
+            .unwrap();
+        assert_eq!(cluster["type"], "ORIGINAL_DST");
     }
 
     #[test]

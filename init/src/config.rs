@@ -259,6 +259,9 @@ pub struct BootstrapConfig {
     pub xds: XdsAddress,
     pub mode: XdsMode,
     pub stats: EnvoyStats,
+    /// Whether inbound capture is on: then Envoy gets the cluster that hands inbound
+    /// connections to the app.
+    pub inbound: bool,
 }
 
 /// The resolved, validated configuration of one run.
@@ -353,6 +356,7 @@ impl InitConfig {
                 xds,
                 mode: args.xds_mode,
                 stats: args.envoy_stats,
+                inbound: args.inbound_capture,
             }),
             (None, _) if needs_bootstrap => {
                 return Err(ConfigError::BootstrapIncomplete {

@@ -27,6 +27,9 @@ pub const XDS_MODE: &str = "lattice.mlab.com/xds-mode";
 /// holds. The injector checks their values so a typo is refused at admission, not logged on
 /// the node.
 pub const SCOPE: &str = "lattice.mlab.com/scope";
+/// `permissive` or `strict`: what the pod's inbound listener does with callers that are not
+/// mesh mTLS.
+pub const MTLS_MODE: &str = "lattice.mlab.com/mtls-mode";
 pub const USES: &str = "lattice.mlab.com/uses";
 
 /// The longest annotation value quoted back in a refusal.
@@ -148,6 +151,15 @@ impl Overrides {
         {
             return Err(BadAnnotation::new(SCOPE, value, "neither used nor mesh"));
         }
+        if let Some(value) = annotations.get(MTLS_MODE)
+            && !matches!(value.trim(), "permissive" | "strict")
+        {
+            return Err(BadAnnotation::new(
+                MTLS_MODE,
+                value,
+                "neither permissive nor strict",
+            ));
+        }
         if let Some(value) = annotations.get(USES) {
             let paths = value
                 .split([',', ' ', '\n', '\t'])
@@ -249,6 +261,7 @@ mod tests {
         for (key, value) in [
             (EXCLUDE_UIDS, "1000,root"),
             (INBOUND_CAPTURE, "yes"),
+            (MTLS_MODE, "STRICT"),
             (XDS_MODE, "grpc"),
             (SCOPE, "everything"),
             (USES, "/shop/web, shop"),

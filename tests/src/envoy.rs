@@ -59,6 +59,7 @@ pub fn bootstrap(
             AdsMode::Sotw => XdsMode::Sotw,
             AdsMode::Delta => XdsMode::Delta,
         },
+        inbound: false,
         stats: EnvoyStats::Mesh,
     });
     value["admin"]["address"]["socket_address"]["port_value"] = admin_port.into();

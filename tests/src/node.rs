@@ -364,6 +364,16 @@ pub struct Server {
 }
 
 impl Server {
+    /// An HTTP server in a pod that is also something else (a mesh pod, whose app it plays),
+    /// answering every request with `identity`, as [`Backend::http`] does.
+    pub fn http(pod: &Pod, identity: &str, port: u16) -> anyhow::Result<Server> {
+        let answer = identity.to_string();
+        let healthy = Arc::new(AtomicBool::new(true));
+        Server::start(pod, port, move |stream, stats| {
+            serve_http(stream, &answer, stats, Behaviour::Answer, &healthy)
+        })
+    }
+
     fn start<H>(pod: &Pod, port: u16, handler: H) -> anyhow::Result<Server>
     where
         H: Fn(TcpStream, &Stats) + Send + Sync + 'static,

@@ -48,8 +48,10 @@ use imbl::ordmap::DiffItem;
 use lattice_contract::CapturePort;
 use prost::Message;
 
+mod inbound;
 mod routes;
 
+pub use inbound::{INBOUND_LISTENER, inbound_listeners};
 pub use routes::UNRESOLVED_BACKEND;
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};

@@ -104,7 +104,7 @@ mod tests {
     #[test]
     fn delta_serves_the_secrets_of_the_view_and_a_renewal_alone() {
         let shared = snapshot();
-        let view = shared.with_secrets(secrets("01"));
+        let view = shared.with_secrets(secrets("01"), None);
         let mut stream = Tested::<DeltaStream>::default();
         let (out, _) = stream.on_request(&delta(&[WORKLOAD_SECRET, BUNDLE_SECRET], ""), &view);
         assert_eq!(out.len(), 1);
@@ -112,7 +112,7 @@ mod tests {
         let (out, _) = stream.on_request(&delta(&[], &out[0].nonce), &view);
         assert!(out.is_empty());
 
-        let renewed = shared.with_secrets(secrets("02"));
+        let renewed = shared.with_secrets(secrets("02"), None);
         let out = stream.on_snapshot(&renewed);
         assert_eq!(out.len(), 1);
         assert_eq!(
@@ -147,7 +147,7 @@ mod tests {
     #[test]
     fn sotw_serves_the_secrets_of_the_view_and_a_renewal() {
         let shared = snapshot();
-        let view = shared.with_secrets(secrets("01"));
+        let view = shared.with_secrets(secrets("01"), None);
         let mut stream = Tested::<SotwStream>::default();
         let both = [WORKLOAD_SECRET, BUNDLE_SECRET];
         let (out, _) = stream.on_request(&sotw(SDS, &both, "", ""), &view);
@@ -157,7 +157,7 @@ mod tests {
         let (out, _) = stream.on_request(&ack, &view);
         assert!(out.is_empty());
 
-        let out = stream.on_snapshot(&shared.with_secrets(secrets("02")));
+        let out = stream.on_snapshot(&shared.with_secrets(secrets("02"), None));
         assert_eq!(out.len(), 1);
         assert!(names(&out[0].resources).contains(&WORKLOAD_SECRET));
 
@@ -173,7 +173,7 @@ mod tests {
     fn a_view_with_secrets_shares_the_rest_of_the_snapshot() {
         let shared = snapshot();
         let index = shared.name_index(crate::xds::ResourceType::Cluster).clone();
-        let view = shared.with_secrets(secrets("01"));
+        let view = shared.with_secrets(secrets("01"), None);
         assert!(Arc::ptr_eq(
             view.name_index(crate::xds::ResourceType::Cluster),
             &index

@@ -30,10 +30,10 @@ use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::secrets;
-use super::snapshot::{ResourceMap, XdsRx, XdsSnapshot};
+use super::snapshot::{ResourceMap, XdsResource, XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
-use crate::identity::{IdentityCheck, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
+use crate::identity::{IdentityCheck, InboundMode, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
 use crate::trust::{NodeSecrets, SecretsWatch, SpiffeId};
 
@@ -64,8 +64,28 @@ pub struct ProxyStatus {
     /// The workload identity whose certificate the proxy is served (SDS), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identity: Option<String>,
+    /// The mode of the inbound listener it is served, when its pod captures inbound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inbound: Option<InboundMode>,
     #[serde(skip)]
     connected_at: Option<Instant>,
+}
+
+/// A proxy's inbound listener in each mode (built by the translator, shared by every proxy in
+/// a mode).
+#[derive(Clone, Debug)]
+pub struct InboundListeners {
+    pub permissive: Arc<XdsResource>,
+    pub strict: Arc<XdsResource>,
+}
+
+impl InboundListeners {
+    pub fn get(&self, mode: InboundMode) -> &Arc<XdsResource> {
+        match mode {
+            InboundMode::Permissive => &self.permissive,
+            InboundMode::Strict => &self.strict,
+        }
+    }
 }
 
 /// The proxies connected right now, by stream id.
@@ -119,6 +139,8 @@ pub struct XdsServer {
     scopes: Option<Arc<ScopeRegistry>>,
     /// Each verified proxy's certificate and the trust bundle, served over SDS.
     secrets: Option<NodeSecrets>,
+    /// The inbound listener in each mode, for proxies with secrets whose pod captures inbound.
+    inbound_listeners: Option<InboundListeners>,
     heads: Arc<SharedHeads>,
     limits: Arc<XdsLimits>,
     admission: Arc<Admission>,
@@ -151,6 +173,7 @@ impl XdsServer {
             lifecycle: Arc::new(RateLimitedLog::with_burst(100)),
             scopes: None,
             secrets: None,
+            inbound_listeners: None,
             heads: Arc::default(),
             admission: Arc::new(Admission::new(limits.caps)),
             budget: RequestBudget::new(
@@ -210,6 +233,13 @@ impl XdsServer {
     /// gets a secret otherwise).
     pub fn with_secrets(mut self, secrets: NodeSecrets) -> Self {
         self.secrets = Some(secrets);
+        self
+    }
+
+    /// Gives each proxy that gets secrets, and whose pod captures its inbound TCP, the inbound
+    /// listener of its pod's mode.
+    pub fn with_inbound_listeners(mut self, listeners: InboundListeners) -> Self {
+        self.inbound_listeners = Some(listeners);
         self
     }
 
@@ -285,6 +315,8 @@ impl XdsServer {
             scoped: None,
             node_secrets: self.secrets.clone(),
             secrets: None,
+            inbound_listeners: self.inbound_listeners.clone(),
+            inbound_mode: None,
         };
         tokio::spawn(stream.run(guard));
         Ok(Opened {
@@ -358,6 +390,7 @@ impl StreamGuard {
                 connected_at: Some(Instant::now()),
                 scope: None,
                 identity: None,
+                inbound: None,
             },
         );
         StreamGuard {
@@ -404,6 +437,10 @@ struct StreamTask<A: Ads> {
     node_secrets: Option<NodeSecrets>,
     /// The verified pod's identity's secrets, and their resources as its view holds them.
     secrets: Option<Held>,
+    inbound_listeners: Option<InboundListeners>,
+    /// The verified pod's inbound mode, when it captures inbound: its view then holds the
+    /// inbound listener of that mode beside its secrets.
+    inbound_mode: Option<InboundMode>,
 }
 
 struct Held {
@@ -617,7 +654,12 @@ impl<A: Ads> StreamTask<A> {
                             return Ended::Refused(Refusal::Gone { pod: pod.clone(), ip: peer });
                         }
                     }
-                    Vec::new()
+                    if self.inbound_changed() {
+                        view = self.view_of(&snapshot);
+                        self.state.on_snapshot(&view)
+                    } else {
+                        Vec::new()
+                    }
                 },
                 () = scope_changed(&mut self.scoped) => {
                     view = self.view_of(&snapshot);
@@ -699,6 +741,7 @@ impl<A: Ads> StreamTask<A> {
                 self.proxies
                     .update(self.id, |p| p.identity = Some(identity.to_string()));
                 self.secrets = Some(Held::new(node_secrets.watch(identity)));
+                self.inbound_changed();
             }
             Err(error) => {
                 tracing::warn!(stream = self.id, %pod, %error, "the pod's service account makes no workload identity: no certificate for its proxy");
@@ -706,12 +749,45 @@ impl<A: Ads> StreamTask<A> {
         }
     }
 
-    /// What this proxy holds of `snapshot`: all of it, or its view; with its secrets.
+    /// Follows the verified pod's inbound mode (its annotations may change while its proxy
+    /// runs); whether it changed. Only a proxy given secrets gets an inbound listener: the
+    /// listener's mTLS names them.
+    fn inbound_changed(&mut self) -> bool {
+        let wanted = match (
+            &self.inbound_listeners,
+            &self.secrets,
+            self.peer,
+            &self.pods,
+        ) {
+            (Some(_), Some(_), Some(peer), Some(pods)) => {
+                let pod = self.verified.as_ref().and_then(Option::as_ref);
+                pod.and_then(|pod| {
+                    pods.borrow()
+                        .as_ref()
+                        .and_then(|d| d.entry(pod, peer).and_then(|entry| entry.inbound))
+                })
+            }
+            _ => None,
+        };
+        if wanted == self.inbound_mode {
+            return false;
+        }
+        self.inbound_mode = wanted;
+        self.proxies.update(self.id, |p| p.inbound = wanted);
+        true
+    }
+
+    /// What this proxy holds of `snapshot`: all of it, or its view; with its secrets, and its
+    /// inbound listener when it has one.
     fn view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {
         let view = self.scoped_view_of(snapshot);
         match &self.secrets {
             Some(held) if !held.resources.is_empty() => {
-                Arc::new(view.with_secrets(held.resources.clone()))
+                let listener = self
+                    .inbound_mode
+                    .zip(self.inbound_listeners.as_ref())
+                    .map(|(mode, listeners)| listeners.get(mode));
+                Arc::new(view.with_secrets(held.resources.clone(), listener))
             }
             _ => view,
         }

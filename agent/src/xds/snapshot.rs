@@ -173,14 +173,28 @@ impl XdsSnapshot {
         &self.resources[kind.index()]
     }
 
-    /// This snapshot as one proxy sees it, with `secrets` its own: everything else, and what
-    /// was computed of it, shared (a push to a proxy with secrets costs what it costs any).
-    pub fn with_secrets(&self, secrets: ResourceMap) -> XdsSnapshot {
+    /// This snapshot as one proxy sees it, with `secrets` its own and, when given, its inbound
+    /// listener beside the others: everything else, and what was computed of it, shared (a
+    /// push to a proxy with secrets costs what it costs any; a proxy holds a listener or two,
+    /// so recomputing the listeners' indexes costs nothing).
+    pub fn with_secrets(
+        &self,
+        secrets: ResourceMap,
+        inbound: Option<&Arc<XdsResource>>,
+    ) -> XdsSnapshot {
         let mut resources = self.resources.clone();
         resources[ResourceType::Secret.index()] = secrets;
         let mut indexes = self.indexes.clone();
-        indexes.names[ResourceType::Secret.index()] = Arc::default();
-        indexes.wholes[ResourceType::Secret.index()] = Arc::default();
+        let mut own = vec![ResourceType::Secret];
+        if let Some(listener) = inbound {
+            resources[ResourceType::Listener.index()]
+                .insert(listener.name.clone(), listener.clone());
+            own.push(ResourceType::Listener);
+        }
+        for kind in own {
+            indexes.names[kind.index()] = Arc::default();
+            indexes.wholes[kind.index()] = Arc::default();
+        }
         XdsSnapshot {
             version: self.version,
             resources,

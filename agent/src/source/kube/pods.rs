@@ -12,7 +12,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::identity::{PodDirectory, PodEntry, PodKey, PodsTx};
+use crate::identity::{InboundMode, PodDirectory, PodEntry, PodKey, PodsTx};
 use crate::mesh::MeshPath;
 
 /// The services a pod declares it uses, for a workload that connects without resolving their
@@ -21,6 +21,14 @@ pub const USES_ANNOTATION: &str = "lattice.mlab.com/uses";
 /// `mesh`: the pod's Envoy holds the whole mesh instead of what the pod uses (`used`, the
 /// default).
 pub const SCOPE_ANNOTATION: &str = "lattice.mlab.com/scope";
+
+/// `enabled`: the pod's inbound TCP is captured to its proxy (`lattice-init
+/// --inbound-capture`, which the injector adds for this annotation), so its proxy gets an
+/// inbound listener.
+pub const INBOUND_CAPTURE_ANNOTATION: &str = "lattice.mlab.com/inbound-capture";
+/// `permissive` (the default) or `strict`: whether the pod's inbound listener hands on
+/// connections that are not mesh mTLS, or refuses them.
+pub const MTLS_MODE_ANNOTATION: &str = "lattice.mlab.com/mtls-mode";
 
 /// The entries of one pod: one per pod IP, while it may run a proxy (it has an IP and has not
 /// finished). A pod that is Pending has one as soon as its sandbox is up, which is before its
@@ -52,6 +60,7 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
         ips.extend(status.and_then(|s| s.pod_ip.as_deref()));
     }
     let (scoped, uses) = scoping(pod, &key);
+    let inbound = inbound_mode(pod, &key);
     let service_account: std::sync::Arc<str> = pod
         .spec
         .as_ref()
@@ -68,8 +77,33 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
             scoped,
             uses: uses.clone(),
             service_account: service_account.clone(),
+            inbound,
         })
         .collect()
+}
+
+/// The pod's inbound mode when it asks for inbound capture. An unknown mode is taken as
+/// `strict`: a typo must not open the pod to plaintext it meant to refuse.
+fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
+    let annotations = pod.metadata.annotations.as_ref()?;
+    if annotations
+        .get(INBOUND_CAPTURE_ANNOTATION)
+        .map(|v| v.trim())
+        != Some("enabled")
+    {
+        return None;
+    }
+    Some(
+        match annotations.get(MTLS_MODE_ANNOTATION).map(|v| v.trim()) {
+            None | Some("permissive") => InboundMode::Permissive,
+            Some("strict") => InboundMode::Strict,
+            Some(other) => {
+                let shown: String = other.chars().take(64).collect();
+                warn!(pod = %key, value = shown, "unknown {MTLS_MODE_ANNOTATION} (permissive or strict): the pod's inbound listener is strict");
+                InboundMode::Strict
+            }
+        },
+    )
 }
 
 /// Whether the pod's proxy is scoped, and the services (DNS names) it declares. A value the
@@ -251,5 +285,26 @@ mod tests {
         assert!(!annotated(json!({SCOPE_ANNOTATION: "mesh"})).scoped);
         assert!(!annotated(json!({SCOPE_ANNOTATION: "everything"})).scoped);
         assert!(annotated(json!({SCOPE_ANNOTATION: "used"})).scoped);
+
+        let inbound = |mode: Option<&str>| {
+            let mut annotations = json!({INBOUND_CAPTURE_ANNOTATION: "enabled"});
+            if let Some(mode) = mode {
+                annotations[MTLS_MODE_ANNOTATION] = json!(mode);
+            }
+            annotated(annotations).inbound
+        };
+        assert_eq!(plain.inbound, None);
+        assert_eq!(
+            annotated(json!({MTLS_MODE_ANNOTATION: "strict"})).inbound,
+            None,
+            "a mode without inbound capture"
+        );
+        assert_eq!(inbound(None), Some(InboundMode::Permissive));
+        assert_eq!(inbound(Some("strict")), Some(InboundMode::Strict));
+        assert_eq!(
+            inbound(Some("Strict!")),
+            Some(InboundMode::Strict),
+            "a typo closes, never opens"
+        );
     }
 }

@@ -794,7 +794,9 @@ where
             );
         }
         let secrets = secrets(1);
-        let snapshot = world.replace(mesh.specs()).with_secrets(secrets.clone());
+        let snapshot = world
+            .replace(mesh.specs())
+            .with_secrets(secrets.clone(), None);
         let mut client = Client {
             sds: SECRET_NAMES.into_iter().map(Arc::from).collect(),
             ..Client::default()
@@ -819,7 +821,7 @@ where
                 self.snapshot = self
                     .world
                     .replace(self.mesh.specs())
-                    .with_secrets(self.secrets.clone());
+                    .with_secrets(self.secrets.clone(), None);
                 let pushes = self.machine.on_snapshot(&self.snapshot);
                 if std::env::var_os("MODEL_TRACE").is_some() {
                     eprintln!("snapshot {change:?}");
@@ -880,7 +882,7 @@ where
             Op::Settle => self.settle()?,
             Op::Secrets(n) => {
                 self.secrets = secrets(*n);
-                self.snapshot = self.snapshot.with_secrets(self.secrets.clone());
+                self.snapshot = self.snapshot.with_secrets(self.secrets.clone(), None);
                 let pushes = self.machine.on_snapshot(&self.snapshot);
                 self.to_client
                     .extend(pushes.into_iter().map(|p| p.response));

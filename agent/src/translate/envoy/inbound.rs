@@ -1,0 +1,274 @@
+//! A proxy's inbound listener: where `lattice-init --inbound-capture` sends the TCP that
+//! arrives for its pod, on [`ENVOY_INBOUND_PORT`]. It is not part of the mesh snapshot: a
+//! proxy gets it in its own view, beside its secrets, when its pod asks for inbound capture,
+//! in the pod's mode ([`InboundMode`]).
+//!
+//! A connection keeps its original destination (the original_dst listener filter) and picks a
+//! chain by what it starts with (the tls_inspector):
+//! - TLS offering the mesh ALPN ([`MESH_ALPN`]): mutual TLS, terminated with the proxy's own
+//!   certificate (SDS `default`); the client must present a certificate that chains to the
+//!   trust bundle (SDS `ROOTCA`) and names a SPIFFE ID of the trust domain;
+//! - anything else (plaintext, or an app's own TLS): handed on as it is in `permissive` mode,
+//!   refused (closed unanswered) in `strict` mode;
+//! - a connection for one of Envoy's own ports: closed, since handing it to the app at its
+//!   original destination would hand it back to Envoy.
+//!
+//! What passes goes to the app at its original destination through the bootstrap's static
+//! [`INBOUND_PASSTHROUGH_CLUSTER`], and one line per connection goes to Envoy's stderr with
+//! the caller's SPIFFE ID (`-` for plaintext).
+
+use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
+use envoy_types::pb::envoy::config::core::v3::{
+    DataSource, SubstitutionFormatString, TrafficDirection, TransportSocket, data_source,
+    substitution_format_string, transport_socket,
+};
+use envoy_types::pb::envoy::config::listener::v3::{
+    Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+};
+use envoy_types::pb::envoy::extensions::access_loggers::stream::v3::{
+    StderrAccessLog, stderr_access_log,
+};
+use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
+use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+    CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
+    SubjectAltNameMatcher, common_tls_context, subject_alt_name_matcher,
+};
+use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
+use envoy_types::pb::google::protobuf::{BoolValue, Duration, UInt32Value};
+use lattice_contract::{
+    CapturePort, ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT,
+    INBOUND_PASSTHROUGH_CLUSTER, MESH_ALPN,
+};
+
+use super::{ads, socket_address, typed};
+use crate::identity::InboundMode;
+use crate::xds::InboundListeners;
+use crate::xds::secrets::{BUNDLE_SECRET, WORKLOAD_SECRET};
+use crate::xds::snapshot::XdsResource;
+
+/// The inbound listener's name in every proxy.
+pub const INBOUND_LISTENER: &str = "lattice-inbound";
+
+/// How long the tls_inspector waits for a client's first bytes. A protocol whose server
+/// speaks first (SMTP, MySQL) sends nothing, so after this the connection goes on as
+/// plaintext: in permissive mode such a port answers this much later (exclude it from capture
+/// to avoid that), in strict mode it is refused.
+const FIRST_BYTES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The inbound listener in each mode, built once: every proxy in a mode gets the same bytes.
+/// For proxies whose peers' SPIFFE IDs are in `trust_domain`, in pods whose capture port is
+/// `capture`.
+pub fn inbound_listeners(trust_domain: &str, capture: CapturePort) -> InboundListeners {
+    let build = |mode| XdsResource::new(INBOUND_LISTENER, listener(mode, trust_domain, capture));
+    InboundListeners {
+        permissive: build(InboundMode::Permissive),
+        strict: build(InboundMode::Strict),
+    }
+}
+
+fn listener(mode: InboundMode, trust_domain: &str, capture: CapturePort) -> Listener {
+    let own_ports = [
+        ENVOY_ADMIN_PORT,
+        capture.get(),
+        ENVOY_INBOUND_PORT,
+        ENVOY_READINESS_PORT,
+    ];
+    let mut filter_chains: Vec<FilterChain> = own_ports
+        .into_iter()
+        .map(|port| FilterChain {
+            name: format!("envoy-port-{port}"),
+            filter_chain_match: Some(FilterChainMatch {
+                destination_port: Some(UInt32Value {
+                    value: u32::from(port),
+                }),
+                ..FilterChainMatch::default()
+            }),
+            // A cluster no proxy has: the connection is closed.
+            filters: vec![tcp_proxy("envoy_port", "lattice-inbound-refused", false)],
+            ..FilterChain::default()
+        })
+        .collect();
+    filter_chains.push(FilterChain {
+        name: "mtls".to_string(),
+        filter_chain_match: Some(FilterChainMatch {
+            transport_protocol: "tls".to_string(),
+            application_protocols: vec![MESH_ALPN.to_string()],
+            ..FilterChainMatch::default()
+        }),
+        transport_socket: Some(TransportSocket {
+            name: "envoy.transport_sockets.tls".to_string(),
+            config_type: Some(transport_socket::ConfigType::TypedConfig(typed(mesh_tls(
+                trust_domain,
+            )))),
+        }),
+        filters: vec![tcp_proxy("mtls", INBOUND_PASSTHROUGH_CLUSTER, true)],
+        ..FilterChain::default()
+    });
+    let default_filter_chain = match mode {
+        InboundMode::Permissive => Some(FilterChain {
+            name: "plaintext".to_string(),
+            filters: vec![tcp_proxy("plaintext", INBOUND_PASSTHROUGH_CLUSTER, true)],
+            ..FilterChain::default()
+        }),
+        // No chain: Envoy closes the connection (`no_filter_chain_match` in its listener
+        // statistics).
+        InboundMode::Strict => None,
+    };
+    Listener {
+        name: INBOUND_LISTENER.to_string(),
+        address: Some(socket_address("0.0.0.0".to_string(), ENVOY_INBOUND_PORT)),
+        traffic_direction: TrafficDirection::Inbound as i32,
+        listener_filters: vec![
+            listener_filter(
+                "envoy.filters.listener.original_dst",
+                typed(OriginalDst::default()),
+            ),
+            listener_filter(
+                "envoy.filters.listener.tls_inspector",
+                typed(TlsInspector::default()),
+            ),
+        ],
+        listener_filters_timeout: Some(Duration {
+            seconds: FIRST_BYTES_WAIT.as_secs() as i64,
+            nanos: 0,
+        }),
+        continue_on_listener_filters_timeout: true,
+        filter_chains,
+        default_filter_chain,
+        ..Listener::default()
+    }
+}
+
+fn listener_filter(name: &str, config: envoy_types::pb::google::protobuf::Any) -> ListenerFilter {
+    ListenerFilter {
+        name: name.to_string(),
+        config_type: Some(listener_filter::ConfigType::TypedConfig(config)),
+        ..ListenerFilter::default()
+    }
+}
+
+/// Mutual TLS as the mesh speaks it: the proxy's own leaf, a client certificate required, and
+/// checked against the bundle and the trust domain.
+fn mesh_tls(trust_domain: &str) -> DownstreamTlsContext {
+    let over_ads = |name: &str| SdsSecretConfig {
+        name: name.to_string(),
+        sds_config: Some(ads()),
+    };
+    let in_trust_domain = SubjectAltNameMatcher {
+        san_type: subject_alt_name_matcher::SanType::Uri as i32,
+        matcher: Some(StringMatcher {
+            match_pattern: Some(string_matcher::MatchPattern::Prefix(format!(
+                "spiffe://{trust_domain}/"
+            ))),
+            ..StringMatcher::default()
+        }),
+        ..SubjectAltNameMatcher::default()
+    };
+    DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_certificate_sds_secret_configs: vec![over_ads(WORKLOAD_SECRET)],
+            validation_context_type: Some(
+                common_tls_context::ValidationContextType::CombinedValidationContext(
+                    common_tls_context::CombinedCertificateValidationContext {
+                        default_validation_context: Some(CertificateValidationContext {
+                            match_typed_subject_alt_names: vec![in_trust_domain],
+                            ..CertificateValidationContext::default()
+                        }),
+                        validation_context_sds_secret_config: Some(over_ads(BUNDLE_SECRET)),
+                        ..Default::default()
+                    },
+                ),
+            ),
+            alpn_protocols: vec![MESH_ALPN.to_string()],
+            ..CommonTlsContext::default()
+        }),
+        require_client_certificate: Some(BoolValue { value: true }),
+        ..DownstreamTlsContext::default()
+    }
+}
+
+fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
+    let access_log = if logged {
+        vec![AccessLog {
+            name: "envoy.access_loggers.stderr".to_string(),
+            config_type: Some(access_log::ConfigType::TypedConfig(typed(
+                StderrAccessLog {
+                    access_log_format: Some(stderr_access_log::AccessLogFormat::LogFormat(
+                        SubstitutionFormatString {
+                            format: Some(substitution_format_string::Format::TextFormatSource(
+                                DataSource {
+                                    specifier: Some(data_source::Specifier::InlineString(format!(
+                                        "[{INBOUND_LISTENER}] {stat_prefix} peer=%DOWNSTREAM_PEER_URI_SAN% from=%DOWNSTREAM_REMOTE_ADDRESS% to=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% received=%BYTES_RECEIVED% sent=%BYTES_SENT%\n"
+                                    ))),
+                                    ..DataSource::default()
+                                },
+                            )),
+                            ..SubstitutionFormatString::default()
+                        },
+                    )),
+                },
+            ))),
+            ..AccessLog::default()
+        }]
+    } else {
+        Vec::new()
+    };
+    let proxy = TcpProxy {
+        stat_prefix: format!("inbound_{stat_prefix}"),
+        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
+        access_log,
+        ..TcpProxy::default()
+    };
+    Filter {
+        name: "envoy.filters.network.tcp_proxy".to_string(),
+        config_type: Some(filter::ConfigType::TypedConfig(typed(proxy))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    fn decoded(mode: InboundMode) -> Listener {
+        let listeners = inbound_listeners("cluster.local", CapturePort::default());
+        Listener::decode(listeners.get(mode).body.value.as_slice()).unwrap()
+    }
+
+    #[test]
+    fn strict_has_no_plaintext_chain_and_permissive_hands_plaintext_on() {
+        let strict = decoded(InboundMode::Strict);
+        assert_eq!(strict.default_filter_chain, None);
+        let permissive = decoded(InboundMode::Permissive);
+        assert_eq!(
+            permissive
+                .default_filter_chain
+                .as_ref()
+                .map(|c| c.name.clone()),
+            Some("plaintext".to_string())
+        );
+        for listener in [strict, permissive] {
+            let names: Vec<&str> = listener
+                .filter_chains
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect();
+            assert_eq!(
+                names,
+                [
+                    "envoy-port-15000",
+                    "envoy-port-15001",
+                    "envoy-port-15006",
+                    "envoy-port-15021",
+                    "mtls"
+                ]
+            );
+            let mtls = listener.filter_chains.last().unwrap();
+            let matched = mtls.filter_chain_match.as_ref().unwrap();
+            assert_eq!(matched.application_protocols, [MESH_ALPN]);
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! Inbound capture and the inbound listener: a mesh pod whose `lattice-init` ran with
+//! `--inbound-capture` gets, from the agent running as the DaemonSet runs it (node-local
+//! address, `NODE_NAME`, the fake API server with this node's Pods and the CA's Secret), an
+//! inbound listener that terminates mesh mTLS in front of its app. Callers are a plain pod of
+//! the node with `openssl s_client` and `curl`, and the node itself (the kubelet's probes).
+//!
+//! What fails when the feature breaks:
+//! - a caller with a certificate of the mesh's CA for a SPIFFE ID of the trust domain, offering
+//!   the mesh ALPN, reaches the app through the pod's Envoy, which presents the pod's own
+//!   identity's leaf and logs the caller's SPIFFE ID;
+//! - a certificate of another CA, one of another trust domain, or none at all, is refused and
+//!   never reaches the app;
+//! - plaintext (a non-mesh caller, the kubelet's probe) reaches the app through Envoy in
+//!   permissive mode and is refused in strict mode; the mode follows the pod's annotation live.
+//!
+//! Build the binaries first: `cargo build --workspace --bins`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use lattice_e2e::agent::AgentAddrs;
+use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::netns::Netns;
+use lattice_e2e::node::{ADMIN, ClientPod, Node, Server};
+use lattice_e2e::wait;
+use lattice_inject::certs::Chain;
+use serde_json::{Value, json};
+
+const NODE_LOCAL: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
+const XDS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 15010);
+const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 53);
+const WITHIN: Duration = Duration::from_secs(20);
+const APP_PORT: u16 = 8080;
+const MESH_ALPN: &str = lattice_contract::MESH_ALPN;
+const REQUEST: &str = "GET / HTTP/1.1\r\nHost: app\r\nConnection: close\r\n\r\n";
+
+fn pod(name: &str, account: &str, ip: Ipv4Addr, mode: Option<&str>) -> Value {
+    let mut annotations = json!({"lattice.mlab.com/inbound-capture": "enabled"});
+    if let Some(mode) = mode {
+        annotations["lattice.mlab.com/mtls-mode"] = json!(mode);
+    }
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"namespace": "default", "name": name, "annotations": annotations},
+           "spec": {"nodeName": "node-a", "serviceAccountName": account,
+                    "containers": [{"name": "app", "image": "app"}]},
+           "status": {"phase": "Running", "podIP": ip.to_string(),
+                      "podIPs": [{"ip": ip.to_string()}]}})
+}
+
+fn ca_secret(chain: &Chain) -> Value {
+    let bytes = |text: &str| json!(ByteString(text.as_bytes().to_vec()));
+    json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
+        "data": {"tls.crt": bytes(&chain.ca_cert), "tls.key": bytes(&chain.ca_key),
+                 "ca.crt": bytes(&chain.ca_cert)}
+    })
+}
+
+/// Runs `openssl args` in `netns` with `stdin`; its stdout, or why it failed.
+fn openssl(netns: &Netns, args: &[&str], stdin: &str) -> Result<String, String> {
+    use std::io::Write as _;
+    let mut child = netns
+        .command("timeout")
+        .arg("10")
+        .arg("openssl")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!(
+            "openssl {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A caller's certificate and key, signed by `ca` for the URI SAN `uri`: file paths.
+struct Caller {
+    cert: String,
+    key: String,
+}
+
+fn caller_cert(dir: &Path, name: &str, ca: &Chain, uri: &str) -> Caller {
+    let file = |suffix: &str| dir.join(format!("{name}.{suffix}")).display().to_string();
+    let (ca_cert, ca_key) = (file("ca.pem"), file("ca.key"));
+    std::fs::write(&ca_cert, &ca.ca_cert).unwrap();
+    std::fs::write(&ca_key, &ca.ca_key).unwrap();
+    let (csr, cert, key) = (file("csr"), file("pem"), file("key"));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let san = format!("subjectAltName=URI:{uri}");
+    run(&[
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        &key,
+        "-out",
+        &csr,
+        "-subj",
+        "/O=lattice-test",
+        "-addext",
+        &san,
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca_cert,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-copy_extensions",
+        "copy",
+        "-out",
+        &cert,
+    ]);
+    Caller { cert, key }
+}
+
+/// One HTTP request over mesh mTLS from `netns` to `target`, presenting `caller` (or no
+/// certificate), checking the server's leaf against `bundle`: the response, or why not.
+fn mtls_request(
+    netns: &Netns,
+    target: SocketAddr,
+    caller: Option<&Caller>,
+    bundle: &str,
+) -> Result<String, String> {
+    let target = target.to_string();
+    let mut args = vec![
+        "s_client",
+        "-connect",
+        &target,
+        "-alpn",
+        MESH_ALPN,
+        "-CAfile",
+        bundle,
+        "-verify_return_error",
+        "-ign_eof",
+        "-quiet",
+    ];
+    if let Some(caller) = caller {
+        args.extend(["-cert", &caller.cert, "-key", &caller.key]);
+    }
+    let out = openssl(netns, &args, REQUEST)?;
+    if out.contains("HTTP/1.1 200") {
+        Ok(out)
+    } else {
+        Err(format!("no answer: {out}"))
+    }
+}
+
+/// The certificate the pod's inbound listener presents to a mesh caller.
+fn presented_uri(netns: &Netns, target: SocketAddr, caller: &Caller) -> Result<String, String> {
+    let target = target.to_string();
+    let shown = openssl(
+        netns,
+        &[
+            "s_client",
+            "-connect",
+            &target,
+            "-alpn",
+            MESH_ALPN,
+            "-cert",
+            &caller.cert,
+            "-key",
+            &caller.key,
+        ],
+        "",
+    )?;
+    let pem = shown
+        .split("-----BEGIN CERTIFICATE-----")
+        .nth(1)
+        .and_then(|rest| rest.split("-----END CERTIFICATE-----").next())
+        .ok_or_else(|| format!("no certificate: {shown}"))?;
+    let pem = format!("-----BEGIN CERTIFICATE-----{pem}-----END CERTIFICATE-----\n");
+    let text = openssl(netns, &["x509", "-noout", "-ext", "subjectAltName"], &pem)?;
+    Ok(text.trim().to_string())
+}
+
+/// A plain HTTP request from `netns` to `target`: the body, or why not.
+fn plaintext(netns: &Netns, target: SocketAddr) -> Result<String, String> {
+    let url = format!("http://{target}/");
+    let out = netns
+        .command("curl")
+        .args(["-sS", "--max-time", "5", "--fail", &url])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn listening(pod: &ClientPod) -> Result<(), String> {
+    let listeners = pod.envoy_admin("/listeners")?;
+    if listeners.contains("lattice-inbound::0.0.0.0:15006") {
+        Ok(())
+    } else {
+        Err(format!("no inbound listener yet: {listeners}"))
+    }
+}
+
+#[test]
+fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
+    let node = Node::new("inbound").unwrap();
+    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
+    server.apply_json(ca_secret(&chain)).unwrap();
+    let (web_ip, vault_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    server.apply_json(pod("web", "web", web_ip, None)).unwrap();
+    server
+        .apply_json(pod("vault", "vault", vault_ip, Some("strict")))
+        .unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let local = NODE_LOCAL.to_string();
+    let agent = node
+        .agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &["--node-local-dns", local.as_str()],
+            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+        )
+        .unwrap();
+
+    let web = node
+        .client_with("web", 2, (XDS, DNS), &["--inbound-capture"])
+        .unwrap();
+    let vault = node
+        .client_with("vault", 3, (XDS, DNS), &["--inbound-capture"])
+        .unwrap();
+    let web_app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let vault_app = Server::http(&vault.pod, "vault", APP_PORT).unwrap();
+    for pod in [&web, &vault] {
+        wait::until("the inbound listener", WITHIN, || listening(pod))
+            .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), pod.envoy_log()));
+    }
+    let outsider = node.pod("outsider", 4).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    std::fs::write(&bundle, &chain.ca_cert).unwrap();
+    let bundle = bundle.display().to_string();
+    let caller = caller_cert(
+        dir.path(),
+        "caller",
+        &chain,
+        "spiffe://cluster.local/ns/default/sa/caller",
+    );
+    let (web_at, vault_at) = (
+        SocketAddr::from((web_ip, APP_PORT)),
+        SocketAddr::from((vault_ip, APP_PORT)),
+    );
+
+    // Mesh mTLS: the app answers, the pod presents its own identity, Envoy logs the caller's.
+    for (target, app, pod, name) in [
+        (web_at, &web_app, &web, "web"),
+        (vault_at, &vault_app, &vault, "vault"),
+    ] {
+        let before = app.stats.served();
+        let answer = mtls_request(&outsider.netns, target, Some(&caller), &bundle)
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", pod.envoy_log()));
+        assert!(answer.trim_end().ends_with(name), "{answer}");
+        assert_eq!(app.stats.served(), before + 1);
+        let presented = presented_uri(&outsider.netns, target, &caller).unwrap();
+        assert!(
+            presented.ends_with(&format!("URI:spiffe://cluster.local/ns/default/sa/{name}")),
+            "{name} presents {presented}"
+        );
+        wait::until("the caller's identity in the access log", WITHIN, || {
+            let log = pod.envoy_log();
+            let line = log
+                .lines()
+                .find(|l| l.contains("[lattice-inbound] mtls"))
+                .ok_or("no mtls line")?;
+            if line.contains("peer=spiffe://cluster.local/ns/default/sa/caller")
+                && line.contains(&format!("to={}", target))
+            {
+                Ok(())
+            } else {
+                Err(line.to_string())
+            }
+        })
+        .unwrap();
+    }
+
+    // Callers the mesh does not vouch for: refused, and the app never sees them.
+    let other_ca = Chain::issue(&["unused.example".to_string()]).unwrap();
+    let impostor = caller_cert(
+        dir.path(),
+        "impostor",
+        &other_ca,
+        "spiffe://cluster.local/ns/default/sa/caller",
+    );
+    let foreign = caller_cert(
+        dir.path(),
+        "foreign",
+        &chain,
+        "spiffe://elsewhere.example/ns/default/sa/caller",
+    );
+    let before = web_app.stats.served();
+    for (what, who) in [
+        ("another CA", Some(&impostor)),
+        ("another trust domain", Some(&foreign)),
+        ("no certificate", None),
+    ] {
+        let refused = mtls_request(&outsider.netns, web_at, who, &bundle);
+        assert!(refused.is_err(), "{what}: {refused:?}");
+    }
+    assert_eq!(
+        web_app.stats.served(),
+        before,
+        "a refused caller reached the app"
+    );
+
+    // Plaintext: through Envoy in permissive mode (from a pod, and from the node as the
+    // kubelet's probes come), refused in strict mode.
+    assert_eq!(plaintext(&outsider.netns, web_at).unwrap(), "web");
+    assert_eq!(plaintext(&node.netns, web_at).unwrap(), "web");
+    wait::until("the plaintext call in the access log", WITHIN, || {
+        let log = web.envoy_log();
+        log.lines()
+            .any(|l| l.contains("[lattice-inbound] plaintext peer=- from=10.200.0.4"))
+            .then_some(())
+            .ok_or(log)
+    })
+    .unwrap();
+    let before = vault_app.stats.served();
+    assert!(plaintext(&outsider.netns, vault_at).is_err());
+    assert_eq!(
+        vault_app.stats.served(),
+        before,
+        "strict let plaintext through"
+    );
+    // What an operator reads off each Envoy: connections per chain, refusals by the listener.
+    let counter = |pod: &ClientPod, name: &str| -> u64 {
+        let stats = pod.envoy_admin(&format!("/stats?filter=^{name}$")).unwrap();
+        stats
+            .rsplit(": ")
+            .next()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name}: {stats}"))
+    };
+    assert!(counter(&web, "tcp.inbound_mtls.downstream_cx_total") >= 1);
+    assert!(counter(&web, "tcp.inbound_plaintext.downstream_cx_total") >= 2);
+    assert!(counter(&vault, "listener.0.0.0.0_15006.no_filter_chain_match") >= 1);
+
+    // The mode follows the pod's annotation, live: web turns strict, vault permissive.
+    server
+        .apply_json(pod("web", "web", web_ip, Some("strict")))
+        .unwrap();
+    server
+        .apply_json(pod("vault", "vault", vault_ip, Some("permissive")))
+        .unwrap();
+    wait::until("web strict", WITHIN, || {
+        match plaintext(&outsider.netns, web_at) {
+            Err(_) => Ok(()),
+            Ok(body) => Err(body),
+        }
+    })
+    .unwrap();
+    wait::until("vault permissive", WITHIN, || {
+        plaintext(&outsider.netns, vault_at)
+    })
+    .unwrap();
+    mtls_request(&outsider.netns, web_at, Some(&caller), &bundle).unwrap();
+
+    let (_, proxies) = agent.get("/debug/xds").unwrap();
+    assert!(proxies.contains("\"inbound\":\"strict\""), "{proxies}");
+}
