@@ -216,7 +216,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     tracing::info!(resolver = ?external_dns.resolver, "external services' host names are resolved by Envoy through this DNS server (None: the pod's resolv.conf)");
     let pipeline = pipeline
         .with_external_dns(external_dns)
-        .with_capture_port(config.envoy_port);
+        .with_capture_port(config.envoy_port)
+        .with_mesh_mtls(serves_secrets(&config));
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
     // node-local address, so it must exist first; it stays when the agent stops, for the agent
@@ -330,7 +331,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     ));
     // Workload certificates, served over SDS to the proxies verified as this node's pods: only
     // where pods are checked (Kubernetes and a node name).
-    let secrets = (kubernetes.is_some() && config.node_name.is_some()).then(|| {
+    let secrets = serves_secrets(&config).then(|| {
         let policy = LeafPolicy {
             lifetime: Duration::from_secs(config.leaf_lifetime_secs),
             ..LeafPolicy::default()
@@ -673,6 +674,12 @@ impl lattice_dns::LookupObserver for ScopeObserver {
 }
 
 /// The mesh file reader's bounds, from the flags.
+/// Whether proxies verified as this node's pods are served workload certificates: only where
+/// pods are checked (Kubernetes and a node name).
+fn serves_secrets(config: &AgentConfig) -> bool {
+    config.watches_kubernetes() && config.node_name.is_some()
+}
+
 fn mesh_file_limits(config: &AgentConfig) -> lattice_agent::source::file::Limits {
     lattice_agent::source::file::Limits {
         max_bytes: config.mesh_file_max_mib.saturating_mul(1 << 20),

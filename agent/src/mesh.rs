@@ -372,6 +372,9 @@ pub struct ServiceSpec {
     /// Pods whose proxies hold this service whether or not they resolve it
     /// (`namespace/name`, `namespace/prefix*`), sorted; checked by the source.
     pub clients: Vec<Arc<str>>,
+    /// The SPIFFE IDs its endpoints' proxies present, sorted: when there are any, clients
+    /// call it over mesh mTLS and accept only these; checked by the source.
+    pub identities: Vec<Arc<str>>,
 }
 
 impl ServiceSpec {
@@ -387,7 +390,16 @@ impl ServiceSpec {
             traffic_distribution: TrafficDistribution::Any,
             host_header: HostHeader::default(),
             clients: Vec::new(),
+            identities: Vec::new(),
         }
+    }
+
+    /// The identities of its endpoints' proxies: it is called over mesh mTLS.
+    pub fn with_identities(mut self, mut identities: Vec<Arc<str>>) -> Self {
+        identities.sort();
+        identities.dedup();
+        self.identities = identities;
+        self
     }
 
     /// Pods that use this service without resolving its name.
@@ -519,6 +531,9 @@ pub struct Service {
     /// Pods whose proxies hold it whether or not they resolve it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub clients: Vec<Arc<str>>,
+    /// The SPIFFE IDs its endpoints present: called over mesh mTLS when there are any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub identities: Vec<Arc<str>>,
 }
 
 impl Service {
@@ -531,6 +546,7 @@ impl Service {
             && self.path == other.path
             && self.health == other.health
             && self.host_header == other.host_header
+            && self.identities == other.identities
             && self.ports.len() == other.ports.len()
             && self
                 .ports
@@ -755,6 +771,7 @@ impl MeshState {
             && existing.traffic_distribution == spec.traffic_distribution
             && existing.host_header == spec.host_header
             && existing.clients == spec.clients
+            && existing.identities == spec.identities
             && existing.instances == instances
         {
             return Ok(false);
@@ -770,6 +787,7 @@ impl MeshState {
             traffic_distribution: spec.traffic_distribution,
             host_header: spec.host_header,
             clients: spec.clients,
+            identities: spec.identities,
         };
         if let Some(existing) = &existing {
             self.totals.subtract(existing);

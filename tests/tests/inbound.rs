@@ -404,3 +404,125 @@ fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
     let (_, proxies) = agent.get("/debug/xds").unwrap();
     assert!(proxies.contains("\"inbound\":\"strict\""), "{proxies}");
 }
+
+/// The mesh file: `/shop/web`, whose endpoint presents `web`'s identity, and
+/// `/shop/impostor`, the same endpoint said to present `billing`'s.
+fn mesh_services(endpoint: Ipv4Addr) -> String {
+    let mut text = String::from("services:\n");
+    for (name, account) in [("web", "web"), ("impostor", "billing")] {
+        text.push_str(&format!(
+            "  - path: /shop/{name}\n    ports:\n      - port: {APP_PORT}\n        protocol: http\n    endpoints:\n      - address: {endpoint}\n    identities: [spiffe://cluster.local/ns/default/sa/{account}]\n"
+        ));
+    }
+    text
+}
+
+/// Two meshed pods: `front` calls `web` by its mesh name, its Envoy over mesh mTLS to web's
+/// inbound listener. On the node's bridge the request never crosses in plaintext, web's Envoy
+/// logs front's SPIFFE ID; through a service that says web's pod presents another identity,
+/// front's Envoy refuses web's certificate and the app is not reached.
+#[test]
+fn two_meshed_pods_talk_mutual_tls_with_their_identities_checked() {
+    let node = Node::new("mtls").unwrap();
+    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
+    server.apply_json(ca_secret(&chain)).unwrap();
+    let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let mut front_pod = pod("front", "front", front_ip, None);
+    front_pod["metadata"]["annotations"] = json!({});
+    server.apply_json(front_pod).unwrap();
+    server.apply_json(pod("web", "web", web_ip, None)).unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let mesh = lattice_e2e::node::MeshFile::new(&[]).unwrap();
+    mesh.write_text(&mesh_services(web_ip)).unwrap();
+    let local = NODE_LOCAL.to_string();
+    let agent = node
+        .agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &[
+                "--node-local-dns",
+                local.as_str(),
+                "--kubernetes",
+                "--mesh-file",
+                mesh.path().to_str().unwrap(),
+            ],
+            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+        )
+        .unwrap();
+    let web = node
+        .client_with("web", 3, (XDS, DNS), &["--inbound-capture"])
+        .unwrap();
+    let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    wait::until("web's inbound listener", WITHIN, || listening(&web))
+        .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), web.envoy_log()));
+    let front = node.client_with("front", 2, (XDS, DNS), &[]).unwrap();
+
+    // What crosses the wire into web's pod on its app port.
+    let dir = tempfile::tempdir().unwrap();
+    let pcap = dir.path().join("wire.pcap");
+    let started = dir.path().join("tcpdump.log");
+    let mut command = web.pod.netns.command("tcpdump");
+    command
+        .args(["-i", "eth0", "--immediate-mode", "-U", "-n", "-w"])
+        .arg(&pcap)
+        .arg(format!("tcp port {APP_PORT}"))
+        .stderr(std::fs::File::create(&started).unwrap());
+    let mut capture = web.pod.netns.spawn(command).unwrap();
+    wait::until("tcpdump listening", WITHIN, || {
+        let log = std::fs::read_to_string(&started).unwrap_or_default();
+        log.contains("listening on").then_some(()).ok_or(log)
+    })
+    .unwrap();
+
+    let url = format!("http://web.shop.system.internal:{APP_PORT}/");
+    let body = wait::until("front's request to web", WITHIN, || front.curl(&url))
+        .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), front.envoy_log()));
+    assert_eq!(body.trim(), "web");
+    assert_eq!(app.stats.served(), 1);
+    wait::until("front's identity in web's access log", WITHIN, || {
+        let log = web.envoy_log();
+        log.lines()
+            .any(|l| {
+                l.contains("[lattice-inbound] mtls peer=spiffe://cluster.local/ns/default/sa/front")
+            })
+            .then_some(())
+            .ok_or(log)
+    })
+    .unwrap();
+    // SIGINT, not the guard's SIGKILL: tcpdump writes what it buffered only as it exits.
+    let tcpdump = nix::unistd::Pid::from_raw(capture.child().id() as i32);
+    nix::sys::signal::kill(tcpdump, nix::sys::signal::Signal::SIGINT).unwrap();
+    capture.child().wait().unwrap();
+    let read = std::process::Command::new("tcpdump")
+        .args(["-n", "-A", "-r"])
+        .arg(&pcap)
+        .output()
+        .unwrap();
+    let wire = String::from_utf8_lossy(&read.stdout);
+    assert!(
+        wire.contains(MESH_ALPN),
+        "no mesh TLS handshake on the wire:\n{wire}\n{}",
+        std::fs::read_to_string(&started).unwrap_or_default()
+    );
+    for plain in ["GET / HTTP", "Host: web.shop", "\r\nweb"] {
+        assert!(
+            !wire.contains(plain),
+            "{plain:?} crossed in plaintext:\n{wire}"
+        );
+    }
+
+    // The same pod through a service that says its endpoint is another identity: front's
+    // Envoy refuses the certificate web presents, and the app sees nothing.
+    let impostor = format!("http://impostor.shop.system.internal:{APP_PORT}/");
+    let refused = front.curl(&impostor);
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(
+        app.stats.served(),
+        1,
+        "a refused server was sent the request"
+    );
+}

@@ -29,6 +29,9 @@ const DEBIAN: &[(&str, &str)] = &[
     ("dnsviz", "dnsviz"),
     ("zonemaster-cli", "zonemaster-cli"),
     ("curl", "curl"),
+    // Mutual TLS: callers and certificates (openssl), and what crosses the wire (tcpdump).
+    ("openssl", "openssl"),
+    ("tcpdump", "tcpdump"),
     ("procps", "ps"),
     ("util-linux", "setpriv"),
     ("python3-venv", "python3"),

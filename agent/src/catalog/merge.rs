@@ -469,8 +469,14 @@ fn merged_spec(
         .values()
         .flat_map(|c| c.clients.iter().cloned())
         .collect();
+    // So may identities: a client accepts any of them.
+    let identities = contributions
+        .values()
+        .flat_map(|c| c.identities.iter().cloned())
+        .collect();
     let mut spec = ServiceSpec::new(path.clone(), ports)
         .with_clients(clients)
+        .with_identities(identities)
         .with_health(health)
         .with_traffic_distribution(traffic_distribution)
         .with_instances(instances)

@@ -85,6 +85,10 @@ struct FileService {
     /// (`namespace/name`, `namespace/prefix*`).
     #[serde(default)]
     clients: Vec<String>,
+    /// The SPIFFE IDs its endpoints' proxies present (`spiffe://<trust domain>/ns/<ns>/sa/<sa>`):
+    /// clients call it over mesh mTLS and accept only these.
+    #[serde(default)]
+    identities: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -261,6 +265,17 @@ fn read_service(
             .map_err(|e| format!("{at}.clients[{j}]: {e}"))?;
         clients.push(std::sync::Arc::from(client.as_str()));
     }
+    if host_count != 0 && !service.identities.is_empty() {
+        return Err(format!(
+            "{at}.identities: a service whose endpoints are host names is outside the mesh,              and its endpoints run no mesh proxy to present an identity"
+        ));
+    }
+    let mut identities = Vec::with_capacity(service.identities.len());
+    for (j, identity) in service.identities.iter().enumerate() {
+        let id = crate::trust::SpiffeId::parse(identity)
+            .map_err(|e| format!("{at}.identities[{j}]: {e}"))?;
+        identities.push(std::sync::Arc::from(id.to_string().as_str()));
+    }
     let mut ports = Vec::with_capacity(service.ports.len());
     let mut port_numbers = HashSet::new();
     for (j, port) in service.ports.iter().enumerate() {
@@ -339,7 +354,8 @@ fn read_service(
             .with_health(health)
             .with_traffic_distribution(traffic_distribution)
             .with_host_header(host_header)
-            .with_clients(clients),
+            .with_clients(clients)
+            .with_identities(identities),
         routes: service.routes,
     })
 }
@@ -936,6 +952,32 @@ services:
             .unwrap_err();
         assert!(err.contains("services[0] (/data/db).clients[0]"), "{err}");
         assert!(err.contains("<namespace>/<pod name>"), "{err}");
+    }
+
+    #[test]
+    fn identities_are_spiffe_ids_of_pod_endpoints() {
+        let specs = parse(
+            "services:\n- path: /shop/web\n  ports: [{port: 8080}]\n  \
+             endpoints: [{address: 10.0.0.1}]\n  \
+             identities: [spiffe://cluster.local/ns/shop/sa/web, spiffe://cluster.local/ns/shop/sa/web]\n",
+        )
+        .unwrap();
+        let identities: Vec<&str> = specs[0].identities.iter().map(|i| &**i).collect();
+        assert_eq!(identities, ["spiffe://cluster.local/ns/shop/sa/web"]);
+        let err =
+            parse("services:\n- path: /shop/web\n  ports: [{port: 8080}]\n  identities: [web]\n")
+                .unwrap_err();
+        assert!(
+            err.contains("services[0] (/shop/web).identities[0]"),
+            "{err}"
+        );
+        let err = parse(
+            "services:\n- path: /ext/api\n  ports: [{port: 443}]\n  \
+             endpoints: [{address: api.example.com}]\n  \
+             identities: [spiffe://cluster.local/ns/shop/sa/web]\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("host names is outside the mesh"), "{err}");
     }
 
     #[test]

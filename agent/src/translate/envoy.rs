@@ -21,8 +21,8 @@ use envoy_types::pb::envoy::config::core::v3::health_check::{
 };
 use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, CidrRange, ConfigSource, DnsResolverOptions,
-    Http2ProtocolOptions, Locality, SocketAddress, TrafficDirection, TypedExtensionConfig, address,
-    config_source, socket_address,
+    Http2ProtocolOptions, Locality, SocketAddress, TrafficDirection, TransportSocket,
+    TypedExtensionConfig, address, config_source, socket_address,
 };
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -49,6 +49,7 @@ use lattice_contract::CapturePort;
 use prost::Message;
 
 mod inbound;
+mod mtls;
 mod routes;
 
 pub use inbound::{INBOUND_LISTENER, inbound_listeners};
@@ -108,6 +109,9 @@ pub struct EnvoyTranslator {
     dns: ExternalDns,
     /// Where the capture listener listens in every pod.
     capture_port: CapturePort,
+    /// Whether proxies are served secrets: only then does a service with identities get mesh
+    /// mTLS, since its clusters name the proxy's secrets.
+    mesh_mtls: bool,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -133,6 +137,7 @@ impl EnvoyTranslator {
             node,
             dns,
             capture_port: CapturePort::default(),
+            mesh_mtls: false,
             mesh: None,
             shape_version: None,
             resources: Default::default(),
@@ -143,6 +148,13 @@ impl EnvoyTranslator {
     /// The capture listener on `port` instead of the default.
     pub fn with_capture_port(mut self, port: CapturePort) -> Self {
         self.capture_port = port;
+        self
+    }
+
+    /// Clusters of services whose endpoints name identities call them over mesh mTLS: for an
+    /// agent that serves every verified proxy its secrets.
+    pub fn with_mesh_mtls(mut self, on: bool) -> Self {
+        self.mesh_mtls = on;
         self
     }
 
@@ -162,16 +174,16 @@ impl EnvoyTranslator {
         let changes: Vec<_> = previous.diff(&mesh.services).collect();
         // The clusters and assignments of every added or changed service, built first: on
         // every core when there are many (the first snapshot builds 10k services' worth).
-        let (dns, node) = (&self.dns, &self.node);
+        let (dns, node, mtls) = (&self.dns, &self.node, self.mesh_mtls);
         let built = parallel::map_on_every_core(&changes, |change| match change {
-            DiffItem::Add(_, service) => Some(Built::of(service, true, dns, node)),
+            DiffItem::Add(_, service) => Some(Built::of(service, true, dns, node, mtls)),
             DiffItem::Update {
                 old: (_, old),
                 new: (_, new),
             } => {
                 let same_shape = old.same_shape(new);
                 (!same_shape || !old.same_endpoints(new))
-                    .then(|| Built::of(new, !same_shape, dns, node))
+                    .then(|| Built::of(new, !same_shape, dns, node, mtls))
             }
             DiffItem::Remove(..) => None,
         });
@@ -297,9 +309,15 @@ struct Built {
 }
 
 impl Built {
-    fn of(service: &Service, with_clusters: bool, dns: &ExternalDns, node: &NodeLocality) -> Self {
+    fn of(
+        service: &Service,
+        with_clusters: bool,
+        dns: &ExternalDns,
+        node: &NodeLocality,
+        mtls: bool,
+    ) -> Self {
         Built {
-            clusters: with_clusters.then(|| clusters_for(service, dns)),
+            clusters: with_clusters.then(|| clusters_for(service, dns, mtls)),
             endpoints: endpoints_for(service, node),
         }
     }
@@ -331,13 +349,14 @@ fn cluster_names(service: &Service) -> impl Iterator<Item = String> + '_ {
         .chain(instances)
 }
 
-fn clusters_for(service: &Service, dns: &ExternalDns) -> Vec<Arc<XdsResource>> {
+fn clusters_for(service: &Service, dns: &ExternalDns, mtls: bool) -> Vec<Arc<XdsResource>> {
+    let tls = (mtls && !service.identities.is_empty()).then(|| mtls::upstream(&service.identities));
     // An instance's cluster has one endpoint, which the client chose: it gets no health
     // policy, since ejecting or failing its only host helps nobody.
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            XdsResource::new(name.clone(), cluster(name, port, None, dns))
+            XdsResource::new(name.clone(), cluster(name, port, None, dns, tls.clone()))
         })
     });
     service
@@ -356,7 +375,10 @@ fn clusters_for(service: &Service, dns: &ExternalDns) -> Vec<Arc<XdsResource>> {
                 _ => service.dns_name.as_str(),
             };
             let health = (check_host, &service.health);
-            XdsResource::new(name.clone(), cluster(name, port, Some(health), dns))
+            XdsResource::new(
+                name.clone(),
+                cluster(name, port, Some(health), dns, tls.clone()),
+            )
         })
         .chain(instances)
         .collect()
@@ -368,6 +390,7 @@ fn cluster(
     port: &ServicePort,
     health: Option<(&str, &HealthPolicy)>,
     dns: &ExternalDns,
+    tls: Option<TransportSocket>,
 ) -> Cluster {
     let mut options = HashMap::new();
     if port.protocol.is_http2() {
@@ -421,6 +444,7 @@ fn cluster(
             ..CircuitBreakers::default()
         }),
         outlier_detection: outlier,
+        transport_socket: tls,
         health_checks: health
             .and_then(|(host, policy)| Some(health_check(policy.check.as_ref()?, host, port)))
             .into_iter()
@@ -854,7 +878,12 @@ fn listener_base(mesh: &MeshSnapshot, port: CapturePort) -> ListenerBase {
 mod tests {
     use prost::Message;
 
+    use envoy_types::pb::envoy::config::core::v3::transport_socket;
     use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
+        UpstreamTlsContext, common_tls_context,
+    };
+    use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher;
 
     use super::*;
     use crate::mesh::{EndpointSet, MeshState, Protocol, Provider, ServiceSpec};
@@ -952,6 +981,66 @@ mod tests {
             assert_eq!(bodies(&at_once).len(), total);
             assert!(bodies(&at_once) == bodies(&last), "{kind:?} differ");
         }
+    }
+
+    #[test]
+    fn a_service_with_identities_is_called_over_mesh_mtls_only_when_secrets_are_served() {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        let web = ServiceSpec::new(
+            "/shop/web".parse().unwrap(),
+            vec![port(8080, Protocol::Http, &["10.0.0.1:8080"])],
+        )
+        .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]);
+        let plain = ServiceSpec::new(
+            "/shop/db".parse().unwrap(),
+            vec![port(5432, Protocol::Tcp, &["10.0.0.2:5432"])],
+        );
+        state.replace_all(vec![web, plain]).unwrap();
+        let mesh = state.snapshot();
+        let cluster = |translator: EnvoyTranslator, name: &str| -> Cluster {
+            let mut translator = translator;
+            decode(&translator.translate(&mesh).of(ResourceType::Cluster)[name])
+        };
+        let web = "web.shop.system.internal|8080";
+        assert_eq!(
+            cluster(EnvoyTranslator::default(), web).transport_socket,
+            None
+        );
+        let tls = cluster(EnvoyTranslator::default().with_mesh_mtls(true), web)
+            .transport_socket
+            .expect("mesh mTLS");
+        let Some(transport_socket::ConfigType::TypedConfig(any)) = tls.config_type else {
+            panic!("no TLS context");
+        };
+        let context = UpstreamTlsContext::decode(any.value.as_slice()).unwrap();
+        let common = context.common_tls_context.unwrap();
+        assert_eq!(common.alpn_protocols, [lattice_contract::MESH_ALPN]);
+        assert_eq!(common.tls_certificate_sds_secret_configs[0].name, "default");
+        let Some(common_tls_context::ValidationContextType::CombinedValidationContext(combined)) =
+            common.validation_context_type
+        else {
+            panic!("no validation");
+        };
+        assert_eq!(
+            combined.validation_context_sds_secret_config.unwrap().name,
+            "ROOTCA"
+        );
+        let sans = combined
+            .default_validation_context
+            .unwrap()
+            .match_typed_subject_alt_names;
+        assert_eq!(sans.len(), 1);
+        assert_eq!(
+            sans[0].matcher.as_ref().unwrap().match_pattern,
+            Some(string_matcher::MatchPattern::Exact(
+                "spiffe://cluster.local/ns/shop/sa/web".into()
+            ))
+        );
+        let db = cluster(
+            EnvoyTranslator::default().with_mesh_mtls(true),
+            "db.shop.system.internal|5432",
+        );
+        assert_eq!(db.transport_socket, None, "no identities, no mTLS");
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub struct Pipeline {
     names_ready: Option<ReadyToken>,
     external_dns: ExternalDns,
     capture_port: CapturePort,
+    mesh_mtls: bool,
 }
 
 impl Pipeline {
@@ -71,6 +72,7 @@ impl Pipeline {
             names_ready: Some(readiness.register("dns names")),
             external_dns: ExternalDns::default(),
             capture_port: CapturePort::default(),
+            mesh_mtls: false,
         };
         let published = Published {
             xds: xds_rx,
@@ -91,6 +93,13 @@ impl Pipeline {
         self
     }
 
+    /// Services whose endpoints name identities are called over mesh mTLS: for an agent that
+    /// serves every verified proxy its secrets.
+    pub fn with_mesh_mtls(mut self, on: bool) -> Self {
+        self.mesh_mtls = on;
+        self
+    }
+
     pub async fn run(mut self, shutdown: CancellationToken) {
         let thread = match BulkThread::spawn("lattice-translate") {
             Ok(thread) => thread,
@@ -104,6 +113,7 @@ impl Pipeline {
             dns: DnsTranslator::default(),
             external_dns: self.external_dns.clone(),
             capture_port: self.capture_port,
+            mesh_mtls: self.mesh_mtls,
         });
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
@@ -186,6 +196,7 @@ struct Translators {
     dns: DnsTranslator,
     external_dns: ExternalDns,
     capture_port: CapturePort,
+    mesh_mtls: bool,
 }
 
 /// One run's output.
@@ -209,7 +220,8 @@ impl Translators {
                 );
                 slot.insert(
                     EnvoyTranslator::new(node, self.external_dns.clone())
-                        .with_capture_port(self.capture_port),
+                        .with_capture_port(self.capture_port)
+                        .with_mesh_mtls(self.mesh_mtls),
                 )
             }
         };

@@ -14,8 +14,9 @@
 //!   original destination would hand it back to Envoy.
 //!
 //! What passes goes to the app at its original destination through the bootstrap's static
-//! [`INBOUND_PASSTHROUGH_CLUSTER`], and one line per connection goes to Envoy's stderr with
-//! the caller's SPIFFE ID (`-` for plaintext).
+//! [`INBOUND_PASSTHROUGH_CLUSTER`], and a line goes to Envoy's stderr with the caller's
+//! SPIFFE ID (`-` for plaintext) when the app's side is connected, and another when the
+//! connection ends.
 
 use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
 use envoy_types::pb::envoy::config::core::v3::{
@@ -30,22 +31,18 @@ use envoy_types::pb::envoy::extensions::access_loggers::stream::v3::{
 };
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
 use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
-use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
-use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{
-    CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
-    SubjectAltNameMatcher, common_tls_context, subject_alt_name_matcher,
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
+    TcpProxy, UpstreamConnectMode, tcp_proxy,
 };
-use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
-use envoy_types::pb::google::protobuf::{BoolValue, Duration, UInt32Value};
+use envoy_types::pb::google::protobuf::{Duration, UInt32Value};
 use lattice_contract::{
     CapturePort, ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT,
-    INBOUND_PASSTHROUGH_CLUSTER, MESH_ALPN,
+    INBOUND_PASSTHROUGH_CLUSTER,
 };
 
-use super::{ads, socket_address, typed};
+use super::{mtls, socket_address, typed};
 use crate::identity::InboundMode;
 use crate::xds::InboundListeners;
-use crate::xds::secrets::{BUNDLE_SECRET, WORKLOAD_SECRET};
 use crate::xds::snapshot::XdsResource;
 
 /// The inbound listener's name in every proxy.
@@ -94,14 +91,14 @@ fn listener(mode: InboundMode, trust_domain: &str, capture: CapturePort) -> List
         name: "mtls".to_string(),
         filter_chain_match: Some(FilterChainMatch {
             transport_protocol: "tls".to_string(),
-            application_protocols: vec![MESH_ALPN.to_string()],
+            application_protocols: vec![lattice_contract::MESH_ALPN.to_string()],
             ..FilterChainMatch::default()
         }),
         transport_socket: Some(TransportSocket {
             name: "envoy.transport_sockets.tls".to_string(),
-            config_type: Some(transport_socket::ConfigType::TypedConfig(typed(mesh_tls(
-                trust_domain,
-            )))),
+            config_type: Some(transport_socket::ConfigType::TypedConfig(typed(
+                mtls::downstream(trust_domain),
+            ))),
         }),
         filters: vec![tcp_proxy("mtls", INBOUND_PASSTHROUGH_CLUSTER, true)],
         ..FilterChain::default()
@@ -149,46 +146,6 @@ fn listener_filter(name: &str, config: envoy_types::pb::google::protobuf::Any) -
     }
 }
 
-/// Mutual TLS as the mesh speaks it: the proxy's own leaf, a client certificate required, and
-/// checked against the bundle and the trust domain.
-fn mesh_tls(trust_domain: &str) -> DownstreamTlsContext {
-    let over_ads = |name: &str| SdsSecretConfig {
-        name: name.to_string(),
-        sds_config: Some(ads()),
-    };
-    let in_trust_domain = SubjectAltNameMatcher {
-        san_type: subject_alt_name_matcher::SanType::Uri as i32,
-        matcher: Some(StringMatcher {
-            match_pattern: Some(string_matcher::MatchPattern::Prefix(format!(
-                "spiffe://{trust_domain}/"
-            ))),
-            ..StringMatcher::default()
-        }),
-        ..SubjectAltNameMatcher::default()
-    };
-    DownstreamTlsContext {
-        common_tls_context: Some(CommonTlsContext {
-            tls_certificate_sds_secret_configs: vec![over_ads(WORKLOAD_SECRET)],
-            validation_context_type: Some(
-                common_tls_context::ValidationContextType::CombinedValidationContext(
-                    common_tls_context::CombinedCertificateValidationContext {
-                        default_validation_context: Some(CertificateValidationContext {
-                            match_typed_subject_alt_names: vec![in_trust_domain],
-                            ..CertificateValidationContext::default()
-                        }),
-                        validation_context_sds_secret_config: Some(over_ads(BUNDLE_SECRET)),
-                        ..Default::default()
-                    },
-                ),
-            ),
-            alpn_protocols: vec![MESH_ALPN.to_string()],
-            ..CommonTlsContext::default()
-        }),
-        require_client_certificate: Some(BoolValue { value: true }),
-        ..DownstreamTlsContext::default()
-    }
-}
-
 fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
     let access_log = if logged {
         vec![AccessLog {
@@ -218,8 +175,26 @@ fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
     let proxy = TcpProxy {
         stat_prefix: format!("inbound_{stat_prefix}"),
         cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
+        // A line once the app's side is connected, not only when the connection ends: a
+        // calling proxy keeps its connections open for many requests.
+        access_log_options: logged.then(|| tcp_proxy::TcpAccessLogOptions {
+            flush_access_log_on_connected: true,
+            ..tcp_proxy::TcpAccessLogOptions::default()
+        }),
         access_log,
         ..TcpProxy::default()
+    };
+    // A mesh caller reaches the app only once its certificate is checked: the app's side is
+    // not connected before the handshake is over (and what the caller sends meanwhile is
+    // held, up to this much). Plaintext connects at once, as before.
+    let proxy = if stat_prefix == "mtls" {
+        TcpProxy {
+            upstream_connect_mode: UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
+            max_early_data_bytes: Some(UInt32Value { value: 64 * 1024 }),
+            ..proxy
+        }
+    } else {
+        proxy
     };
     Filter {
         name: "envoy.filters.network.tcp_proxy".to_string(),
@@ -229,6 +204,7 @@ fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
 
 #[cfg(test)]
 mod tests {
+    use lattice_contract::MESH_ALPN;
     use prost::Message;
 
     use super::*;
