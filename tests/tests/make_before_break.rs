@@ -10,6 +10,12 @@
 //!   mesh pod sends through one kept-alive connection: no request fails. Fails when a cluster
 //!   goes before the route that names it does (Envoy answers 500, the route's
 //!   cluster-not-found status), or a route names a cluster Envoy still warms.
+//! - **a changed cluster, at once**: a service's cluster changes (its health check) while its
+//!   endpoints do not, under keep-alive load, with Envoy on Delta and on SotW: the new cluster
+//!   is active within a few seconds and no request fails. Envoy re-creates a changed cluster
+//!   and keeps the old one serving until the new one has its endpoints, and acknowledges the
+//!   clusters only then; fails when the endpoints wait for that acknowledgement (the new
+//!   cluster then waits out Envoy's 15 s initial fetch timeout).
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -245,4 +251,74 @@ fn releases_and_a_port_change_under_keepalive_load_fail_no_request() {
     );
     report.assert_no_failures();
     drop(agent);
+}
+
+/// `/shop/web` with one endpoint and a TCP health check every `interval` seconds.
+fn write_checked(path: &Path, backend: Ipv4Addr, interval: u32) {
+    let text = format!(
+        "services:\n  - path: /shop/web\n    ports:\n      - port: {PORT}\n        protocol: http\n    endpoints:\n      - address: {backend}\n    health:\n      check:\n        tcp: {{}}\n        interval: {interval}s\n"
+    );
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[test]
+fn a_changed_cluster_takes_effect_at_once_and_fails_no_request() {
+    let _one_envoy = ENVOY.blocking_lock();
+    let node = Node::new("recreate").unwrap();
+    let backend = node.http_backend("web", 11, PORT).unwrap();
+    let file = MeshFile::new(&[]).unwrap();
+    write_checked(file.path(), backend.pod.address, 5);
+    let path = file.path().to_string_lossy().into_owned();
+    let agent = node.agent(&["--mesh-file", &path], &[]).unwrap();
+    let web = SocketAddr::from((SHARED, PORT));
+    let host = format!("web.shop.system.internal:{PORT}");
+    let mut interval = 5;
+    for (mode, at) in [("delta", 2), ("sotw", 3)] {
+        let client = node
+            .client_with(
+                mode,
+                at,
+                (lattice_e2e::node::XDS, lattice_e2e::node::DNS),
+                &[&format!("--xds-mode={mode}")],
+            )
+            .unwrap();
+        envoy_holds(&client, &[cluster("web", PORT)]);
+        let load = client.load_keepalive(web, &host, Duration::from_millis(2));
+        for _ in 0..2 {
+            let before = backend.server.stats.served();
+            wait::until("the load to reach web", WITHIN, || {
+                (backend.server.stats.served() > before + 20)
+                    .then_some(())
+                    .ok_or_else(|| "not yet".to_string())
+            })
+            .unwrap();
+            interval += 1;
+            write_checked(file.path(), backend.pod.address, interval);
+            // Well under Envoy's 15 s initial fetch timeout, which a change would otherwise
+            // wait out.
+            let active = format!("\"interval\": \"{interval}s\"");
+            wait::until(
+                &format!("{mode}: the cluster checking every {interval}s active"),
+                Duration::from_secs(5),
+                || {
+                    let dump =
+                        client.envoy_admin("/config_dump?resource=dynamic_active_clusters")?;
+                    dump.contains(&active)
+                        .then_some(())
+                        .ok_or_else(|| "not yet".to_string())
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+        }
+        let report = load.stop();
+        println!(
+            "{mode}: {} requests while the cluster changed twice: {} failed",
+            report.outcomes.len(),
+            report.failures().len()
+        );
+        assert!(!report.outcomes.is_empty());
+        report.assert_no_failures();
+    }
 }

@@ -863,24 +863,30 @@ mod tests {
             stream.on_request(&ack(&response, &names), &snap);
             last.insert(url, response);
         }
-        // The cluster changes shape (HTTP → HTTP/2) but its endpoints do not: once Envoy has
-        // the new cluster (its ACK), the unchanged endpoints again.
+        // The cluster changes shape (HTTP → HTTP/2) but its endpoints do not: right behind the
+        // new cluster, the unchanged endpoints again (Envoy warms the re-created cluster until
+        // they come, and acknowledges the clusters only then).
         let snap2 = world.set("/foo/bar/buzz", Protocol::Http2, &["10.0.0.1:8080"]);
         let out = stream.on_snapshot(&snap2);
         let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
-        assert_eq!(urls, [CDS]);
-        let (out, _) = stream.on_request(&ack(&out[0], &[]), &snap2);
-        let urls: Vec<&str> = out.iter().map(|r| r.type_url.as_str()).collect();
-        assert_eq!(urls, [EDS], "the unchanged endpoints again");
+        assert_eq!(urls, [CDS, EDS], "the unchanged endpoints again");
         let digest = |version: &str| version.split_once(STAMP).unwrap().0.to_string();
         assert_eq!(
-            digest(&out[0].version_info),
+            digest(&out[1].version_info),
             digest(&last[EDS].version_info)
         );
+        let (again, _) = stream.on_request(&ack(&out[0], &[]), &snap2);
+        assert!(again.is_empty(), "not a second time on the ACK: {again:?}");
+        let out = [out[1].clone()];
 
         // The service turns TCP and moves to an address of its own: CDS, EDS, LDS and RDS all
         // change, and go out in order, the listeners and routes once the clusters are held.
-        stream.on_request(&ack(&out[0], &[BUZZ]), &snap2);
+        // Sent before the clusters were acknowledged, they carried the old clusters' stamp:
+        // an empty response restamps them.
+        let (restamp, _) = stream.on_request(&ack(&out[0], &[BUZZ]), &snap2);
+        assert_eq!(restamp.len(), 1);
+        assert!(!carries(&restamp[0]), "{restamp:?}");
+        stream.on_request(&ack(&restamp[0], &[BUZZ]), &snap2);
         let snap3 = world.set("/foo/bar/buzz", Protocol::Tcp, &["10.0.0.9:8080"]);
         let mut urls = Vec::new();
         let mut out = stream.on_snapshot(&snap3);

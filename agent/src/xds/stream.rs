@@ -18,8 +18,9 @@
 //!   a cluster until the listeners and route configurations are in sync, an assignment until
 //!   the clusters are, a route configuration until the listeners are, a secret until the
 //!   clusters and listeners are;
-//! - after a cluster changes, its endpoints are sent again, because Envoy re-creates the
-//!   cluster and waits for them;
+//! - after a cluster changes, its endpoints are sent again right behind it, because Envoy
+//!   re-creates the cluster, waits for them, and acknowledges the clusters only once it has
+//!   them;
 //! - SotW: clusters and listeners go out whole (the protocol requires it: what a response
 //!   leaves out is removed), endpoints and routes only where they changed (the protocol allows
 //!   it: Envoy updates only the watched resources a response names), so an endpoint change
@@ -676,6 +677,9 @@ impl Types {
             if kind == ResourceType::Cluster && !diff.changed.is_empty() {
                 // Before the listeners' and routes' turn.
                 self.clusters_sent(&diff.changed, snapshot);
+                // Before the endpoints' turn: this push sends them again, right behind the
+                // clusters (see [`Types::resend_endpoints_of`]).
+                self.clusters_recreated(&diff.changed);
             }
             found[kind.index()] = Some(diff);
         }
@@ -726,8 +730,7 @@ impl Types {
     }
 
     /// The client acknowledged the in-flight response of `kind` (see [`TypeState::accept`]).
-    /// The clusters it held as others before, it re-creates (Envoy does) and waits for their
-    /// endpoints again: they go out again. With a cluster it drops the cluster's endpoints.
+    /// With a cluster it drops the cluster's endpoints.
     pub(super) fn accept(
         &mut self,
         kind: ResourceType,
@@ -746,28 +749,7 @@ impl Types {
             },
             _ => Vec::new(),
         };
-        let recreated: Vec<Arc<str>> = match (&state.in_flight, kind) {
-            (Some(delivery), ResourceType::Cluster) => {
-                // Not known what a reconnecting SotW client held: any may be re-created.
-                let unknown = std::mem::take(&mut self.clusters_unknown);
-                delivery
-                    .carried()
-                    .filter(|r| {
-                        unknown
-                            || state
-                                .client
-                                .version(&r.name)
-                                .is_some_and(|v| v != r.version)
-                    })
-                    .map(|r| r.name.clone())
-                    .collect()
-            }
-            _ => Vec::new(),
-        };
         let delivery = state.accept(snapshot.of(kind), snapshot.whole(kind))?;
-        if !recreated.is_empty() {
-            self.resend_endpoints_of(recreated, &delivery.nonce);
-        }
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in dropped {
             // With its refusal: a cluster that comes back is new to the client.
@@ -782,26 +764,45 @@ impl Types {
         Some(delivery)
     }
 
-    /// Endpoints of clusters the client re-created on applying the response `nonce`: it holds
-    /// them no more, nor those of an endpoint response sent before `nonce` (it reached the
-    /// client first); a client that has not asked for endpoints on this stream yet is told when
-    /// it does (its request, on its way, says it holds them).
-    fn resend_endpoints_of(&mut self, names: Vec<Arc<str>>, nonce: &str) {
+    /// Of the clusters about to be sent, those the client holds as others: Envoy re-creates
+    /// such a cluster and keeps the old one serving until the new one has its endpoints, and
+    /// it acknowledges the clusters only then (or after its 15 s initial fetch timeout). So
+    /// their endpoints go out again now, behind the clusters, not on the acknowledgement: on
+    /// the acknowledgement a changed cluster took effect 15 s late.
+    fn clusters_recreated(&mut self, sent: &[Arc<XdsResource>]) {
+        // Not known what a reconnecting SotW client held: any may be re-created.
+        let unknown = std::mem::take(&mut self.clusters_unknown);
+        let clusters = &self.types[ResourceType::Cluster.index()];
+        let recreated: Vec<Arc<str>> = sent
+            .iter()
+            .filter(|r| {
+                unknown
+                    || clusters
+                        .client
+                        .version(&r.name)
+                        .is_some_and(|v| v != r.version)
+            })
+            .map(|r| r.name.clone())
+            .collect();
+        if !recreated.is_empty() {
+            self.resend_endpoints_of(recreated);
+        }
+    }
+
+    /// Endpoints of clusters the client re-creates on applying the cluster response about to
+    /// be sent: it holds them no more, nor those of an endpoint response still in flight (sent
+    /// before, it reaches the client first); a client that has not asked for endpoints on this
+    /// stream yet is told when it does (its request, on its way, says it holds them).
+    fn resend_endpoints_of(&mut self, names: Vec<Arc<str>>) {
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         if !endpoints.requested {
             self.recreated.extend(names);
             return;
         }
-        let before = |other: &str| match (other.parse::<u64>(), nonce.parse::<u64>()) {
-            (Ok(other), Ok(nonce)) => other < nonce,
-            _ => false,
-        };
         for name in names {
             // A version it refused for the cluster it had may suit the new one.
             endpoints.forget(&name);
-            if let Some(delivery) = &mut endpoints.in_flight
-                && before(&delivery.nonce)
-            {
+            if let Some(delivery) = &mut endpoints.in_flight {
                 delivery.listed.retain(|r| r.name != name);
             }
             endpoints.look_again(name);
