@@ -459,6 +459,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             path_grants: config.path_grants.clone(),
             rollback_check: (config.kube_rollback_check_secs > 0)
                 .then(|| Duration::from_secs(config.kube_rollback_check_secs)),
+            trust_domain: serves_secrets(&config).then(|| config.trust_domain.clone()),
         };
         let token = shutdown.clone();
         tasks.spawn(async move {

@@ -21,6 +21,12 @@ pub const INBOUND_CAPTURE: &str = "lattice.mlab.com/inbound-capture";
 /// Ports whose inbound TCP reaches the app directly (comma-separated), beside the proxy's own;
 /// only with inbound capture enabled.
 pub const EXCLUDE_INBOUND_PORTS: &str = "lattice.mlab.com/exclude-inbound-ports";
+/// Set by the injector on a pod whose inbound TCP it captures (`enabled`): the label the
+/// agents' metadata-only watch of meshed pods selects.
+pub const MESHED_LABEL: &str = "lattice.mlab.com/inbound-capture";
+/// Set by the injector beside [`MESHED_LABEL`]: the pod's service account, which that watch
+/// cannot read from the spec.
+pub const SERVICE_ACCOUNT: &str = "lattice.mlab.com/service-account";
 /// `delta` (the default) or `sotw`: the ADS flavour the proxy speaks.
 pub const XDS_MODE: &str = "lattice.mlab.com/xds-mode";
 /// Read by the agent, not the injector (`docs/kubernetes.md`): which services the pod's proxy

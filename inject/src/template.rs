@@ -38,7 +38,9 @@ use lattice_contract::{
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::annotations::{BadAnnotation, INJECT, INJECTED, Overrides, Wish, shown};
+use crate::annotations::{
+    BadAnnotation, INJECT, INJECTED, MESHED_LABEL, Overrides, SERVICE_ACCOUNT, Wish, shown,
+};
 use crate::config::InjectConfig;
 
 /// The init container that writes the bootstrap and the iptables rules.
@@ -183,10 +185,30 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
     let has_annotations = pod["metadata"]
         .get("annotations")
         .is_some_and(Value::is_object);
+    let has_labels = pod["metadata"].get("labels").is_some_and(Value::is_object);
     if !has_metadata {
         created.push("metadata".to_string());
     } else if !has_annotations {
         created.push("annotations".to_string());
+    }
+    // A pod whose inbound TCP is captured takes mesh mTLS: the agents find it by this label
+    // (a metadata-only watch, which sees no spec, hence its service account beside it).
+    let meshed = overrides.inbound_capture.then(|| {
+        spec.service_account_name
+            .clone()
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| "default".to_string())
+    });
+    if meshed.is_some() && has_metadata {
+        if has_labels {
+            ops.push(add(&["metadata", "labels", MESHED_LABEL], json!("enabled")));
+        } else {
+            created.push("labels".to_string());
+            ops.push(add(
+                &["metadata", "labels"],
+                json!({MESHED_LABEL: "enabled"}),
+            ));
+        }
     }
     let record = Record {
         dns_policy: raw_spec.get("dnsPolicy").cloned(),
@@ -194,13 +216,24 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
         created,
     };
     let text = serde_json::to_string(&record).unwrap_or_default();
-    ops.push(if !has_metadata {
-        add(&["metadata"], json!({"annotations": {INJECTED: text}}))
+    let mut ours = serde_json::Map::new();
+    ours.insert(INJECTED.to_string(), json!(text));
+    if let Some(account) = &meshed {
+        ours.insert(SERVICE_ACCOUNT.to_string(), json!(account));
+    }
+    if !has_metadata {
+        let mut metadata = json!({"annotations": ours});
+        if meshed.is_some() {
+            metadata["labels"] = json!({MESHED_LABEL: "enabled"});
+        }
+        ops.push(add(&["metadata"], metadata));
     } else if !has_annotations {
-        add(&["metadata", "annotations"], json!({INJECTED: text}))
+        ops.push(add(&["metadata", "annotations"], Value::Object(ours)));
     } else {
-        add(&["metadata", "annotations", INJECTED], json!(text))
-    });
+        for (key, value) in ours {
+            ops.push(add(&["metadata", "annotations", &key], value));
+        }
+    }
     Ok(Patch(ops))
 }
 
@@ -250,16 +283,32 @@ pub fn uninject(pod: &Value) -> Result<Patch, NotInjected> {
             None => {}
         }
     }
-    let others = pod["metadata"]["annotations"]
-        .as_object()
-        .map_or(0, |a| a.len() - 1);
-    let only_field = pod["metadata"].as_object().map_or(0, |m| m.len()) == 1;
-    if created("metadata") && others == 0 && only_field {
+    let annotations = pod["metadata"]["annotations"].as_object();
+    let our_account = annotations.is_some_and(|a| a.contains_key(SERVICE_ACCOUNT));
+    let others = annotations.map_or(0, |a| a.len() - 1 - usize::from(our_account));
+    let labels = pod["metadata"]["labels"].as_object();
+    let our_label = labels.is_some_and(|l| l.contains_key(MESHED_LABEL));
+    let other_labels = labels.map_or(0, |l| l.len() - usize::from(our_label));
+    let annotations_go = others == 0 && (created("annotations") || created("metadata"));
+    let labels_go = our_label && other_labels == 0 && (created("labels") || created("metadata"));
+    let fields = pod["metadata"].as_object().map_or(0, |m| m.len());
+    let left = fields - usize::from(annotations_go) - usize::from(labels_go);
+    if created("metadata") && annotations_go && left == 0 {
         ops.push(remove(&["metadata"]));
-    } else if (created("annotations") || created("metadata")) && others == 0 {
+        return Ok(Patch(ops));
+    }
+    if annotations_go {
         ops.push(remove(&["metadata", "annotations"]));
     } else {
         ops.push(remove(&["metadata", "annotations", INJECTED]));
+        if our_account {
+            ops.push(remove(&["metadata", "annotations", SERVICE_ACCOUNT]));
+        }
+    }
+    if labels_go {
+        ops.push(remove(&["metadata", "labels"]));
+    } else if our_label {
+        ops.push(remove(&["metadata", "labels", MESHED_LABEL]));
     }
     Ok(Patch(ops))
 }

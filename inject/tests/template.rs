@@ -350,6 +350,7 @@ fn pod_strategy() -> impl Strategy<Value = Value> {
             prop::option::of("ClusterFirst|ClusterFirstWithHostNet"),
         ),
         (any::<bool>(), any::<bool>()),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
             |(
@@ -357,6 +358,7 @@ fn pod_strategy() -> impl Strategy<Value = Value> {
                 (init, containers, volumes),
                 (dns, policy),
                 (searches, options),
+                (inbound, account),
             )| {
                 let mut pod = json!({"spec": {}});
                 if metadata {
@@ -364,9 +366,16 @@ fn pod_strategy() -> impl Strategy<Value = Value> {
                     if annotations {
                         pod["metadata"]["annotations"] = json!({"a": "1"});
                     }
+                    if inbound {
+                        pod["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"] =
+                            json!("enabled");
+                    }
                     if labels > 0 {
                         pod["metadata"]["labels"] = json!({"app": "x"});
                     }
+                }
+                if account {
+                    pod["spec"]["serviceAccountName"] = json!("web");
                 }
                 let spec = &mut pod["spec"];
                 if init > 0 {
@@ -410,6 +419,19 @@ proptest! {
         prop_assert_eq!(init.iter().filter(|c| c.name == INIT_CONTAINER).count(), 1);
         prop_assert_eq!(&init[1].name, PROXY_CONTAINER);
         prop_assert_eq!(injected(&out, "ns"), Err(Skip::AlreadyInjected));
+        // Inbound capture: the label the agents select meshed pods by, and the service
+        // account beside it.
+        let inbound = pod["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"] == "enabled";
+        let labelled = out["metadata"]["labels"]["lattice.mlab.com/inbound-capture"] == "enabled";
+        prop_assert_eq!(labelled, inbound);
+        if inbound {
+            let account = pod["spec"]["serviceAccountName"].as_str().unwrap_or("default");
+            prop_assert_eq!(
+                out["metadata"]["annotations"]["lattice.mlab.com/service-account"].as_str(),
+                Some(account)
+            );
+            prop_assert!(init[0].args.clone().unwrap().contains(&"--inbound-capture".to_string()));
+        }
         prop_assert_eq!(uninjected(&out), pod);
     }
 }

@@ -243,6 +243,43 @@ impl FieldSelector {
         Ok(FieldSelector(terms))
     }
 
+    /// A `labelSelector` of equality terms (`key=value`, `key==value`, `key!=value`), read as
+    /// terms on `metadata.labels`; set-based terms are refused, as this server does not
+    /// implement them.
+    fn parse_labels(text: &str) -> Result<FieldSelector, String> {
+        let mut terms = Vec::new();
+        for term in text.split(',').filter(|t| !t.is_empty()) {
+            let (key, equal, value) = if let Some((k, v)) = term.split_once("!=") {
+                (k, false, v)
+            } else if let Some((k, v)) = term.split_once("==") {
+                (k, true, v)
+            } else if let Some((k, v)) = term.split_once('=') {
+                (k, true, v)
+            } else {
+                return Err(format!(
+                    "label selector term {term:?}: the fake API server supports equality terms only"
+                ));
+            };
+            if key.contains(' ') || value.contains(['(', ')', ' ']) {
+                return Err(format!(
+                    "label selector term {term:?}: the fake API server supports equality terms only"
+                ));
+            }
+            terms.push((
+                vec!["metadata".into(), "labels".into(), key.to_string()],
+                equal,
+                value.to_string(),
+            ));
+        }
+        Ok(FieldSelector(terms))
+    }
+
+    /// Both selectors' terms: an object must match all of them.
+    fn and(mut self, other: FieldSelector) -> FieldSelector {
+        self.0.extend(other.0);
+        self
+    }
+
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -269,6 +306,8 @@ struct Watcher {
     kind: &'static Kind,
     namespace: Option<String>,
     selector: FieldSelector,
+    /// The client asked for metadata only (PartialObjectMetadata).
+    metadata_only: bool,
     bookmarks: bool,
     /// The version the watch started from: as a real API server's watch cache, it sends only
     /// changes after it, and bookmarks once the store has reached it.
@@ -315,6 +354,7 @@ impl Store {
                 return true;
             }
             match change.line_for(&w.selector) {
+                Some(line) if w.metadata_only => w.tx.send(metadata_line(&line)).is_ok(),
                 Some(line) => w.tx.send(line).is_ok(),
                 None => true,
             }
@@ -480,6 +520,38 @@ impl Store {
             .filter(move |((_, ns, _), _)| namespace.is_none_or(|want| want == ns))
             .map(|(_, stored)| &stored.json)
     }
+}
+
+/// An object as a metadata-only client sees it: `PartialObjectMetadata`, its metadata alone.
+fn partial_metadata(object: &[u8]) -> Vec<u8> {
+    let metadata = serde_json::from_slice::<Value>(object)
+        .ok()
+        .and_then(|mut v| v.get_mut("metadata").map(Value::take))
+        .unwrap_or_else(|| json!({}));
+    json!({
+        "kind": "PartialObjectMetadata",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": metadata,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// A watch event line for a metadata-only watcher: its object as [`partial_metadata`];
+/// errors as they are.
+fn metadata_line(line: &Bytes) -> Bytes {
+    let Ok(mut event) = serde_json::from_slice::<Value>(line) else {
+        return line.clone();
+    };
+    if event["type"] == "ERROR" {
+        return line.clone();
+    }
+    let object = event["object"].to_string();
+    event["object"] =
+        serde_json::from_slice(&partial_metadata(object.as_bytes())).unwrap_or(Value::Null);
+    let mut out = event.to_string().into_bytes();
+    out.push(b'\n');
+    out.into()
 }
 
 fn event_line(kind: &str, object: &[u8]) -> Bytes {
@@ -1094,12 +1166,22 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
         return unknown_resource();
     };
     let params = query(&req);
-    let selector =
-        match FieldSelector::parse(params.get("fieldSelector").map_or("", String::as_str)) {
-            Ok(selector) => selector,
-            Err(message) => return failure(StatusCode::BAD_REQUEST, "BadRequest", &message),
-        };
-    for unsupported in ["labelSelector", "sendInitialEvents"] {
+    let selector = FieldSelector::parse(params.get("fieldSelector").map_or("", String::as_str))
+        .and_then(|fields| {
+            let labels = params.get("labelSelector").map_or("", String::as_str);
+            Ok(fields.and(FieldSelector::parse_labels(labels)?))
+        });
+    let selector = match selector {
+        Ok(selector) => selector,
+        Err(message) => return failure(StatusCode::BAD_REQUEST, "BadRequest", &message),
+    };
+    // kube's metadata watcher asks for PartialObjectMetadata(List): metadata only.
+    let metadata_only = req
+        .headers()
+        .get(http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|accept| accept.contains("as=PartialObjectMetadata"));
+    for unsupported in ["sendInitialEvents"] {
         if params.get(unsupported).is_some_and(|v| !v.is_empty()) {
             return failure(
                 StatusCode::BAD_REQUEST,
@@ -1112,9 +1194,9 @@ fn handle(store: &Mutex<Store>, req: Request<Incoming>) -> Response<Body> {
         return get(store, &target, name);
     }
     if matches!(params.get("watch").map(String::as_str), Some("1" | "true")) {
-        return watch(store, &target, &params, selector);
+        return watch(store, &target, &params, selector, metadata_only);
     }
-    list(store, &target, &params, &selector)
+    list(store, &target, &params, &selector, metadata_only)
 }
 
 fn get(store: &Mutex<Store>, target: &Target, name: &str) -> Response<Body> {
@@ -1142,6 +1224,7 @@ fn list(
     target: &Target,
     params: &HashMap<String, String>,
     selector: &FieldSelector,
+    metadata_only: bool,
 ) -> Response<Body> {
     // `resourceVersion=0` ("any"): a real API server answers from its watch cache, which does
     // not paginate: `limit` is ignored and the whole list comes in one response (kube-apiserver
@@ -1219,11 +1302,17 @@ fn list(
             .sum::<usize>()
             + 256,
     );
+    let (kind, api_version) = if metadata_only {
+        (
+            "PartialObjectMetadata".to_string(),
+            "meta.k8s.io/v1".to_string(),
+        )
+    } else {
+        (target.kind.name.to_string(), target.kind.api_version())
+    };
     body.extend_from_slice(
         format!(
-            "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{metadata},\"items\":[",
-            target.kind.name,
-            target.kind.api_version()
+            "{{\"kind\":\"{kind}List\",\"apiVersion\":\"{api_version}\",\"metadata\":{metadata},\"items\":["
         )
         .as_bytes(),
     );
@@ -1231,7 +1320,11 @@ fn list(
         if i > 0 {
             body.push(b',');
         }
-        body.extend_from_slice(item);
+        if metadata_only {
+            body.extend_from_slice(&partial_metadata(item));
+        } else {
+            body.extend_from_slice(item);
+        }
     }
     body.extend_from_slice(b"]}");
     json_response(StatusCode::OK, body)
@@ -1242,6 +1335,7 @@ fn watch(
     target: &Target,
     params: &HashMap<String, String>,
     selector: FieldSelector,
+    metadata_only: bool,
 ) -> Response<Body> {
     let from = match params.get("resourceVersion").map(String::as_str) {
         None | Some("" | "0") => None,
@@ -1278,7 +1372,12 @@ fn watch(
                     .in_scope(target.kind, namespace)
                     .filter(|json| selector.matches(json))
                 {
-                    let _ = tx.send(event_line("ADDED", json));
+                    let line = event_line("ADDED", json);
+                    let _ = tx.send(if metadata_only {
+                        metadata_line(&line)
+                    } else {
+                        line
+                    });
                 }
             }
             Some(rv) if rv < store.compacted => {
@@ -1296,7 +1395,11 @@ fn watch(
                         && namespace.is_none_or(|ns| ns == change.namespace)
                         && let Some(line) = change.line_for(&selector)
                     {
-                        let _ = tx.send(line);
+                        let _ = tx.send(if metadata_only {
+                            metadata_line(&line)
+                        } else {
+                            line
+                        });
                     }
                 }
             }
@@ -1305,6 +1408,7 @@ fn watch(
             kind: target.kind,
             namespace: target.namespace.clone(),
             selector,
+            metadata_only,
             bookmarks,
             from: from.unwrap_or(0),
             tx,

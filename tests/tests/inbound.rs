@@ -526,3 +526,98 @@ fn two_meshed_pods_talk_mutual_tls_with_their_identities_checked() {
         "a refused server was sent the request"
     );
 }
+
+/// A pod as the injector admits it with inbound capture: the label the agents' metadata-only
+/// watch selects, and its service account beside it (`labelled: false`: not yet meshed).
+fn meshed_pod(name: &str, account: &str, ip: Ipv4Addr, labelled: bool) -> Value {
+    let mut object = pod(name, account, ip, None);
+    if labelled {
+        object["metadata"]["labels"] = json!({"lattice.mlab.com/inbound-capture": "enabled"});
+        object["metadata"]["annotations"]["lattice.mlab.com/service-account"] = json!(account);
+    }
+    object
+}
+
+/// The same two pods with the mesh from Kubernetes: the Service `default/web` and its
+/// EndpointSlice, whose endpoint names web's pod. Until web's pod is labelled as meshed,
+/// front calls it in plaintext (web is permissive, so the call passes); once it is, the
+/// agent follows the label and front's calls are mesh mTLS with web's identity checked.
+#[test]
+fn a_kubernetes_service_of_meshed_pods_is_called_over_mutual_tls() {
+    let node = Node::new("mtlskube").unwrap();
+    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
+    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
+    server.apply_json(ca_secret(&chain)).unwrap();
+    let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let mut front_pod = pod("front", "front", front_ip, None);
+    front_pod["metadata"]["annotations"] = json!({});
+    server.apply_json(front_pod).unwrap();
+    server
+        .apply_json(meshed_pod("web", "web", web_ip, false))
+        .unwrap();
+    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
+    server
+        .apply_json(lattice_e2e::k8s_objects::service("default", "web", ports))
+        .unwrap();
+    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    server
+        .apply_json(lattice_e2e::k8s_objects::slice(
+            "default",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": APP_PORT}]),
+            endpoints,
+        ))
+        .unwrap();
+    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
+    let local = NODE_LOCAL.to_string();
+    let agent = node
+        .agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &["--node-local-dns", local.as_str()],
+            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+        )
+        .unwrap();
+    let web = node
+        .client_with("web", 3, (XDS, DNS), &["--inbound-capture"])
+        .unwrap();
+    let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    wait::until("web's inbound listener", WITHIN, || listening(&web)).unwrap();
+    let front = node.client_with("front", 2, (XDS, DNS), &[]).unwrap();
+    let url = format!("http://web.default.system.internal:{APP_PORT}/");
+    let called_as = |chain: &str| {
+        let before = app.stats.served();
+        wait::until(&format!("a {chain} call from front"), WITHIN, || {
+            let body = front.curl(&url)?;
+            let log = web.envoy_log();
+            let line = log
+                .lines()
+                .rev()
+                .find(|l| l.contains("[lattice-inbound]") && l.contains("from=10.200.0.2"))
+                .unwrap_or_default();
+            if body.trim() == "web" && line.contains(&format!("[lattice-inbound] {chain} ")) {
+                Ok(line.to_string())
+            } else {
+                Err(format!("{body:?}, last line: {line}"))
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+        assert!(app.stats.served() > before);
+    };
+    called_as("plaintext");
+
+    server
+        .apply_json(meshed_pod("web", "web", web_ip, true))
+        .unwrap();
+    called_as("mtls peer=spiffe://cluster.local/ns/default/sa/front");
+    let (_, mesh) = agent.get("/debug/mesh").unwrap();
+    assert!(
+        mesh.contains("spiffe://cluster.local/ns/default/sa/web"),
+        "/debug/mesh shows the Service's identities: {mesh}"
+    );
+}

@@ -23,6 +23,7 @@
 pub mod ca;
 mod index;
 mod mapping;
+pub mod meshed;
 pub mod node;
 mod ownership;
 pub mod pods;
@@ -35,9 +36,10 @@ use futures::{Stream, StreamExt};
 use gateway_api::experimental::httproutes::HttpRoute;
 use gateway_api::grpcroutes::GrpcRoute;
 use gateway_api::referencegrants::ReferenceGrant;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
+use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use lattice_contract::TrapCidrs;
 use tokio_util::sync::CancellationToken;
@@ -65,6 +67,10 @@ pub struct KubeSourceConfig {
     /// How often the API server's current resourceVersion is compared with the highest the
     /// watches have seen ([`probe_revisions`]); `None`: never.
     pub rollback_check: Option<std::time::Duration>,
+    /// The trust domain, when the agent serves workload certificates: then the meshed pods
+    /// are watched too ([`meshed`]), and a Service all of whose endpoints are meshed pods is
+    /// called over mesh mTLS.
+    pub trust_domain: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +126,7 @@ enum Resource {
     GrpcRoutes,
     ReferenceGrants,
     PathGrants,
+    MeshedPods,
 }
 
 impl Resource {
@@ -131,6 +138,7 @@ impl Resource {
             Resource::GrpcRoutes => "grpcroutes.gateway.networking.k8s.io",
             Resource::ReferenceGrants => "referencegrants.gateway.networking.k8s.io",
             Resource::PathGrants => "configmaps (path grants)",
+            Resource::MeshedPods => "pods (meshed, metadata only)",
         }
     }
 
@@ -156,6 +164,7 @@ enum Object {
     Route(RouteKey, RouteEntry),
     Grant(ObjectKey, GrantEntry),
     PathGrants(PathGrants),
+    MeshedPod(ObjectKey, Option<std::sync::Arc<str>>),
 }
 
 impl Object {
@@ -186,6 +195,11 @@ impl Object {
 
     fn path_grants(config_map: &ConfigMap) -> Object {
         Object::PathGrants(PathGrants::from_config_map(config_map))
+    }
+
+    fn meshed_pod(pod: &PartialObjectMeta<Pod>) -> Object {
+        let (key, account) = meshed::meshed_entry(&pod.metadata);
+        Object::MeshedPod(key, account)
     }
 }
 
@@ -244,13 +258,17 @@ pub async fn run(
         if config.namespaces.is_empty() { " cluster-wide" } else { "" }
     );
     let grants = (config.path_claims == PathClaims::Granted).then_some(&config.path_grants);
-    let watches = Watches::new(&client, &namespaces, grants);
+    let trust_domain = config.trust_domain.as_deref();
+    let watches = Watches::new(&client, &namespaces, grants, trust_domain.is_some());
     let ownership = Ownership {
         claims: config.path_claims,
         grants: PathGrants::default(),
         grants_from: format!("{}/{}", config.path_grants.0, config.path_grants.1),
     };
     let mut set = WatchSet::new(config.trap, ownership, watches.scopes);
+    if let Some(trust_domain) = trust_domain {
+        set = set.with_meshed_pods(trust_domain);
+    }
     let mut streams = watches.streams;
     let (probe, mut revisions) = match config.rollback_check {
         Some(every) => {
@@ -264,7 +282,9 @@ pub async fn run(
         match follow(events, &mut set, &tx, &shutdown, &mut revisions).await {
             Ok(Followed::Shutdown) => break Ok(()),
             // Every watch starts over, from a list: a watcher only re-lists by itself on 410.
-            Ok(Followed::Relist) => streams = Watches::new(&client, &namespaces, grants).streams,
+            Ok(Followed::Relist) => {
+                streams = Watches::new(&client, &namespaces, grants, trust_domain.is_some()).streams
+            }
             Err(error) => break Err(error),
         }
     };
@@ -338,6 +358,7 @@ impl Watches {
         client: &kube::Client,
         namespaces: &[Option<String>],
         grants: Option<&(String, String)>,
+        meshed_pods: bool,
     ) -> Watches {
         let mut watches = Watches::default();
         let all = watcher::Config::default();
@@ -371,6 +392,19 @@ impl Watches {
                 Object::grant,
                 &all,
             );
+        }
+        if meshed_pods {
+            let labelled = watcher::Config::default().labels(meshed::MESHED_SELECTOR);
+            for namespace in namespaces {
+                // Metadata only: `Api<PartialObjectMeta<_>>` asks for PartialObjectMetadata.
+                watches.add::<PartialObjectMeta<Pod>>(
+                    client,
+                    namespace,
+                    Resource::MeshedPods,
+                    Object::meshed_pod,
+                    &labelled,
+                );
+            }
         }
         if let Some((namespace, name)) = grants {
             let one = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -516,6 +550,12 @@ impl WatchSet {
             started: Instant::now(),
             ready: false,
         }
+    }
+
+    /// Follows the meshed pods too, their identities in `trust_domain`.
+    fn with_meshed_pods(mut self, trust_domain: &str) -> Self {
+        self.index = self.index.with_meshed_pods(trust_domain);
+        self
     }
 
     fn handle(&mut self, watch: usize, result: Result<Change, watcher::Error>) {
@@ -704,6 +744,16 @@ impl WatchSet {
                 });
                 self.index.set_grants(grants.unwrap_or_default());
             }
+            Resource::MeshedPods => {
+                let pods = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::MeshedPod(key, account) => Some((key, account)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_meshed_pods(namespace, pods);
+            }
         }
     }
 
@@ -714,6 +764,7 @@ impl WatchSet {
             Object::Route(key, entry) => self.index.apply_route(key, entry),
             Object::Grant(key, entry) => self.index.apply_grant(key, entry),
             Object::PathGrants(grants) => self.index.set_grants(grants),
+            Object::MeshedPod(key, account) => self.index.set_meshed_pod(&key, account.as_deref()),
         }
     }
 
@@ -724,6 +775,7 @@ impl WatchSet {
             Object::Route(key, _) => self.index.delete_route(key),
             Object::Grant(key, _) => self.index.delete_grant(key),
             Object::PathGrants(_) => self.index.set_grants(PathGrants::default()),
+            Object::MeshedPod(key, _) => self.index.set_meshed_pod(&key, None),
         }
     }
 

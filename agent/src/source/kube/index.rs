@@ -12,6 +12,7 @@ use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
+use super::meshed::MeshedPods;
 use super::ownership::{self, PathClaims, PathGrants};
 use super::routes::{GrantEntry, RouteEntry, RouteIndex, RouteKey, RouteKind};
 use crate::mesh::{
@@ -54,6 +55,9 @@ pub struct MeshIndex {
     rejected: Vec<RejectedRoute>,
     mesh: MeshState,
     changed: bool,
+    /// The pods that take mesh mTLS, when the agent serves certificates: a Service all of
+    /// whose endpoints are such pods is called over mTLS.
+    meshed: Option<MeshedPods>,
 }
 
 impl MeshIndex {
@@ -72,7 +76,57 @@ impl MeshIndex {
             rejected: Vec::new(),
             mesh: MeshState::new(trap),
             changed: true,
+            meshed: None,
         }
+    }
+
+    /// Follows which pods take mesh mTLS, their identities in `trust_domain`.
+    pub fn with_meshed_pods(mut self, trust_domain: &str) -> Self {
+        self.meshed = Some(MeshedPods::new(trust_domain));
+        self
+    }
+
+    /// A meshed pod came or changed (`account`: its service account), or went (`None`).
+    pub fn set_meshed_pod(&mut self, key: &ObjectKey, account: Option<&str>) {
+        if let Some(meshed) = &mut self.meshed {
+            meshed.set(key, account);
+        }
+    }
+
+    /// Makes the meshed pods in `scope` (a namespace, or all) exactly `listed`: a re-list.
+    pub fn replace_meshed_pods(
+        &mut self,
+        scope: Option<&str>,
+        listed: Vec<(ObjectKey, Option<Arc<str>>)>,
+    ) {
+        if let Some(meshed) = &mut self.meshed {
+            meshed.replace(scope, listed);
+        }
+    }
+
+    /// Recomputes the Services with an endpoint whose pod came, went or changed identity
+    /// since the last time: one pass over the endpoints' pod hashes per batch of changes.
+    fn refresh_meshed(&mut self) {
+        let Some(changed) = self.meshed.as_mut().map(MeshedPods::take_changed) else {
+            return;
+        };
+        if changed.is_empty() {
+            return;
+        }
+        let affected: BTreeSet<ObjectKey> = self
+            .slices
+            .iter()
+            .filter(|(_, slice)| {
+                slice
+                    .endpoints
+                    .iter()
+                    .filter_map(|e| e.pod)
+                    .chain(slice.named.iter().filter_map(|e| e.pod))
+                    .any(|pod| changed.contains(&pod))
+            })
+            .map(|(key, slice)| ObjectKey::new(key.namespace.as_str(), slice.service.as_str()))
+            .collect();
+        self.refresh_services(affected);
     }
 
     pub fn apply_mapped_service(&mut self, key: ObjectKey, mapped: MappedService) {
@@ -247,6 +301,7 @@ impl MeshIndex {
 
     /// A snapshot to publish, if anything changed since the last one taken.
     pub fn take_snapshot(&mut self) -> Option<Arc<MeshSnapshot>> {
+        self.refresh_meshed();
         self.update_rejections();
         self.update_refused_paths();
         if !self.changed {
@@ -537,7 +592,25 @@ impl MeshIndex {
                 }
             })
             .collect();
+        let identities = match &self.meshed {
+            Some(meshed) if entry.external.is_none() => {
+                meshed.identities(slices.iter().flat_map(|slice| {
+                    let named = if entry.headless {
+                        &slice.named[..]
+                    } else {
+                        &[]
+                    };
+                    slice
+                        .endpoints
+                        .iter()
+                        .map(|e| e.pod)
+                        .chain(named.iter().map(|e| e.pod))
+                }))
+            }
+            _ => Vec::new(),
+        };
         let mut spec = ServiceSpec::new(entry.path.clone(), ports)
+            .with_identities(identities)
             .with_health(entry.health.clone())
             .with_traffic_distribution(entry.traffic_distribution)
             .with_host_header(entry.host_header);

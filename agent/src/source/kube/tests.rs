@@ -988,3 +988,50 @@ fn with_any_claims_the_oldest_wins_as_before() {
         seen[1].1[0].starts_with("payments/gateway /payments/api: held by Service tenant/grab")
     );
 }
+
+#[test]
+fn a_service_whose_every_endpoint_is_a_meshed_pod_names_their_identities() {
+    let mut index = MeshIndex::new(trap(), Ownership::default()).with_meshed_pods("cluster.local");
+    index.apply_service(&service(
+        "shop",
+        "web",
+        json!([{"name": "http", "port": 80}]),
+    ));
+    let endpoint = |ip: &str, pod: &str| {
+        json!({"addresses": [ip], "conditions": {"ready": true},
+               "targetRef": {"kind": "Pod", "namespace": "shop", "name": pod}})
+    };
+    index.apply_slice(&slice(
+        "shop",
+        "web-1",
+        "web",
+        json!([{"name": "http", "port": 8080}]),
+        json!([endpoint("10.0.0.1", "web-a"), endpoint("10.0.0.2", "web-b")]),
+    ));
+    let mut last = snapshot(&mut index);
+    let mut identities = |index: &mut MeshIndex| -> Vec<String> {
+        if let Some(newer) = index.take_snapshot() {
+            last = newer;
+        }
+        let path: crate::mesh::MeshPath = "/shop/web".parse().unwrap();
+        last.services[&path]
+            .identities
+            .iter()
+            .map(|i| i.to_string())
+            .collect()
+    };
+    assert!(identities(&mut index).is_empty(), "no pod meshed yet");
+    index.set_meshed_pod(&ObjectKey::new("shop", "web-a"), Some("web"));
+    assert!(identities(&mut index).is_empty(), "web-b is not meshed");
+    index.set_meshed_pod(&ObjectKey::new("shop", "web-b"), Some("web"));
+    assert_eq!(
+        identities(&mut index),
+        ["spiffe://cluster.local/ns/shop/sa/web"]
+    );
+    // A re-list that no longer has web-b: plaintext again.
+    index.replace_meshed_pods(
+        Some("shop"),
+        vec![(ObjectKey::new("shop", "web-a"), Some(Arc::from("web")))],
+    );
+    assert!(identities(&mut index).is_empty());
+}
