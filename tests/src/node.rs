@@ -374,6 +374,11 @@ impl Server {
         })
     }
 
+    /// A TCP echo server in a pod that is also something else, as [`Node::tcp_echo`]'s.
+    pub fn echo(pod: &Pod, port: u16) -> anyhow::Result<Server> {
+        Server::start(pod, port, serve_echo)
+    }
+
     fn start<H>(pod: &Pod, port: u16, handler: H) -> anyhow::Result<Server>
     where
         H: Fn(TcpStream, &Stats) + Send + Sync + 'static,
