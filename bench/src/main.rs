@@ -8,6 +8,7 @@ mod bench_hostile_dns;
 mod bench_hostile_file;
 mod bench_init;
 mod bench_kube;
+mod bench_mtls;
 mod bench_xds;
 mod demo;
 mod scale_test;
@@ -34,7 +35,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, translate, kube, xds, init, hostile); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init, hostile, mtls); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -77,13 +78,14 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 6] = [
+    let runners: [(&str, BenchPart); 7] = [
         ("dns", bench_dns::run),
         ("translate", bench_dns::during_translation),
         ("kube", bench_kube::run),
         ("xds", bench_xds::run),
         ("init", bench_init::run),
         ("hostile", bench_hostile::run),
+        ("mtls", bench_mtls::run),
     ];
     if let Some(unknown) = only
         .iter()

@@ -21,4 +21,5 @@ pub mod node;
 pub mod procstat;
 pub mod raw_grpc;
 pub mod sizing;
+pub mod trusted;
 pub mod wait;

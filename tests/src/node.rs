@@ -1074,6 +1074,8 @@ impl Request {
 #[derive(Clone, Debug)]
 pub struct Outcome {
     pub at: Instant,
+    /// How long the request took.
+    pub took: Duration,
     pub result: Result<String, String>,
 }
 
@@ -1096,6 +1098,7 @@ impl Load {
             if let Err(err) = join_path(&netns) {
                 outcomes.push(Outcome {
                     at: Instant::now(),
+                    took: Duration::ZERO,
                     result: Err(err.to_string()),
                 });
                 return outcomes;
@@ -1105,6 +1108,7 @@ impl Load {
                 let result = request();
                 outcomes.push(Outcome {
                     at: started,
+                    took: started.elapsed(),
                     result,
                 });
                 // Pacing, not waiting for a condition: a steady rate without starving the

@@ -19,44 +19,25 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
-use k8s_openapi::ByteString;
-use lattice_e2e::agent::AgentAddrs;
-use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
-use lattice_e2e::node::{ADMIN, ClientPod, Node, Server};
+use lattice_e2e::node::{ClientPod, Server};
+use lattice_e2e::trusted::{TrustedNode, ca_secret, inbound_listening, pod};
 use lattice_e2e::wait;
 use lattice_inject::certs::Chain;
 use serde_json::{Value, json};
 
-const NODE_LOCAL: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
-const XDS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 15010);
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 53);
 const WITHIN: Duration = Duration::from_secs(20);
 const APP_PORT: u16 = 8080;
 const MESH_ALPN: &str = lattice_contract::MESH_ALPN;
 const REQUEST: &str = "GET / HTTP/1.1\r\nHost: app\r\nConnection: close\r\n\r\n";
 
-fn pod(name: &str, account: &str, ip: Ipv4Addr, mode: Option<&str>) -> Value {
+/// A pod whose inbound TCP is captured, in `mode` (none: the default, permissive).
+fn captured(name: &str, account: &str, ip: Ipv4Addr, mode: Option<&str>) -> Value {
     let mut annotations = json!({"lattice.mlab.com/inbound-capture": "enabled"});
     if let Some(mode) = mode {
         annotations["lattice.mlab.com/mtls-mode"] = json!(mode);
     }
-    json!({"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"namespace": "default", "name": name, "annotations": annotations},
-           "spec": {"nodeName": "node-a", "serviceAccountName": account,
-                    "containers": [{"name": "app", "image": "app"}]},
-           "status": {"phase": "Running", "podIP": ip.to_string(),
-                      "podIPs": [{"ip": ip.to_string()}]}})
-}
-
-fn ca_secret(chain: &Chain) -> Value {
-    let bytes = |text: &str| json!(ByteString(text.as_bytes().to_vec()));
-    json!({
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
-        "data": {"tls.crt": bytes(&chain.ca_cert), "tls.key": bytes(&chain.ca_key),
-                 "ca.crt": bytes(&chain.ca_cert)}
-    })
+    pod(name, account, ip, annotations)
 }
 
 /// Runs `openssl args` in `netns` with `stdin`; its stdout, or why it failed.
@@ -226,50 +207,28 @@ fn plaintext(netns: &Netns, target: SocketAddr) -> Result<String, String> {
     }
 }
 
-fn listening(pod: &ClientPod) -> Result<(), String> {
-    let listeners = pod.envoy_admin("/listeners")?;
-    if listeners.contains("lattice-inbound::0.0.0.0:15006") {
-        Ok(())
-    } else {
-        Err(format!("no inbound listener yet: {listeners}"))
-    }
-}
-
 #[test]
 fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
-    let node = Node::new("inbound").unwrap();
-    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
-    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server.apply_json(ca_secret(&chain)).unwrap();
     let (web_ip, vault_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
-    server.apply_json(pod("web", "web", web_ip, None)).unwrap();
-    server
-        .apply_json(pod("vault", "vault", vault_ip, Some("strict")))
-        .unwrap();
-    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
-    let local = NODE_LOCAL.to_string();
-    let agent = node
-        .agent_at(
-            AgentAddrs {
-                xds: XDS,
-                dns: DNS,
-                admin: ADMIN,
-            },
-            &["--node-local-dns", local.as_str()],
-            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
-        )
-        .unwrap();
+    let objects = vec![
+        captured("web", "web", web_ip, None),
+        captured("vault", "vault", vault_ip, Some("strict")),
+    ];
+    let trusted = TrustedNode::start("inbound", objects, None).unwrap();
+    let TrustedNode {
+        node,
+        server,
+        chain,
+        agent,
+        ..
+    } = &trusted;
 
-    let web = node
-        .client_with("web", 2, (XDS, DNS), &["--inbound-capture"])
-        .unwrap();
-    let vault = node
-        .client_with("vault", 3, (XDS, DNS), &["--inbound-capture"])
-        .unwrap();
+    let web = trusted.pod("web", 2, &["--inbound-capture"]).unwrap();
+    let vault = trusted.pod("vault", 3, &["--inbound-capture"]).unwrap();
     let web_app = Server::http(&web.pod, "web", APP_PORT).unwrap();
     let vault_app = Server::http(&vault.pod, "vault", APP_PORT).unwrap();
     for pod in [&web, &vault] {
-        wait::until("the inbound listener", WITHIN, || listening(pod))
+        wait::until("the inbound listener", WITHIN, || inbound_listening(pod))
             .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), pod.envoy_log()));
     }
     let outsider = node.pod("outsider", 4).unwrap();
@@ -383,10 +342,10 @@ fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
 
     // The mode follows the pod's annotation, live: web turns strict, vault permissive.
     server
-        .apply_json(pod("web", "web", web_ip, Some("strict")))
+        .apply_json(captured("web", "web", web_ip, Some("strict")))
         .unwrap();
     server
-        .apply_json(pod("vault", "vault", vault_ip, Some("permissive")))
+        .apply_json(captured("vault", "vault", vault_ip, Some("permissive")))
         .unwrap();
     wait::until("web strict", WITHIN, || {
         match plaintext(&outsider.netns, web_at) {
@@ -423,43 +382,18 @@ fn mesh_services(endpoint: Ipv4Addr) -> String {
 /// front's Envoy refuses web's certificate and the app is not reached.
 #[test]
 fn two_meshed_pods_talk_mutual_tls_with_their_identities_checked() {
-    let node = Node::new("mtls").unwrap();
-    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
-    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server.apply_json(ca_secret(&chain)).unwrap();
     let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
-    let mut front_pod = pod("front", "front", front_ip, None);
-    front_pod["metadata"]["annotations"] = json!({});
-    server.apply_json(front_pod).unwrap();
-    server.apply_json(pod("web", "web", web_ip, None)).unwrap();
-    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
-    let mesh = lattice_e2e::node::MeshFile::new(&[]).unwrap();
-    mesh.write_text(&mesh_services(web_ip)).unwrap();
-    let local = NODE_LOCAL.to_string();
-    let agent = node
-        .agent_at(
-            AgentAddrs {
-                xds: XDS,
-                dns: DNS,
-                admin: ADMIN,
-            },
-            &[
-                "--node-local-dns",
-                local.as_str(),
-                "--kubernetes",
-                "--mesh-file",
-                mesh.path().to_str().unwrap(),
-            ],
-            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
-        )
-        .unwrap();
-    let web = node
-        .client_with("web", 3, (XDS, DNS), &["--inbound-capture"])
-        .unwrap();
+    let objects = vec![
+        pod("front", "front", front_ip, json!({})),
+        captured("web", "web", web_ip, None),
+    ];
+    let trusted = TrustedNode::start("mtls", objects, Some(&mesh_services(web_ip))).unwrap();
+    let agent = &trusted.agent;
+    let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
     let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
-    wait::until("web's inbound listener", WITHIN, || listening(&web))
+    wait::until("web's inbound listener", WITHIN, || inbound_listening(&web))
         .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), web.envoy_log()));
-    let front = node.client_with("front", 2, (XDS, DNS), &[]).unwrap();
+    let front = trusted.pod("front", 2, &[]).unwrap();
 
     // What crosses the wire into web's pod on its app port.
     let dir = tempfile::tempdir().unwrap();
@@ -530,7 +464,7 @@ fn two_meshed_pods_talk_mutual_tls_with_their_identities_checked() {
 /// A pod as the injector admits it with inbound capture: the label the agents' metadata-only
 /// watch selects, and its service account beside it (`labelled: false`: not yet meshed).
 fn meshed_pod(name: &str, account: &str, ip: Ipv4Addr, labelled: bool) -> Value {
-    let mut object = pod(name, account, ip, None);
+    let mut object = captured(name, account, ip, None);
     if labelled {
         object["metadata"]["labels"] = json!({"lattice.mlab.com/inbound-capture": "enabled"});
         object["metadata"]["annotations"]["lattice.mlab.com/service-account"] = json!(account);
@@ -544,51 +478,28 @@ fn meshed_pod(name: &str, account: &str, ip: Ipv4Addr, labelled: bool) -> Value 
 /// agent follows the label and front's calls are mesh mTLS with web's identity checked.
 #[test]
 fn a_kubernetes_service_of_meshed_pods_is_called_over_mutual_tls() {
-    let node = Node::new("mtlskube").unwrap();
-    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
-    let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server.apply_json(ca_secret(&chain)).unwrap();
     let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
-    let mut front_pod = pod("front", "front", front_ip, None);
-    front_pod["metadata"]["annotations"] = json!({});
-    server.apply_json(front_pod).unwrap();
-    server
-        .apply_json(meshed_pod("web", "web", web_ip, false))
-        .unwrap();
     let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
-    server
-        .apply_json(lattice_e2e::k8s_objects::service("default", "web", ports))
-        .unwrap();
     let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
                             "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
-    server
-        .apply_json(lattice_e2e::k8s_objects::slice(
+    let objects = vec![
+        pod("front", "front", front_ip, json!({})),
+        meshed_pod("web", "web", web_ip, false),
+        lattice_e2e::k8s_objects::service("default", "web", ports),
+        lattice_e2e::k8s_objects::slice(
             "default",
             "web-1",
             "web",
             json!([{"name": "http", "port": APP_PORT}]),
             endpoints,
-        ))
-        .unwrap();
-    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
-    let local = NODE_LOCAL.to_string();
-    let agent = node
-        .agent_at(
-            AgentAddrs {
-                xds: XDS,
-                dns: DNS,
-                admin: ADMIN,
-            },
-            &["--node-local-dns", local.as_str()],
-            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
-        )
-        .unwrap();
-    let web = node
-        .client_with("web", 3, (XDS, DNS), &["--inbound-capture"])
-        .unwrap();
+        ),
+    ];
+    let trusted = TrustedNode::start("mtlskube", objects, None).unwrap();
+    let (server, agent) = (&trusted.server, &trusted.agent);
+    let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
     let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
-    wait::until("web's inbound listener", WITHIN, || listening(&web)).unwrap();
-    let front = node.client_with("front", 2, (XDS, DNS), &[]).unwrap();
+    wait::until("web's inbound listener", WITHIN, || inbound_listening(&web)).unwrap();
+    let front = trusted.pod("front", 2, &[]).unwrap();
     let url = format!("http://web.default.system.internal:{APP_PORT}/");
     let called_as = |chain: &str| {
         let before = app.stats.served();
@@ -641,61 +552,26 @@ fn envoy_certs(pod: &ClientPod) -> Result<(usize, String), String> {
     Ok((roots, leaf))
 }
 
-/// The CA's Secret with `issuer` signing and `roots` trusted.
-fn rotated_secret(issuer: &Chain, roots: &[&Chain]) -> Value {
-    let mut secret = ca_secret(issuer);
-    let bundle: String = roots.iter().map(|c| c.ca_cert.as_str()).collect();
-    secret["data"]["ca.crt"] = json!(ByteString(bundle.into_bytes()));
-    secret
-}
-
 /// A root rotated in three steps (the new root added to the bundle, the issuer switched to it,
 /// the old root dropped) while a meshed pod opens a new TCP connection to another every 20 ms,
 /// each one a fresh mTLS handshake between their Envoys: no connection fails, no pod restarts,
 /// and each Envoy follows every step over SDS.
 #[test]
 fn a_root_rotated_in_three_steps_fails_no_mtls_connection() {
-    let node = Node::new("rotate").unwrap();
-    let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
-    let old = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server.apply_json(ca_secret(&old)).unwrap();
     let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
-    let mut front_pod = pod("front", "front", front_ip, None);
-    front_pod["metadata"]["annotations"] = json!({});
-    server.apply_json(front_pod).unwrap();
-    server
-        .apply_json(pod("web", "web", web_ip, Some("strict")))
-        .unwrap();
-    let (_dir, kubeconfig) = server.kubeconfig_file().unwrap();
-    let mesh = lattice_e2e::node::MeshFile::new(&[]).unwrap();
-    mesh.write_text(&format!(
+    let objects = vec![
+        pod("front", "front", front_ip, json!({})),
+        captured("web", "web", web_ip, Some("strict")),
+    ];
+    let mesh = format!(
         "services:\n  - path: /shop/echo\n    ports:\n      - port: 7000\n        protocol: tcp\n    endpoints:\n      - address: {web_ip}\n    identities: [spiffe://cluster.local/ns/default/sa/web]\n"
-    ))
-    .unwrap();
-    let local = NODE_LOCAL.to_string();
-    let agent = node
-        .agent_at(
-            AgentAddrs {
-                xds: XDS,
-                dns: DNS,
-                admin: ADMIN,
-            },
-            &[
-                "--node-local-dns",
-                local.as_str(),
-                "--kubernetes",
-                "--mesh-file",
-                mesh.path().to_str().unwrap(),
-            ],
-            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
-        )
-        .unwrap();
-    let web = node
-        .client_with("web", 3, (XDS, DNS), &["--inbound-capture"])
-        .unwrap();
+    );
+    let trusted = TrustedNode::start("rotate", objects, Some(&mesh)).unwrap();
+    let (server, agent, old) = (&trusted.server, &trusted.agent, &trusted.chain);
+    let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
     let echo = Server::echo(&web.pod, 7000).unwrap();
-    wait::until("web's inbound listener", WITHIN, || listening(&web)).unwrap();
-    let front = node.client_with("front", 2, (XDS, DNS), &[]).unwrap();
+    wait::until("web's inbound listener", WITHIN, || inbound_listening(&web)).unwrap();
+    let front = trusted.pod("front", 2, &[]).unwrap();
     let address = front.resolve("echo.shop.system.internal").unwrap();
     let target = SocketAddr::from((address, 7000));
     wait::until("a first echo over mTLS", WITHIN, || {
@@ -728,15 +604,11 @@ fn a_root_rotated_in_three_steps_fails_no_mtls_connection() {
     let leaves: Vec<String> = pods.iter().map(|p| envoy_certs(p).unwrap().1).collect();
 
     let new = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server
-        .apply_json(rotated_secret(&old, &[&old, &new]))
-        .unwrap();
+    server.apply_json(ca_secret(old, &[old, &new])).unwrap();
     settled("the new root beside the old", &|roots, _| roots == 2);
     served("connections with both roots");
 
-    server
-        .apply_json(rotated_secret(&new, &[&old, &new]))
-        .unwrap();
+    server.apply_json(ca_secret(&new, &[old, &new])).unwrap();
     for (pod, before) in pods.iter().zip(&leaves) {
         wait::until("a leaf of the new issuer", WITHIN, || {
             let (_, leaf) = envoy_certs(pod)?;
@@ -746,7 +618,7 @@ fn a_root_rotated_in_three_steps_fails_no_mtls_connection() {
     }
     served("connections with leaves of the new issuer");
 
-    server.apply_json(rotated_secret(&new, &[&new])).unwrap();
+    server.apply_json(ca_secret(&new, &[&new])).unwrap();
     settled("the old root dropped", &|roots, _| roots == 1);
     served("connections with the new root alone");
 

@@ -1,7 +1,7 @@
 //! A proxy's inbound listener: where `lattice-init --inbound-capture` sends the TCP that
 //! arrives for its pod, on [`ENVOY_INBOUND_PORT`]. It is not part of the mesh snapshot: a
 //! proxy gets it in its own view, beside its secrets, when its pod asks for inbound capture,
-//! in the pod's mode ([`InboundMode`]).
+//! in the pod's mode (`identity::InboundMode`).
 //!
 //! A connection keeps its original destination (the original_dst listener filter) and picks a
 //! chain by what it starts with (the tls_inspector):
@@ -41,7 +41,6 @@ use lattice_contract::{
 };
 
 use super::{mtls, socket_address, typed};
-use crate::identity::InboundMode;
 use crate::xds::InboundListeners;
 use crate::xds::snapshot::XdsResource;
 
@@ -58,14 +57,16 @@ const FIRST_BYTES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// For proxies whose peers' SPIFFE IDs are in `trust_domain`, in pods whose capture port is
 /// `capture`.
 pub fn inbound_listeners(trust_domain: &str, capture: CapturePort) -> InboundListeners {
-    let build = |mode| XdsResource::new(INBOUND_LISTENER, listener(mode, trust_domain, capture));
+    let build =
+        |strict| XdsResource::new(INBOUND_LISTENER, listener(strict, trust_domain, capture));
     InboundListeners {
-        permissive: build(InboundMode::Permissive),
-        strict: build(InboundMode::Strict),
+        permissive: build(false),
+        strict: build(true),
     }
 }
 
-fn listener(mode: InboundMode, trust_domain: &str, capture: CapturePort) -> Listener {
+/// `strict`: what is not mesh mTLS is refused; else it is handed on as it came.
+fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener {
     let own_ports = [
         ENVOY_ADMIN_PORT,
         capture.get(),
@@ -103,16 +104,13 @@ fn listener(mode: InboundMode, trust_domain: &str, capture: CapturePort) -> List
         filters: vec![tcp_proxy("mtls", INBOUND_PASSTHROUGH_CLUSTER, true)],
         ..FilterChain::default()
     });
-    let default_filter_chain = match mode {
-        InboundMode::Permissive => Some(FilterChain {
-            name: "plaintext".to_string(),
-            filters: vec![tcp_proxy("plaintext", INBOUND_PASSTHROUGH_CLUSTER, true)],
-            ..FilterChain::default()
-        }),
-        // No chain: Envoy closes the connection (`no_filter_chain_match` in its listener
-        // statistics).
-        InboundMode::Strict => None,
-    };
+    // Strict: no default chain, so Envoy closes the connection (`no_filter_chain_match` in
+    // its listener statistics).
+    let default_filter_chain = (!strict).then(|| FilterChain {
+        name: "plaintext".to_string(),
+        filters: vec![tcp_proxy("plaintext", INBOUND_PASSTHROUGH_CLUSTER, true)],
+        ..FilterChain::default()
+    });
     Listener {
         name: INBOUND_LISTENER.to_string(),
         address: Some(socket_address("0.0.0.0".to_string(), ENVOY_INBOUND_PORT)),
@@ -208,6 +206,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
+    use crate::identity::InboundMode;
 
     fn decoded(mode: InboundMode) -> Listener {
         let listeners = inbound_listeners("cluster.local", CapturePort::default());

@@ -1,0 +1,115 @@
+//! A node whose agent serves workload certificates, as the DaemonSet runs it: the node-local
+//! address, `NODE_NAME=node-a`, Kubernetes from the fake API server holding this node's Pods
+//! and the CA's Secret, and optionally a mesh file beside it. Shared by the mutual-TLS tests
+//! and their benchmark.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use k8s_openapi::ByteString;
+use lattice_inject::certs::Chain;
+use serde_json::{Value, json};
+
+use crate::agent::{Agent, AgentAddrs};
+use crate::fake_apiserver::FakeApiServer;
+use crate::node::{ADMIN, ClientPod, MeshFile, Node};
+
+/// The node-local address the agent serves DNS and xDS on.
+pub const NODE_LOCAL: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
+pub const XDS: SocketAddr = SocketAddr::new(IpAddr::V4(NODE_LOCAL), 15010);
+pub const DNS: SocketAddr = SocketAddr::new(IpAddr::V4(NODE_LOCAL), 53);
+
+/// A running Pod of node-a in namespace `default`, with `annotations`.
+pub fn pod(name: &str, account: &str, ip: Ipv4Addr, annotations: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"namespace": "default", "name": name, "annotations": annotations},
+           "spec": {"nodeName": "node-a", "serviceAccountName": account,
+                    "containers": [{"name": "app", "image": "app"}]},
+           "status": {"phase": "Running", "podIP": ip.to_string(),
+                      "podIPs": [{"ip": ip.to_string()}]}})
+}
+
+/// The CA's Secret (`lattice-system/lattice-ca`) with `issuer` signing and `roots` trusted.
+pub fn ca_secret(issuer: &Chain, roots: &[&Chain]) -> Value {
+    let bytes = |text: &str| json!(ByteString(text.as_bytes().to_vec()));
+    let bundle: String = roots.iter().map(|c| c.ca_cert.as_str()).collect();
+    json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
+        "data": {"tls.crt": bytes(&issuer.ca_cert), "tls.key": bytes(&issuer.ca_key),
+                 "ca.crt": bytes(&bundle)}
+    })
+}
+
+/// The node, its fake API server, the CA, the agent, and the mesh file if one was given.
+pub struct TrustedNode {
+    pub node: Node,
+    pub server: FakeApiServer,
+    pub chain: Chain,
+    pub agent: Agent,
+    pub mesh: Option<MeshFile>,
+    _kubeconfig: tempfile::TempDir,
+}
+
+impl TrustedNode {
+    /// Starts the agent once the API server holds the CA's Secret and `objects`, with a mesh
+    /// file of `mesh` (YAML) when given.
+    pub fn start(label: &str, objects: Vec<Value>, mesh: Option<&str>) -> anyhow::Result<Self> {
+        let node = Node::new(label)?;
+        let server = node.netns.enter(FakeApiServer::start)??;
+        let chain = Chain::issue(&["unused.example".to_string()])?;
+        server.apply_json(ca_secret(&chain, &[&chain]))?;
+        for object in objects {
+            server.apply_json(object)?;
+        }
+        let (dir, kubeconfig) = server.kubeconfig_file()?;
+        let local = NODE_LOCAL.to_string();
+        let mut args = vec!["--node-local-dns".to_string(), local];
+        let mesh = match mesh {
+            Some(text) => {
+                let file = MeshFile::new(&[])?;
+                file.write_text(text)?;
+                args.extend([
+                    "--kubernetes".to_string(),
+                    "--mesh-file".to_string(),
+                    file.path().display().to_string(),
+                ]);
+                Some(file)
+            }
+            None => None,
+        };
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let agent = node.agent_at(
+            AgentAddrs {
+                xds: XDS,
+                dns: DNS,
+                admin: ADMIN,
+            },
+            &args,
+            &[("KUBECONFIG", kubeconfig.as_str()), ("NODE_NAME", "node-a")],
+        )?;
+        Ok(TrustedNode {
+            node,
+            server,
+            chain,
+            agent,
+            mesh,
+            _kubeconfig: dir,
+        })
+    }
+
+    /// A mesh pod of this node at `10.200.0.<host>`, whose Envoy uses the agent's node-local
+    /// address, with more `lattice-init` flags.
+    pub fn pod(&self, label: &str, host: u8, init_args: &[&str]) -> anyhow::Result<ClientPod> {
+        self.node.client_with(label, host, (XDS, DNS), init_args)
+    }
+}
+
+/// Whether `pod`'s Envoy has its inbound listener.
+pub fn inbound_listening(pod: &ClientPod) -> Result<(), String> {
+    let listeners = pod.envoy_admin("/listeners")?;
+    if listeners.contains("lattice-inbound::0.0.0.0:15006") {
+        Ok(())
+    } else {
+        Err(format!("no inbound listener yet: {listeners}"))
+    }
+}
