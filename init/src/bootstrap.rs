@@ -385,6 +385,7 @@ mod tests {
                 { "prefix": "listener." },
                 { "prefix": "http." },
                 { "prefix": "re2." },
+                { "prefix": "tcp.inbound_" },
                 { "prefix": "cluster.lattice-xds." },
                 { "suffix": ".membership_total" },
                 { "suffix": ".membership_healthy" }
