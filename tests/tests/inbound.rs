@@ -239,7 +239,7 @@ fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
     let caller = caller_cert(
         dir.path(),
         "caller",
-        &chain,
+        chain,
         "spiffe://cluster.local/ns/default/sa/caller",
     );
     let (web_at, vault_at) = (
@@ -290,7 +290,7 @@ fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
     let foreign = caller_cert(
         dir.path(),
         "foreign",
-        &chain,
+        chain,
         "spiffe://elsewhere.example/ns/default/sa/caller",
     );
     let before = web_app.stats.served();
