@@ -554,6 +554,16 @@ fn metadata_line(line: &Bytes) -> Bytes {
     out.into()
 }
 
+/// The store as `backup` has it; every watch ends (its client resumes from its version).
+fn restore_into(store: &mut Store, backup: &Backup) {
+    store.rv = backup.rv;
+    store.compacted = backup.compacted;
+    store.objects = backup.objects.clone();
+    store.history = backup.history.clone();
+    store.pages.clear();
+    store.watchers.clear();
+}
+
 fn event_line(kind: &str, object: &[u8]) -> Bytes {
     let mut line = Vec::with_capacity(object.len() + 32);
     line.extend_from_slice(b"{\"type\":\"");
@@ -749,21 +759,17 @@ impl FakeApiServer {
     /// API server's watch cache serves it: accepted, and sent nothing until the store passes
     /// that version, then only what comes after it.
     pub fn restore(&self, backup: &Backup) {
-        let mut store = lock(&self.store);
-        store.rv = backup.rv;
-        store.compacted = backup.compacted;
-        store.objects = backup.objects.clone();
-        store.history = backup.history.clone();
-        store.pages.clear();
-        store.watchers.clear();
+        restore_into(&mut lock(&self.store), backup);
     }
 
     /// [`FakeApiServer::restore`] as etcd's documented procedure does it
     /// (`--bump-revision <bump> --mark-compacted`): versions go on from `bump` past the
     /// backup's, and every earlier one is compacted, so a watch resuming from one gets 410.
+    /// One step under the lock, as a restore is: a watch that reconnected between a plain
+    /// restore and the bump would wait, unanswered, for versions that never come.
     pub fn restore_bumped(&self, backup: &Backup, bump: u64) {
-        self.restore(backup);
         let mut store = lock(&self.store);
+        restore_into(&mut store, backup);
         store.rv = backup.rv + bump;
         store.compacted = store.rv;
         store.history.clear();
