@@ -85,9 +85,14 @@ pub struct DnsTranslator {
 }
 
 impl DnsTranslator {
+    /// Whether the last table still holds for `mesh`.
+    pub fn is_current(&self, mesh: &MeshSnapshot) -> bool {
+        self.shape_version == Some(mesh.shape_version)
+    }
+
     /// The table for `mesh`, or `None` when the last one still holds.
     pub fn translate(&mut self, mesh: &MeshSnapshot) -> Option<NameTable> {
-        if self.shape_version == Some(mesh.shape_version) {
+        if self.is_current(mesh) {
             return None;
         }
         self.shape_version = Some(mesh.shape_version);

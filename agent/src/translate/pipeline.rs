@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::dns::DnsTranslator;
 use super::envoy::{EnvoyTranslator, ExternalDns};
 use crate::mesh::{MeshMetrics, MeshRx, MeshSnapshot, NodeLocality};
-use crate::parallel::BulkThread;
+use crate::parallel::{BulkThread, PARALLEL_FROM};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::snapshot::XdsSnapshot;
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
@@ -225,10 +225,24 @@ impl Translators {
                 )
             }
         };
-        Translated {
-            xds: envoy.translate(mesh),
-            names: self.dns.translate(mesh),
+        let dns = &mut self.dns;
+        if dns.is_current(mesh) || mesh.services.len() < PARALLEL_FROM {
+            return Translated {
+                xds: envoy.translate(mesh),
+                names: dns.translate(mesh),
+            };
         }
+        // A new name table of a large mesh (the first snapshot above all: about a fifth of
+        // its translation at 50k services) is built beside the Envoy resources, on a thread
+        // of its own, while most of the Envoy translation runs on one core.
+        std::thread::scope(|scope| {
+            let names = scope.spawn(|| dns.translate(mesh));
+            let xds = envoy.translate(mesh);
+            match names.join() {
+                Ok(names) => Translated { xds, names },
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
     }
 }
 

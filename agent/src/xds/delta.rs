@@ -93,7 +93,7 @@ impl Ads for DeltaStream {
             state.interest.legacy = false;
         }
         let everything = state.interest.names.is_empty().then(|| {
-            let names = subscribe.iter().map(|name| (name.as_str(), None));
+            let names = subscribe.iter().map(|name| (name, None));
             snapshot.every_resource(kind, subscribe.len(), names)
         });
         if let Some(Some(index)) = everything {
@@ -104,11 +104,11 @@ impl Ads for DeltaStream {
             told_absent.clear();
             state.baseline = None;
         } else {
-            for name in subscribe {
+            for name in subscribe.iter() {
                 if name == "*" {
                     state.interest.wildcard = true;
                     state.baseline = None;
-                } else if !state.interest.names.contains(name.as_str()) {
+                } else if !state.interest.names.contains(name) {
                     let name = state.unknown.intern(&current, name);
                     state.interest.names.insert(name.clone());
                     told_absent.remove(&name);

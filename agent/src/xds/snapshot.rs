@@ -5,7 +5,8 @@
 //! read them.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::hash::BuildHasher;
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Instant;
 
 use envoy_types::pb::google::protobuf::Any;
@@ -228,13 +229,20 @@ impl XdsSnapshot {
         })
     }
 
+    /// The hash index of a type when it has been built (see [`XdsSnapshot::name_index`]).
+    pub fn built_name_index(&self, kind: ResourceType) -> Option<&Arc<NameIndex>> {
+        self.indexes.names[kind.index()].get()
+    }
+
     /// When `listed` (`count` names, each with the version it must be at, if one matters)
     /// is every resource of a type, each once: the type's shared index. A Delta client that
     /// reconnects holding the whole type, or a proxy that subscribes to every assignment, is
-    /// then held as the snapshot's own map or index instead of a set of its own. Told by summing
-    /// the identities of what the names look up: a list that repeats one name and leaves another
-    /// out does not add up. Only from [`BULK_LOOKUP`] names: below that a set of its own costs
-    /// little.
+    /// then held as the snapshot's own map or index instead of a set of its own. Told by
+    /// XOR-ing keyed hashes of the names (and versions) as they came, against the same sums
+    /// over the snapshot's (see [`Whole`]): no lookup per name (a lookup per name was most of
+    /// a whole-mesh proxy's reconnect at 50k services, a cache miss or two each). A list that
+    /// repeats one name and leaves another out does not add up. Only from [`BULK_LOOKUP`]
+    /// names: below that a set of its own costs little.
     pub fn every_resource<'a>(
         &self,
         kind: ResourceType,
@@ -244,19 +252,20 @@ impl XdsSnapshot {
         if count < BULK_LOOKUP || count != self.of(kind).len() {
             return None;
         }
-        let index = self.name_index(kind);
-        let mut sum = 0;
+        let (mut names, mut listing, mut versioned) = (0, 0, 0);
         for (name, version) in listed {
-            let resource = index.get(name)?;
-            if version.is_some_and(|version| version != resource.version) {
-                return None;
+            names ^= name_hash(name);
+            if let Some(version) = version {
+                listing ^= listing_hash(name, version);
+                versioned += 1;
             }
-            sum ^= identity(resource);
         }
-        (sum == self.whole(kind).identity).then_some(index)
+        let whole = self.whole(kind);
+        let versions_match = versioned == 0 || (versioned == count && listing == whole.listing);
+        (names == whole.names && versions_match).then(|| self.name_index(kind))
     }
 
-    /// The digest and the identity of a whole type (see [`Whole`]), computed once per snapshot
+    /// The digest and the sums of a whole type (see [`Whole`]), computed once per snapshot
     /// and shared by every stream.
     pub fn whole(&self, kind: ResourceType) -> Whole {
         *self.indexes.wholes[kind.index()].get_or_init(|| {
@@ -269,28 +278,39 @@ impl XdsSnapshot {
     }
 }
 
-/// A whole type of a snapshot in two words: what a client holding exactly all of it reports
-/// as its version (`digest`, the XOR of [`entry_hash`] over every resource, as a client view
-/// keeps it), and which resources make it up (`identity`, the XOR of a hash of each
-/// resource's address). A reconnecting client that lists what it holds is recognised as
-/// holding the whole type by summing the identities of what it lists: a list that repeats a
-/// name and leaves another out does not add up (but for a 64-bit collision).
+/// A whole type of a snapshot in a few words: what a client holding exactly all of it
+/// reports as its version (`digest`, the XOR of [`entry_hash`] over every resource, as a client
+/// view keeps it), and which names and versions make it up (`names`, `listing`: XORs of hashes
+/// keyed per process, so a client cannot make up a list that adds up to them). A reconnecting
+/// client that lists what it holds is recognised as holding the whole type by the same sums
+/// over its list (see [`XdsSnapshot::every_resource`]): a list that repeats a name and leaves
+/// another out does not add up (but for a 64-bit collision).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Whole {
     pub digest: u64,
-    pub identity: u64,
+    pub names: u64,
+    pub listing: u64,
 }
 
 impl Whole {
     pub fn add(&mut self, resource: &Arc<XdsResource>) {
         self.digest ^= entry_hash(&resource.name, resource.version);
-        self.identity ^= identity(resource);
+        self.names ^= name_hash(&resource.name);
+        self.listing ^= listing_hash(&resource.name, resource.version);
     }
 }
 
-/// One resource's share of [`Whole::identity`]: its address, mixed.
-fn identity(resource: &Arc<XdsResource>) -> u64 {
-    mix(Arc::as_ptr(resource) as usize as u64)
+/// The key of [`name_hash`] and [`listing_hash`]: random per process.
+static LIST_KEY: LazyLock<foldhash::quality::RandomState> = LazyLock::new(Default::default);
+
+/// One name's share of [`Whole::names`].
+fn name_hash(name: &str) -> u64 {
+    LIST_KEY.hash_one(name)
+}
+
+/// One name and version's share of [`Whole::listing`].
+fn listing_hash(name: &str, version: u64) -> u64 {
+    LIST_KEY.hash_one((name, version))
 }
 
 /// One entry's share of a client's version digest: the name's hash and the version, mixed so
@@ -377,6 +397,42 @@ pub fn channel() -> (XdsTx, XdsRx) {
 mod tests {
     use super::*;
     use crate::xds::testing::World;
+
+    /// What a reconnecting whole-mesh proxy lists is recognised as the whole type only when
+    /// it is exactly every name (at its version, when versions are listed), each once.
+    #[test]
+    fn every_resource_is_every_name_at_its_version_once() {
+        let snap = World::new().add_many(BULK_LOOKUP);
+        let kind = ResourceType::Cluster;
+        let map = snap.of(kind);
+        let listed: Vec<(&str, u64)> = map.iter().map(|(n, r)| (&**n, r.version)).collect();
+        let every = |list: &[(&str, Option<u64>)]| {
+            snap.every_resource(kind, list.len(), list.iter().copied())
+                .is_some()
+        };
+        let versioned: Vec<(&str, Option<u64>)> =
+            listed.iter().map(|&(n, v)| (n, Some(v))).collect();
+        let names: Vec<(&str, Option<u64>)> = listed.iter().map(|&(n, _)| (n, None)).collect();
+        assert!(every(&versioned), "every name at its version");
+        assert!(every(&names), "every name");
+        let mut reversed = versioned.clone();
+        reversed.reverse();
+        assert!(every(&reversed), "in any order");
+
+        let mut stale = versioned.clone();
+        stale[7].1 = stale[7].1.map(|v| v ^ 1);
+        assert!(!every(&stale), "one version another");
+        let mut repeated = names.clone();
+        repeated[3] = repeated[4];
+        assert!(!every(&repeated), "one name twice, another left out");
+        let mut unknown = names.clone();
+        unknown[5].0 = "not|a|cluster";
+        assert!(!every(&unknown), "a name the snapshot lacks");
+        let mut mixed = versioned.clone();
+        mixed[9].1 = None;
+        assert!(!every(&mixed), "versions for some names only");
+        assert!(!every(&versioned[1..]), "one left out");
+    }
 
     #[test]
     fn names_through_the_index_are_the_snapshots_own() {

@@ -479,11 +479,24 @@ fn set_interest(
             fresh.into_iter().collect()
         }
     };
-    let added: Vec<Arc<str>> = fresh
-        .iter()
-        .filter(|n| !interest.names.contains(n))
-        .cloned()
-        .collect();
+    // Without a baseline the next push looks at everything anyway (see `look_again`), so the
+    // new names are only told apart from none: a first subscription to every assignment of a
+    // 50k-service mesh would otherwise clone each name's `Arc`, and drop it again.
+    let queued = state.baseline.is_some() && wildcard == interest.wildcard;
+    let (added, any_added): (Vec<Arc<str>>, bool) = if queued {
+        let added: Vec<Arc<str>> = fresh
+            .iter()
+            .filter(|n| !interest.names.contains(n))
+            .cloned()
+            .collect();
+        let any = !added.is_empty();
+        (added, any)
+    } else {
+        (
+            Vec::new(),
+            fresh.iter().any(|n| !interest.names.contains(n)),
+        )
+    };
     let dropped: Vec<Arc<str>> = interest
         .names
         .iter()
@@ -514,7 +527,7 @@ fn set_interest(
         }
     }
     // A changed subscription is answered: whole types always, the others when names were added.
-    state.must_answer |= kind.is_state_of_the_world() || !added.is_empty();
+    state.must_answer |= kind.is_state_of_the_world() || any_added;
     for name in added {
         state.look_again(name);
     }

@@ -105,7 +105,7 @@ mod check {
         assert_eq!(ours.node, theirs.node);
         assert_eq!(ours.type_url, theirs.type_url);
         assert_eq!(
-            ours.resource_names_subscribe,
+            ours.resource_names_subscribe.iter().collect::<Vec<_>>(),
             theirs.resource_names_subscribe
         );
         assert_eq!(
@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(ours.node, generated.node);
         assert_eq!(ours.type_url, generated.type_url);
         assert_eq!(
-            ours.resource_names_subscribe,
+            ours.resource_names_subscribe.iter().collect::<Vec<_>>(),
             generated.resource_names_subscribe
         );
         assert_eq!(

@@ -666,7 +666,7 @@ fn delta_request(
 ) -> DeltaRequest {
     DeltaRequest {
         type_url: kind.type_url().to_string(),
-        resource_names_subscribe: subscribe,
+        resource_names_subscribe: subscribe.iter().collect(),
         resource_names_unsubscribe: unsubscribe,
         response_nonce: nonce.to_string(),
         error_detail: refused.then(|| RpcStatus {

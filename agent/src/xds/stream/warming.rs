@@ -146,6 +146,15 @@ impl Types {
     ) -> bool {
         let [clusters, endpoints, ..] = &self.types;
         let on_its_way = on_their_way.contains(name);
+        let may_ask =
+            !asked || self.acked_since_endpoints.contains(name) || endpoints.interest.wants(name);
+        // A cluster whose endpoints are not asked for warms only while on its way (held, it
+        // is not waited on, see below): known without the ordered lookups into the views and
+        // the snapshot, one per cluster a reconnecting proxy holds when it asks for listeners
+        // before it asks for endpoints.
+        if !may_ask && !on_its_way {
+            return false;
+        }
         let held = clusters.client.get(name).is_some();
         let to_send = assignments
             .get(name)
@@ -153,10 +162,7 @@ impl Types {
         (held || on_its_way)
             && endpoints.client.get(name).is_none()
             && (to_send || on_its_way)
-            && (!asked
-                || !held
-                || self.acked_since_endpoints.contains(name)
-                || endpoints.interest.wants(name))
+            && (may_ask || !held)
     }
 
     /// The client asked for endpoints: a cluster it holds (acknowledged) whose endpoints it
