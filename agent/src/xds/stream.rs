@@ -774,6 +774,10 @@ impl Types {
             _ => Vec::new(),
         };
         let delivery = state.accept(snapshot.of(kind), snapshot.whole(kind))?;
+        if kind == ResourceType::Cluster {
+            // What it holds of clusters is known from now on (see `clusters_recreated`).
+            self.clusters_unknown = false;
+        }
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in dropped {
             // With its refusal: a cluster that comes back is new to the client.
@@ -794,8 +798,10 @@ impl Types {
     /// their endpoints go out again now, behind the clusters, not on the acknowledgement: on
     /// the acknowledgement a changed cluster took effect 15 s late.
     fn clusters_recreated(&mut self, sent: &[Arc<XdsResource>]) {
-        // Not known what a reconnecting SotW client held: any may be re-created.
-        let unknown = std::mem::take(&mut self.clusters_unknown);
+        // Not known what a reconnecting SotW client held: any may be re-created, by every
+        // cluster response until one is accepted (a refused one re-creates nothing, and the
+        // next may re-create what it held).
+        let unknown = self.clusters_unknown;
         let clusters = &self.types[ResourceType::Cluster.index()];
         let recreated: Vec<Arc<str>> = sent
             .iter()
