@@ -232,7 +232,7 @@ pub struct AgentConfig {
 
     /// Port of the capture listener the agent serves every proxy: where lattice-init redirects
     /// the trapped block in each pod, so give lattice-init the same --envoy-port. Not Envoy's
-    /// admin (15000) or readiness (15021) port.
+    /// admin (15000), readiness (15021) or inbound (15006) port.
     #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = CapturePort::default(), value_name = "PORT")]
     pub envoy_port: CapturePort,
 

@@ -29,13 +29,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_HOSTILE_SILENT", "20", "400"),
         ("LATTICE_BENCH_HOSTILE_GARBAGE", "20", "1000"),
     ];
-    let envs = sizes.iter().map(|(name, small, full)| {
-        let default = if smoke { small } else { full };
-        (
-            name.to_string(),
-            std::env::var(name).unwrap_or_else(|_| default.to_string()),
-        )
-    });
+    let envs = crate::scale_test::sizes(smoke, &sizes);
     let xds = XDS.run(smoke, envs)?;
     print_summary(&xds);
     let dns = crate::bench_hostile_dns::run(smoke)?;

@@ -17,13 +17,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_MTLS_SECONDS", "1", "5"),
         ("LATTICE_BENCH_MTLS_ROUNDS", "1", "2"),
     ];
-    let envs = sizes.iter().map(|(name, small, full)| {
-        let default = if smoke { small } else { full };
-        (
-            name.to_string(),
-            std::env::var(name).unwrap_or_else(|_| default.to_string()),
-        )
-    });
+    let envs = crate::scale_test::sizes(smoke, &sizes);
     let report = BENCH.run(smoke, envs)?;
     for load in ["requests", "connections"] {
         let figures = &report[load];

@@ -33,13 +33,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_DNS_LOOKUPS", "3", "10"),
         ("LATTICE_BENCH_SCOPED", "1", "1"),
     ];
-    let envs = sizes.iter().map(|(name, small, full)| {
-        let default = if smoke { small } else { full };
-        (
-            name.to_string(),
-            std::env::var(name).unwrap_or_else(|_| default.to_string()),
-        )
-    });
+    let envs = crate::scale_test::sizes(smoke, &sizes);
     let mut report = SCALE.run(smoke, envs)?;
     print_table(&report);
     // A debug build's memory says nothing of the release agent's.

@@ -56,3 +56,19 @@ impl ScaleTest<'_> {
         Ok(report)
     }
 }
+
+/// Sizes as environment variables for a scale test: `(variable, smoke, full)` each; a
+/// variable already set in the environment wins, so a shorter run at full size is one
+/// variable away.
+pub fn sizes(smoke: bool, sizes: &[(&str, &str, &str)]) -> Vec<(String, String)> {
+    sizes
+        .iter()
+        .map(|(name, small, full)| {
+            let default = if smoke { small } else { full };
+            (
+                name.to_string(),
+                std::env::var(name).unwrap_or_else(|_| default.to_string()),
+            )
+        })
+        .collect()
+}

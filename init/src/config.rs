@@ -39,7 +39,7 @@ pub struct Args {
 
     /// Port of Envoy's capture listener, where the trapped block is redirected: the agent's
     /// listener is on its own --envoy-port, so give both the same value. Not Envoy's admin
-    /// (15000) or readiness (15021) port.
+    /// (15000), readiness (15021) or inbound (15006) port.
     #[arg(long, env = "LATTICE_ENVOY_PORT", default_value_t = CapturePort::default(), value_name = "PORT")]
     pub envoy_port: CapturePort,
 

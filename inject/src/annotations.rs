@@ -93,18 +93,10 @@ impl Overrides {
             }
         }
         if let Some(value) = annotations.get(EXCLUDE_UIDS) {
-            for uid in value.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-                match uid.parse::<u32>() {
-                    Ok(uid) if uid != u32::MAX => overrides.exclude_uids.push(uid),
-                    _ => {
-                        return Err(BadAnnotation::new(
-                            EXCLUDE_UIDS,
-                            value,
-                            "not a comma-separated list of UIDs",
-                        ));
-                    }
-                }
-            }
+            overrides.exclude_uids =
+                list(value, |uid: &u32| *uid != u32::MAX).ok_or_else(|| {
+                    BadAnnotation::new(EXCLUDE_UIDS, value, "not a comma-separated list of UIDs")
+                })?;
         }
         if let Some(value) = annotations.get(INBOUND_CAPTURE) {
             overrides.inbound_capture = match Wish::parse(value) {
@@ -126,18 +118,14 @@ impl Overrides {
                     "given without lattice.mlab.com/inbound-capture: enabled",
                 ));
             }
-            for port in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                match port.parse::<u16>() {
-                    Ok(port) if port != 0 => overrides.exclude_inbound_ports.push(port),
-                    _ => {
-                        return Err(BadAnnotation::new(
-                            EXCLUDE_INBOUND_PORTS,
-                            value,
-                            "not a comma-separated list of ports (1-65535)",
-                        ));
-                    }
-                }
-            }
+            overrides.exclude_inbound_ports =
+                list(value, |port: &u16| *port != 0).ok_or_else(|| {
+                    BadAnnotation::new(
+                        EXCLUDE_INBOUND_PORTS,
+                        value,
+                        "not a comma-separated list of ports (1-65535)",
+                    )
+                })?;
         }
         if let Some(value) = annotations.get(XDS_MODE) {
             overrides.xds_mode = Some(match value.trim() {
@@ -182,6 +170,16 @@ impl Overrides {
         }
         Ok(overrides)
     }
+}
+
+/// A comma-separated list of numbers (blanks ignored), each one `valid`; `None` if any is not.
+fn list<T: std::str::FromStr>(value: &str, valid: impl Fn(&T) -> bool) -> Option<Vec<T>> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| item.parse::<T>().ok().filter(&valid))
+        .collect()
 }
 
 /// An annotation whose value does not parse: which, its value (cut short) and why.

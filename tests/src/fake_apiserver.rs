@@ -223,53 +223,45 @@ struct FieldSelector(Vec<(Vec<String>, bool, String)>);
 
 impl FieldSelector {
     fn parse(text: &str) -> Result<FieldSelector, String> {
-        let mut terms = Vec::new();
-        for term in text.split(',').filter(|t| !t.is_empty()) {
-            let (path, equal, value) = if let Some((p, v)) = term.split_once("!=") {
-                (p, false, v)
-            } else if let Some((p, v)) = term.split_once("==") {
-                (p, true, v)
-            } else if let Some((p, v)) = term.split_once('=') {
-                (p, true, v)
-            } else {
-                return Err(format!("invalid field selector term {term:?}"));
-            };
-            terms.push((
-                path.split('.').map(str::to_string).collect(),
-                equal,
-                value.to_string(),
-            ));
-        }
-        Ok(FieldSelector(terms))
+        Self::terms(text, "field", |path| {
+            path.split('.').map(str::to_string).collect()
+        })
     }
 
     /// A `labelSelector` of equality terms (`key=value`, `key==value`, `key!=value`), read as
     /// terms on `metadata.labels`; set-based terms are refused, as this server does not
     /// implement them.
     fn parse_labels(text: &str) -> Result<FieldSelector, String> {
+        Self::terms(text, "label", |key| {
+            vec!["metadata".into(), "labels".into(), key.to_string()]
+        })
+    }
+
+    /// Comma-separated `left=value`, `left==value` and `left!=value` terms, each `left` read
+    /// as a JSON path by `path`.
+    fn terms(
+        text: &str,
+        kind: &str,
+        path: impl Fn(&str) -> Vec<String>,
+    ) -> Result<FieldSelector, String> {
         let mut terms = Vec::new();
         for term in text.split(',').filter(|t| !t.is_empty()) {
-            let (key, equal, value) = if let Some((k, v)) = term.split_once("!=") {
-                (k, false, v)
-            } else if let Some((k, v)) = term.split_once("==") {
-                (k, true, v)
-            } else if let Some((k, v)) = term.split_once('=') {
-                (k, true, v)
+            let split = if let Some((l, v)) = term.split_once("!=") {
+                Some((l, false, v))
+            } else if let Some((l, v)) = term.split_once("==") {
+                Some((l, true, v))
             } else {
+                term.split_once('=').map(|(l, v)| (l, true, v))
+            };
+            // Set-based terms (`in`, `notin`, `exists`) are not implemented here.
+            let Some((left, equal, value)) =
+                split.filter(|(l, _, v)| !l.contains(' ') && !v.contains(['(', ')', ' ']))
+            else {
                 return Err(format!(
-                    "label selector term {term:?}: the fake API server supports equality terms only"
+                    "{kind} selector term {term:?}: the fake API server supports equality terms only"
                 ));
             };
-            if key.contains(' ') || value.contains(['(', ')', ' ']) {
-                return Err(format!(
-                    "label selector term {term:?}: the fake API server supports equality terms only"
-                ));
-            }
-            terms.push((
-                vec!["metadata".into(), "labels".into(), key.to_string()],
-                equal,
-                value.to_string(),
-            ));
+            terms.push((path(left), equal, value.to_string()));
         }
         Ok(FieldSelector(terms))
     }

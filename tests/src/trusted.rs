@@ -113,3 +113,34 @@ pub fn inbound_listening(pod: &ClientPod) -> Result<(), String> {
         Err(format!("no inbound listener yet: {listeners}"))
     }
 }
+
+/// Runs `openssl args` in `netns` with `stdin` (at most 10 s); its stdout, or why it failed.
+pub fn openssl(netns: &crate::netns::Netns, args: &[&str], stdin: &str) -> Result<String, String> {
+    use std::io::Write as _;
+    let mut child = netns
+        .command("timeout")
+        .arg("10")
+        .arg("openssl")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!(
+            "openssl {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}

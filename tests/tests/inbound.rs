@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use lattice_e2e::netns::Netns;
 use lattice_e2e::node::{ClientPod, Server};
-use lattice_e2e::trusted::{TrustedNode, ca_secret, inbound_listening, pod};
+use lattice_e2e::trusted::{TrustedNode, ca_secret, inbound_listening, openssl, pod};
 use lattice_e2e::wait;
 use lattice_inject::certs::Chain;
 use serde_json::{Value, json};
@@ -38,37 +38,6 @@ fn captured(name: &str, account: &str, ip: Ipv4Addr, mode: Option<&str>) -> Valu
         annotations["lattice.mlab.com/mtls-mode"] = json!(mode);
     }
     pod(name, account, ip, annotations)
-}
-
-/// Runs `openssl args` in `netns` with `stdin`; its stdout, or why it failed.
-fn openssl(netns: &Netns, args: &[&str], stdin: &str) -> Result<String, String> {
-    use std::io::Write as _;
-    let mut child = netns
-        .command("timeout")
-        .arg("10")
-        .arg("openssl")
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(stdin.as_bytes())
-        .map_err(|e| e.to_string())?;
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    if out.status.success() {
-        Ok(stdout)
-    } else {
-        Err(format!(
-            "openssl {args:?}: {stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
 }
 
 /// A caller's certificate and key, signed by `ca` for the URI SAN `uri`: file paths.

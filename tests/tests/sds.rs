@@ -18,26 +18,23 @@
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{Node as EnvoyNode, data_source};
 use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{Secret, secret};
 use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
-use k8s_openapi::ByteString;
 use lattice_e2e::ads_probe::first_delta_answer;
 use lattice_e2e::agent::AgentAddrs;
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::netns::Netns;
 use lattice_e2e::node::{ADMIN, Node};
+use lattice_e2e::trusted::{DNS, NODE_LOCAL, XDS, ca_secret, openssl};
 use lattice_e2e::wait;
 use lattice_inject::certs::Chain;
 use prost::Message;
 use serde_json::{Value, json};
 
-const NODE_LOCAL: Ipv4Addr = Ipv4Addr::new(169, 254, 20, 10);
-const XDS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 15010);
-const DNS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(NODE_LOCAL), 53);
 const SECRETS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 const PROBE_PORT: u16 = 15443;
 const WITHIN: Duration = Duration::from_secs(20);
@@ -52,16 +49,6 @@ fn pod(name: &str, account: Option<&str>, ip: Ipv4Addr) -> Value {
            "spec": spec,
            "status": {"phase": "Running", "podIP": ip.to_string(),
                       "podIPs": [{"ip": ip.to_string()}]}})
-}
-
-fn ca_secret(chain: &Chain) -> Value {
-    let bytes = |text: &str| json!(ByteString(text.as_bytes().to_vec()));
-    json!({
-        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": {"name": "lattice-ca", "namespace": "lattice-system"},
-        "data": {"tls.crt": bytes(&chain.ca_cert), "tls.key": bytes(&chain.ca_key),
-                 "ca.crt": bytes(&chain.ca_cert)}
-    })
 }
 
 /// A TLS listener on the pod's loopback whose certificate and trusted CAs are the SDS secrets
@@ -103,35 +90,6 @@ fn add_tls_listener(bootstrap: &mut Value) {
     match listeners.as_array_mut() {
         Some(list) => list.push(listener),
         None => *listeners = json!([listener]),
-    }
-}
-
-/// Runs `openssl` with `args` in `netns`; its stdout, or why it failed.
-fn openssl(netns: &Netns, args: &[&str], stdin: &str) -> Result<String, String> {
-    use std::io::Write as _;
-    let mut child = netns
-        .command("openssl")
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(stdin.as_bytes())
-        .map_err(|e| e.to_string())?;
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "openssl {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
     }
 }
 
@@ -205,7 +163,7 @@ fn setup(label: &str, args: &[&str]) -> Setup {
     let node = Node::new(label).unwrap();
     let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
     let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
-    server.apply_json(ca_secret(&chain)).unwrap();
+    server.apply_json(ca_secret(&chain, &[&chain])).unwrap();
     for (name, account, host) in [("client", Some("cart"), 2), ("batch", None, 4)] {
         server
             .apply_json(pod(name, account, Ipv4Addr::new(10, 200, 0, host)))
@@ -347,10 +305,9 @@ fn a_verified_proxy_gets_its_own_identitys_certificate_over_sds() {
     // A new issuer, its root added to the bundle: the pod's Envoy serves a leaf of the new
     // issuer, pushed over SDS, with no restart.
     let next = Chain::issue(&["unused.example".to_string()]).unwrap();
-    let mut rotated = ca_secret(&next);
-    let both = format!("{}{}", chain.ca_cert, next.ca_cert);
-    rotated["data"]["ca.crt"] = json!(ByteString(both.into_bytes()));
-    server.apply_json(rotated).unwrap();
+    server
+        .apply_json(ca_secret(&next, &[&chain, &next]))
+        .unwrap();
     let next_bundle = dir.path().join("next.pem");
     std::fs::write(&next_bundle, &next.ca_cert).unwrap();
     wait::until("Envoy serving a leaf of the new issuer", WITHIN, || {

@@ -84,7 +84,7 @@ fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener 
                 ..FilterChainMatch::default()
             }),
             // A cluster no proxy has: the connection is closed.
-            filters: vec![tcp_proxy("envoy_port", "lattice-inbound-refused", false)],
+            filters: vec![tcp_proxy(Handoff::Refuse)],
             ..FilterChain::default()
         })
         .collect();
@@ -101,14 +101,14 @@ fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener 
                 mtls::downstream(trust_domain),
             ))),
         }),
-        filters: vec![tcp_proxy("mtls", INBOUND_PASSTHROUGH_CLUSTER, true)],
+        filters: vec![tcp_proxy(Handoff::Mtls)],
         ..FilterChain::default()
     });
     // Strict: no default chain, so Envoy closes the connection (`no_filter_chain_match` in
     // its listener statistics).
     let default_filter_chain = (!strict).then(|| FilterChain {
         name: "plaintext".to_string(),
-        filters: vec![tcp_proxy("plaintext", INBOUND_PASSTHROUGH_CLUSTER, true)],
+        filters: vec![tcp_proxy(Handoff::Plaintext)],
         ..FilterChain::default()
     });
     Listener {
@@ -144,7 +144,35 @@ fn listener_filter(name: &str, config: envoy_types::pb::google::protobuf::Any) -
     }
 }
 
-fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
+/// What a chain does with its connections.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handoff {
+    /// Closes them: a proxy to a cluster no proxy has.
+    Refuse,
+    /// Hands them to the app once the mesh mTLS handshake is over.
+    Mtls,
+    /// Hands them to the app as they came.
+    Plaintext,
+}
+
+impl Handoff {
+    /// Its name in the statistics (`tcp.inbound_<name>`) and the access log.
+    fn name(self) -> &'static str {
+        match self {
+            Handoff::Refuse => "envoy_port",
+            Handoff::Mtls => "mtls",
+            Handoff::Plaintext => "plaintext",
+        }
+    }
+}
+
+fn tcp_proxy(handoff: Handoff) -> Filter {
+    let stat_prefix = handoff.name();
+    let logged = handoff != Handoff::Refuse;
+    let cluster = match handoff {
+        Handoff::Refuse => "lattice-inbound-refused",
+        Handoff::Mtls | Handoff::Plaintext => INBOUND_PASSTHROUGH_CLUSTER,
+    };
     let access_log = if logged {
         vec![AccessLog {
             name: "envoy.access_loggers.stderr".to_string(),
@@ -170,8 +198,20 @@ fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
     } else {
         Vec::new()
     };
+    // A mesh caller reaches the app only once its certificate is checked: the app's side is
+    // not connected before the handshake is over (and what the caller sends meanwhile is
+    // held, up to `max_early_data_bytes`). Plaintext connects at once.
+    let (upstream_connect_mode, max_early_data_bytes) = match handoff {
+        Handoff::Mtls => (
+            UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
+            Some(UInt32Value { value: 64 * 1024 }),
+        ),
+        Handoff::Refuse | Handoff::Plaintext => (UpstreamConnectMode::Immediate as i32, None),
+    };
     let proxy = TcpProxy {
         stat_prefix: format!("inbound_{stat_prefix}"),
+        upstream_connect_mode,
+        max_early_data_bytes,
         cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
         // A line once the app's side is connected, not only when the connection ends: a
         // calling proxy keeps its connections open for many requests.
@@ -181,18 +221,6 @@ fn tcp_proxy(stat_prefix: &str, cluster: &str, logged: bool) -> Filter {
         }),
         access_log,
         ..TcpProxy::default()
-    };
-    // A mesh caller reaches the app only once its certificate is checked: the app's side is
-    // not connected before the handshake is over (and what the caller sends meanwhile is
-    // held, up to this much). Plaintext connects at once, as before.
-    let proxy = if stat_prefix == "mtls" {
-        TcpProxy {
-            upstream_connect_mode: UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
-            max_early_data_bytes: Some(UInt32Value { value: 64 * 1024 }),
-            ..proxy
-        }
-    } else {
-        proxy
     };
     Filter {
         name: "envoy.filters.network.tcp_proxy".to_string(),
