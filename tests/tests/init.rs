@@ -97,11 +97,35 @@ impl Topology {
     }
 }
 
+/// A non-blocking listener on `addr` inside `ns`. An IPv6 one is IPv6-only, so it shares its
+/// port with an IPv4 listener (a dual-stack `[::]` would take the IPv4 port too).
 fn listen(ns: &Netns, addr: &str) -> TcpListener {
     let addr: SocketAddr = addr.parse().unwrap();
-    let listener = ns.enter(move || TcpListener::bind(addr)).unwrap().unwrap();
+    let listener = ns.enter(move || bind_listener(addr)).unwrap().unwrap();
     listener.set_nonblocking(true).unwrap();
     listener
+}
+
+fn bind_listener(addr: SocketAddr) -> nix::Result<TcpListener> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
+        socket,
+    };
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    if addr.is_ipv6() {
+        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(addr),
+    )?;
+    listen(&fd, Backlog::new(64)?)?;
+    Ok(TcpListener::from(fd))
 }
 
 /// Connects from `uid` in `ns` to `host:port` with a shell client (a separate process, so the
@@ -955,28 +979,34 @@ fn inbound_capture_sends_arriving_tcp_to_envoy_and_spares_excluded_ports() {
             "{backend}: a re-run is a no-op"
         );
 
-        for (pod_ip, any) in [("10.99.0.1", "0.0.0.0"), ("fd00:99::1", "[::]")] {
-            let inbound = listen(&net.pod, &format!("{any}:15006"));
-            let app = listen(&net.pod, &format!("{any}:8080"));
-            let excluded = listen(&net.pod, &format!("{any}:9090"));
-            let readiness = listen(&net.pod, &format!("{any}:15021"));
+        // Each family's listeners are bound once, side by side, for the whole test: rebinding a
+        // port between rounds can meet the previous round's sockets still closing.
+        let families = [("10.99.0.1", "0.0.0.0"), ("fd00:99::1", "[::]")].map(|(pod_ip, any)| {
+            let bound = |port: u16| listen(&net.pod, &format!("{any}:{port}"));
+            (
+                pod_ip,
+                [bound(15006), bound(8080), bound(9090), bound(15021)],
+            )
+        });
+        for (pod_ip, [inbound, app, excluded, readiness]) in &families {
+            let pod_ip = *pod_ip;
 
             assert!(connect_as(&net.remote, APP_UID, pod_ip, 8080), "{backend}");
-            let captured = accept(&inbound, "inbound connection on 15006");
+            let captured = accept(inbound, "inbound connection on 15006");
             let want = SocketAddr::new(pod_ip.parse().unwrap(), 8080);
             assert_eq!(original_dst(&captured), want, "{backend}: SO_ORIGINAL_DST");
-            assert_nothing_pending(&app, "inbound traffic must not reach the app directly");
+            assert_nothing_pending(app, "inbound traffic must not reach the app directly");
 
-            for (port, listener) in [(9090, &excluded), (15021, &readiness)] {
+            for (port, listener) in [(9090, excluded), (15021, readiness)] {
                 assert!(connect_as(&net.remote, APP_UID, pod_ip, port), "{backend}");
                 let direct = accept(listener, "an excluded port's connection");
                 assert_eq!(direct.local_addr().unwrap().port(), port);
             }
             for uid in [APP_UID, ENVOY_UID] {
                 assert!(connect_as(&net.pod, uid, pod_ip, 8080), "{backend}");
-                accept(&app, "the pod's own connection to its address");
+                accept(app, "the pod's own connection to its address");
             }
-            assert_nothing_pending(&inbound, "only arriving traffic is captured");
+            assert_nothing_pending(inbound, "only arriving traffic is captured");
         }
 
         init_ok(
@@ -989,11 +1019,10 @@ fn inbound_capture_sends_arriving_tcp_to_envoy_and_spares_excluded_ports() {
             off.contains("-A OUTPUT -j LATTICE_OUTPUT\n"),
             "{backend}: {off}"
         );
-        let inbound = listen(&net.pod, "0.0.0.0:15006");
-        let app = listen(&net.pod, "0.0.0.0:8080");
+        let (_, [inbound, app, ..]) = &families[0];
         assert!(connect_as(&net.remote, APP_UID, "10.99.0.1", 8080));
-        accept(&app, "with inbound capture off, the app");
-        assert_nothing_pending(&inbound, "inbound capture is off");
+        accept(app, "with inbound capture off, the app");
+        assert_nothing_pending(inbound, "inbound capture is off");
 
         init_ok(&net.pod, &["--cleanup"]);
         assert_eq!(
