@@ -9,6 +9,8 @@
 //! p99 quiet and under attack, and the agent's refusal counters. Sizes from the environment,
 //! as the xDS benchmark's (see `run`); `LATTICE_BENCH_HOSTILE_ATTACKS` chooses the attacks. A
 //! smoke run uses 100 services, 10 changes and small attacks, and a debug build.
+//! `LATTICE_BENCH_HOSTILE_PARTS` (a comma-separated list of `xds`, `dns`, `file`; all three
+//! when unset) runs some parts only, so one part can be measured again in a minute.
 
 use crate::scale_test::ScaleTest;
 
@@ -18,7 +20,46 @@ const XDS: ScaleTest<'static> = ScaleTest {
     marker: "BENCH_HOSTILE_XDS_JSON ",
 };
 
+/// The parts, as `LATTICE_BENCH_HOSTILE_PARTS` names them.
+const PARTS: [&str; 3] = ["xds", "dns", "file"];
+
 pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
+    let parts = parts(std::env::var("LATTICE_BENCH_HOSTILE_PARTS").ok().as_deref())?;
+    let mut report = serde_json::Map::new();
+    if parts.contains(&"xds") {
+        report.insert("xds".into(), xds(smoke)?);
+    }
+    if parts.contains(&"dns") {
+        report.insert("dns".into(), crate::bench_hostile_dns::run(smoke)?);
+    }
+    if parts.contains(&"file") {
+        report.insert("mesh_file".into(), crate::bench_hostile_file::run(smoke)?);
+    }
+    Ok(report.into())
+}
+
+/// The parts `chosen` names (all when unset or empty), or an error naming an unknown one.
+fn parts(chosen: Option<&str>) -> anyhow::Result<Vec<&'static str>> {
+    let Some(chosen) = chosen.filter(|c| !c.trim().is_empty()) else {
+        return Ok(PARTS.to_vec());
+    };
+    chosen
+        .split(',')
+        .map(|name| {
+            PARTS
+                .into_iter()
+                .find(|part| *part == name.trim())
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "LATTICE_BENCH_HOSTILE_PARTS: unknown part {name:?}; the parts are {}",
+                        PARTS.join(", ")
+                    )
+                })
+        })
+        .collect()
+}
+
+fn xds(smoke: bool) -> anyhow::Result<serde_json::Value> {
     // (variable, smoke, full); a variable already set in the environment wins.
     let sizes = [
         ("LATTICE_BENCH_SERVICES", "100", "10000"),
@@ -32,9 +73,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
     let envs = crate::scale_test::sizes(smoke, &sizes);
     let xds = XDS.run(smoke, envs)?;
     print_summary(&xds);
-    let dns = crate::bench_hostile_dns::run(smoke)?;
-    let file = crate::bench_hostile_file::run(smoke)?;
-    Ok(serde_json::json!({ "xds": xds, "dns": dns, "mesh_file": file }))
+    Ok(xds)
 }
 
 fn print_summary(xds: &serde_json::Value) {
@@ -55,4 +94,18 @@ fn print_summary(xds: &serde_json::Value) {
         f(&change["under_attack"]["p99"]),
         f(&change["p99_ratio"]),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_all_three_unless_some_are_named() {
+        assert_eq!(parts(None).unwrap(), PARTS);
+        assert_eq!(parts(Some("")).unwrap(), PARTS);
+        assert_eq!(parts(Some("dns")).unwrap(), ["dns"]);
+        assert_eq!(parts(Some("file, xds")).unwrap(), ["file", "xds"]);
+        assert!(parts(Some("dns,bogus")).is_err());
+    }
 }

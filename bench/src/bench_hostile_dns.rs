@@ -4,6 +4,9 @@
 //! Pods are loopback source addresses. In one run:
 //!
 //! - **quiet**: a pod's mesh-name queries over UDP and over TCP, the latency of each;
+//! - **attack elsewhere**: the same attack (below) aimed at a second agent, the bystander, while
+//!   the pod asks the first: what the attacker's threads and the bystander's work cost the
+//!   pod's queries through the shared cores alone;
 //! - **attack**: another address opens 5000 TCP connections and leaves them idle (more than
 //!   the agent's caps allow: it closes what is over) and floods names no cache holds while the
 //!   live upstream is blackholed too; the pod's mesh-name queries again, each answered or
@@ -11,7 +14,10 @@
 //! - **recovery**: the upstream answers again while the flood goes on: the time until a third
 //!   pod's forwarded name is answered, and how many of its next ones are;
 //! - **a dead upstream's cost**: a cache miss's latency with the dead upstream listed first,
-//!   against a second agent that lists only the live one.
+//!   against the bystander, which lists only the live one.
+//!
+//! `LATTICE_BENCH_AGENT` names another agent binary (an older build to compare with);
+//! `LATTICE_BENCH_HOSTILE_DNS_QUERIES` how many queries each figure takes (2000; 200 smoke).
 
 use std::io::{self, Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
@@ -48,7 +54,7 @@ struct Sizes {
 }
 
 pub fn run(smoke: bool) -> anyhow::Result<Value> {
-    let sizes = if smoke {
+    let mut sizes = if smoke {
         Sizes {
             services: 100,
             idle_tcp: 200,
@@ -63,7 +69,16 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
             queries: 2_000,
         }
     };
-    let binary = xtask::built_executable("lattice-agent", !smoke)?;
+    if let Some(queries) = std::env::var("LATTICE_BENCH_HOSTILE_DNS_QUERIES")
+        .ok()
+        .and_then(|q| q.parse().ok())
+    {
+        sizes.queries = queries;
+    }
+    let binary = match std::env::var_os("LATTICE_BENCH_AGENT") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => xtask::built_executable("lattice-agent", !smoke)?,
+    };
     let work = crate::WorkDir::new("hostile-dns")?;
     let file = work.path().join("mesh.yaml");
     std::fs::write(&file, mesh(sizes.services))?;
@@ -76,18 +91,19 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let dead = dead.local_addr()?;
     let live = Upstream::start(None, "127.0.0.1:0".parse()?)?;
 
-    let live_only = {
-        let agent = Agent::start_binary(
-            &binary,
-            &[
-                "--mesh-file",
-                &file,
-                &format!("--upstream-dns={}", live.addr),
-            ],
-        );
-        agent.wait_ready()?;
-        forwarded(agent.dns, FORWARDING_POD, 0, sizes.queries)?
-    };
+    // Also the bystander: the agent the same attack is aimed at while the pod asks the other,
+    // so the machine's share of the slowdown (the attacker's threads and the bystander's work
+    // on the same cores) is measured apart from the attacked server's.
+    let bystander = Agent::start_binary(
+        &binary,
+        &[
+            "--mesh-file",
+            &file,
+            &format!("--upstream-dns={}", live.addr),
+        ],
+    );
+    bystander.wait_ready()?;
+    let live_only = forwarded(bystander.dns, FORWARDING_POD, 0, sizes.queries)?;
     let agent = Agent::start_binary(
         &binary,
         &[
@@ -102,6 +118,13 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let rss_quiet = rss_mib(&agent);
 
     live.mute(true);
+    let elsewhere = {
+        let attack = Attack::start(bystander.dns, &sizes)?;
+        let measured = mesh_queries(agent.dns, &names, sizes.queries)?;
+        attack.stop();
+        measured
+    };
+    drop(bystander);
     let attack = Attack::start(agent.dns, &sizes)?;
     let under_attack = mesh_queries(agent.dns, &names, sizes.queries)?;
     let blackholed = forwarded_once(agent.dns, FORWARDING_POD, 2_000_000)?;
@@ -129,8 +152,11 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
         "mesh_names": {
             "quiet": quiet,
             "under_attack": under_attack,
+            "attack_elsewhere": elsewhere,
             "udp_p99_ratio": ratio(&under_attack["udp"]["p99_ms"], &quiet["udp"]["p99_ms"]),
             "tcp_p99_ratio": ratio(&under_attack["tcp"]["p99_ms"], &quiet["tcp"]["p99_ms"]),
+            "udp_p99_ratio_elsewhere": ratio(&elsewhere["udp"]["p99_ms"], &quiet["udp"]["p99_ms"]),
+            "tcp_p99_ratio_elsewhere": ratio(&elsewhere["tcp"]["p99_ms"], &quiet["tcp"]["p99_ms"]),
         },
         "forwarded": {
             "while_blackholed": blackholed,
@@ -170,7 +196,8 @@ fn print_summary(r: &Value) {
     println!(
         "DNS, {} services, {} idle TCP connections and {} qps of uncached names from one \
          address: mesh names answered UDP {}/{} TCP {}/{}; p99 UDP {} ms quiet, {} under attack \
-         ({}x); TCP {} ms, {} ({}x)",
+         ({}x); TCP {} ms, {} ({}x); with the attack aimed at another agent: UDP {} ms ({}x), \
+         TCP {} ms ({}x)",
         r["services"],
         r["attack"]["idle_tcp_connections"],
         r["attack"]["flood_qps"],
@@ -184,6 +211,10 @@ fn print_summary(r: &Value) {
         f(&m["quiet"]["tcp"]["p99_ms"]),
         f(&m["under_attack"]["tcp"]["p99_ms"]),
         f(&m["tcp_p99_ratio"]),
+        f(&m["attack_elsewhere"]["udp"]["p99_ms"]),
+        f(&m["udp_p99_ratio_elsewhere"]),
+        f(&m["attack_elsewhere"]["tcp"]["p99_ms"]),
+        f(&m["tcp_p99_ratio_elsewhere"]),
     );
     println!(
         "DNS forwarding: answered {} s after the upstream came back, then {}/{}; a miss with a \
