@@ -455,7 +455,9 @@ impl Attack {
         socket.connect(server)?;
         socket.set_nonblocking(true)?;
         let (stopping, counter, qps) = (stop.clone(), sent.clone(), sizes.flood_qps);
+        let nice = lattice_e2e::procstat::attackers_nice();
         let flood = std::thread::spawn(move || {
+            lattice_e2e::procstat::lower_priority(nice);
             let started = Instant::now();
             let mut k = 0u64;
             let mut buf = [0u8; 4096];

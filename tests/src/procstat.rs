@@ -53,3 +53,27 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
 pub fn running(pid: u32) -> bool {
     stat_fields(pid).is_some_and(|f| f.first().is_some_and(|state| state != "Z"))
 }
+
+/// The attackers' nice value (`LATTICE_BENCH_HOSTILE_NICE`, 19 by default): a hostile pod
+/// that asks for no CPU (BestEffort) gets the kubelet's lowest CPU weight beside the agent's
+/// request, which is what nice 19 is to the agent's threads on this machine. 0 lets the
+/// attackers' own CPU compete with the agent and Envoy as equals.
+pub fn attackers_nice() -> i32 {
+    std::env::var("LATTICE_BENCH_HOSTILE_NICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(19)
+}
+
+/// Sets the calling thread's nice value (Linux: per thread).
+pub fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = nix::unistd::gettid().to_string();
+    let reniced = std::process::Command::new("renice")
+        .args(["-n", &nice.to_string(), "-p", &tid])
+        .stdout(std::process::Stdio::null())
+        .status();
+    assert!(reniced.is_ok_and(|s| s.success()), "renice {tid}");
+}

@@ -387,30 +387,6 @@ async fn changes(
     latencies
 }
 
-/// The attackers' nice value (`LATTICE_BENCH_HOSTILE_NICE`, 19 by default): a hostile pod
-/// that asks for no CPU (BestEffort) gets the kubelet's lowest CPU weight beside the agent's
-/// request, which is what nice 19 is to the agent's threads on this machine. 0 lets the
-/// attackers' own CPU compete with the agent and Envoy as equals.
-fn attackers_nice() -> i32 {
-    std::env::var("LATTICE_BENCH_HOSTILE_NICE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(19)
-}
-
-/// Sets the calling thread's nice value (Linux: per thread).
-fn lower_priority(nice: i32) {
-    if nice == 0 {
-        return;
-    }
-    let tid = nix::unistd::gettid().to_string();
-    let reniced = std::process::Command::new("renice")
-        .args(["-n", &nice.to_string(), "-p", &tid])
-        .stdout(std::process::Stdio::null())
-        .status();
-    assert!(reniced.is_ok_and(|s| s.success()), "renice {tid}");
-}
-
 /// Samples the agent's RSS every 200 ms until dropped; the largest seen.
 struct Sampler {
     peak: Arc<AtomicU64>,
@@ -567,11 +543,11 @@ async fn xds_hostile_clients_beside_an_honest_envoy() {
     // The attackers run on threads of their own, as other pods' processes would: on this
     // test's runtime they queued the relay that times the honest Envoy's changes behind their
     // own bursts.
-    let nice = attackers_nice();
+    let nice = procstat::attackers_nice();
     let attack_runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("attacker")
-        .on_thread_start(move || lower_priority(nice))
+        .on_thread_start(move || procstat::lower_priority(nice))
         .enable_all()
         .build()
         .expect("the attackers' runtime");
