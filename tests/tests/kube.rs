@@ -916,11 +916,15 @@ fn without_gateway_api_crds_the_agent_is_ready_and_reads_routes_once_they_appear
             .is_some_and(|r| r.contains("tcp port (5432)")),
         "{seen}"
     );
-    let (_, metrics) = agent.get("/metrics").unwrap();
-    assert!(
-        metrics.contains("lattice_mesh_rejected_routes 1"),
-        "{metrics}"
-    );
+    // The gauge is set when the snapshot is published, a moment after the routes' view.
+    wait::until("the refusal counted in the metrics", RECOVER, || {
+        let (_, metrics) = agent.get("/metrics").map_err(|e| e.to_string())?;
+        metrics
+            .contains("lattice_mesh_rejected_routes 1")
+            .then_some(())
+            .ok_or(metrics)
+    })
+    .unwrap();
     assert!(
         agent.log().contains("route refused"),
         "{}",
