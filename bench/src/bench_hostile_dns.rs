@@ -94,24 +94,16 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     // Also the bystander: the agent the same attack is aimed at while the pod asks the other,
     // so the machine's share of the slowdown (the attacker's threads and the bystander's work
     // on the same cores) is measured apart from the attacked server's.
-    let bystander = Agent::start_binary(
-        &binary,
-        &[
-            "--mesh-file",
-            &file,
-            &format!("--upstream-dns={}", live.addr),
-        ],
-    );
+    let start = |upstreams: String| {
+        Agent::start_binary(
+            &binary,
+            &["--mesh-file", &file, &format!("--upstream-dns={upstreams}")],
+        )
+    };
+    let bystander = start(live.addr.to_string());
     bystander.wait_ready()?;
     let live_only = forwarded(bystander.dns, FORWARDING_POD, 0, sizes.queries)?;
-    let agent = Agent::start_binary(
-        &binary,
-        &[
-            "--mesh-file",
-            &file,
-            &format!("--upstream-dns={dead},{}", live.addr),
-        ],
-    );
+    let agent = start(format!("{dead},{}", live.addr));
     agent.wait_ready()?;
     let dead_first = forwarded(agent.dns, FORWARDING_POD, 1_000_000, sizes.queries)?;
     let quiet = mesh_queries(agent.dns, &names, sizes.queries)?;

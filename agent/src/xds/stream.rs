@@ -319,17 +319,18 @@ impl TypeState {
             Some(index) => self.interest.names.is_all_of(index),
             None => false,
         };
-        if wants_all && self.rejected.is_empty() && self.client.is_based_on(current) {
-            return;
-        }
-        // Its mirror: a client that holds nothing and refused nothing, and wants all of the
-        // map, lacks every resource of it, in name order. The first sync of a proxy of the
-        // whole mesh, with no lookup per name (at 10k services the walk below, its lookups
-        // above all, was a quarter of the agent's CPU while a hundred such proxies synced).
-        if wants_all && self.rejected.is_empty() && self.client.len() == 0 {
-            found.changed.reserve(current.len());
-            found.changed.extend(current.values().cloned());
-            return;
+        if wants_all && self.rejected.is_empty() {
+            if self.client.is_based_on(current) {
+                return;
+            }
+            // Its mirror: one that holds nothing lacks every resource of the map, in name
+            // order. The first sync of a proxy of the whole mesh, with no lookup per name (at
+            // 10k services the walk below, its lookups above all, was a quarter of the agent's
+            // CPU while a hundred such proxies synced).
+            if self.client.len() == 0 {
+                found.changed.extend(current.values().cloned());
+                return;
+            }
         }
         // How many of the client's names, and of the names it subscribed to, the walk met:
         // when all of them, none is missing from the snapshot, and the two lookups per name
