@@ -303,6 +303,16 @@ pub struct AgentConfig {
     )]
     pub dns_forwards_per_source: usize,
 
+    /// SERVFAILs a second sent over UDP to a source over `--dns-forwards-per-source`; its other
+    /// queries are dropped unanswered, as DNS response rate limiting does.
+    #[arg(
+        long,
+        env = "LATTICE_DNS_REFUSALS_PER_SOURCE",
+        default_value_t = 100,
+        value_name = "N"
+    )]
+    pub dns_refusals_per_source: u32,
+
     /// Most DNS TCP connections open; beyond it the connection idle longest is closed for a
     /// new one, or the new one refused when none is idle.
     #[arg(
@@ -590,6 +600,7 @@ mod tests {
         assert_eq!(config.dns_cache_entries_per_source, 1_250);
         assert_eq!(config.dns_forwards, 1024);
         assert_eq!(config.dns_forwards_per_source, 128);
+        assert_eq!(config.dns_refusals_per_source, 100);
         assert_eq!(config.dns_tcp_connections, 1024);
         assert_eq!(config.dns_tcp_connections_per_source, 64);
         assert_eq!(config.dns_tcp_idle_timeout_secs, 10);

@@ -259,6 +259,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     dns_config.forwards = config.dns_forwards;
     dns_config.forwards_per_source = config.dns_forwards_per_source;
+    dns_config.refusals_per_source = config.dns_refusals_per_source;
     dns_config.tcp_connections = config.dns_tcp_connections;
     dns_config.tcp_connections_per_source = config.dns_tcp_connections_per_source;
     dns_config.tcp_idle_timeout = Duration::from_secs(config.dns_tcp_idle_timeout_secs);

@@ -4,7 +4,12 @@
 //! needs no budget at all; a TCP connection needs a connection slot, not a forwarding one).
 //!
 //! Over a budget a forwarded query gets SERVFAIL at once (retryable, and it costs the node
-//! nothing), and a new TCP connection is refused. A connection over the total while some
+//! little), and a new TCP connection is refused. A source over its own forwarding budget is
+//! sent at most `refusals_per_source` SERVFAILs a second over UDP; its other queries are
+//! dropped unanswered, as Unbound's `ip-ratelimit` and BIND's response rate limiting do: a
+//! reply costs the node a send as dear as the query's receive, and a source that keeps its
+//! whole budget in flight and asks on is flooding, not waiting for an answer. Over TCP every
+//! query is answered (a connection's pipeline already bounds what it may ask). A connection over the total while some
 //! connection sits idle takes that one's slot instead: the idle connection longest unused is
 //! closed (RFC 7766 §6.2.3 lets a server close idle connections when it needs the resources,
 //! and a client must expect it), because that costs its client one reconnect later, while a
@@ -19,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::metrics::DnsMetrics;
 
 /// Why a query or a connection was turned away: the `reason` label of
@@ -27,6 +33,9 @@ use crate::metrics::DnsMetrics;
 pub(crate) enum Limit {
     /// A source had `forwards_per_source` forwarded queries in flight.
     ForwardsPerSource,
+    /// As [`Limit::ForwardsPerSource`], over UDP once the source had been sent its
+    /// `refusals_per_source` SERVFAILs of the second: dropped unanswered.
+    ForwardsPerSourceUnanswered,
     /// The node had `forwards` forwarded queries in flight.
     Forwards,
     /// A source had `tcp_connections_per_source` connections open.
@@ -41,6 +50,7 @@ impl Limit {
     pub(crate) fn label(self) -> &'static str {
         match self {
             Limit::ForwardsPerSource => "forwards_per_source",
+            Limit::ForwardsPerSourceUnanswered => "forwards_per_source_unanswered",
             Limit::Forwards => "forwards",
             Limit::TcpPerSource => "tcp_connections_per_source",
             Limit::Tcp => "tcp_connections",
@@ -82,37 +92,91 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
-/// Forwarded queries in flight, per source and in total.
+/// Forwarded queries in flight, per source and in total, and the SERVFAILs a source over its
+/// own budget may still be sent over UDP.
 #[derive(Debug)]
 pub(crate) struct ForwardBudget {
     total: usize,
     per_source: usize,
-    counts: Mutex<Counts>,
+    refusals_per_source: u32,
+    clock: Clock,
+    state: Mutex<ForwardState>,
+}
+
+#[derive(Debug, Default)]
+struct ForwardState {
+    counts: Counts,
+    /// Only for sources over their budget, so never more than `total / per_source` entries:
+    /// an entry goes with the source's last forward in flight.
+    refusals: HashMap<IpAddr, Allowance>,
+}
+
+/// A token bucket of `refusals_per_source` a second, as deep: a source that has just reached
+/// its budget gets a second's worth of SERVFAILs at once.
+#[derive(Debug)]
+struct Allowance {
+    tokens: f64,
+    at: Instant,
 }
 
 impl ForwardBudget {
-    pub(crate) fn new(total: usize, per_source: usize) -> Arc<Self> {
+    pub(crate) fn new(
+        total: usize,
+        per_source: usize,
+        refusals_per_source: u32,
+        clock: Clock,
+    ) -> Arc<Self> {
         Arc::new(ForwardBudget {
             total: total.max(1),
             per_source: per_source.max(1),
-            counts: Mutex::new(Counts::default()),
+            refusals_per_source,
+            clock,
+            state: Mutex::new(ForwardState::default()),
         })
     }
 
     /// A slot for one forwarded query of `source`, given back when the permit drops.
     pub(crate) fn try_take(self: &Arc<Self>, source: IpAddr) -> Result<ForwardPermit, Limit> {
-        let mut counts = lock(&self.counts);
-        if counts.of(source) >= self.per_source {
+        let mut state = lock(&self.state);
+        if state.counts.of(source) >= self.per_source {
             return Err(Limit::ForwardsPerSource);
         }
-        if counts.total >= self.total {
+        if state.counts.total >= self.total {
             return Err(Limit::Forwards);
         }
-        counts.take(source);
+        state.counts.take(source);
         Ok(ForwardPermit {
             budget: self.clone(),
             source,
         })
+    }
+
+    /// Whether a UDP query of `source` refused for `limit` gets its SERVFAIL: always, but
+    /// for a source over its own budget, which has `refusals_per_source` a second.
+    pub(crate) fn answers_refusal(&self, source: IpAddr, limit: Limit) -> bool {
+        if limit != Limit::ForwardsPerSource {
+            return true;
+        }
+        let rate = f64::from(self.refusals_per_source);
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        if state.counts.of(source) < self.per_source {
+            // Its forwards came back meanwhile: it is no longer over.
+            return true;
+        }
+        let allowance = state.refusals.entry(source).or_insert(Allowance {
+            tokens: rate,
+            at: now,
+        });
+        let refill = now.saturating_duration_since(allowance.at).as_secs_f64() * rate;
+        allowance.tokens = (allowance.tokens + refill).min(rate);
+        allowance.at = now;
+        if allowance.tokens >= 1.0 {
+            allowance.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
     }
 }
 
@@ -124,7 +188,11 @@ pub(crate) struct ForwardPermit {
 
 impl Drop for ForwardPermit {
     fn drop(&mut self) {
-        lock(&self.budget.counts).give_back(self.source);
+        let mut state = lock(&self.budget.state);
+        state.counts.give_back(self.source);
+        if state.counts.of(self.source) == 0 {
+            state.refusals.remove(&self.source);
+        }
     }
 }
 
@@ -279,6 +347,8 @@ impl RefusalLog {
             match limit {
                 Limit::ForwardsPerSource | Limit::Forwards =>
                     "a forwarded query got SERVFAIL",
+                Limit::ForwardsPerSourceUnanswered =>
+                    "a forwarded query was dropped unanswered (over its source's SERVFAIL rate)",
                 Limit::TcpPerSource | Limit::Tcp => "a TCP connection was refused",
                 Limit::TcpIdleEvicted => "an idle TCP connection was closed",
             }
@@ -297,7 +367,7 @@ mod tests {
 
     #[test]
     fn forwards_are_bounded_per_source_and_in_total_and_given_back() {
-        let budget = ForwardBudget::new(3, 2);
+        let budget = ForwardBudget::new(3, 2, 100, Clock::manual());
         let a1 = budget.try_take(ip(1)).unwrap();
         let _a2 = budget.try_take(ip(1)).unwrap();
         assert_eq!(
@@ -308,6 +378,40 @@ mod tests {
         assert_eq!(budget.try_take(ip(3)).unwrap_err(), Limit::Forwards);
         drop(a1);
         assert!(budget.try_take(ip(3)).is_ok(), "a slot given back is free");
+    }
+
+    #[test]
+    fn a_source_over_its_budget_is_answered_at_its_refusal_rate_until_its_forwards_return() {
+        let clock = Clock::manual();
+        let budget = ForwardBudget::new(10, 2, 4, clock.clone());
+        let answered = |source| {
+            (0..100)
+                .filter(|_| budget.answers_refusal(source, Limit::ForwardsPerSource))
+                .count()
+        };
+        // Under its budget (and over the total, which is no fault of its own): always.
+        assert_eq!(answered(ip(1)), 100);
+        assert!(budget.answers_refusal(ip(1), Limit::Forwards));
+        let first = budget.try_take(ip(1)).unwrap();
+        let second = budget.try_take(ip(1)).unwrap();
+        // Over it: a second's worth at once, then the rate.
+        assert_eq!(answered(ip(1)), 4);
+        assert!(budget.answers_refusal(ip(1), Limit::Forwards));
+        clock.advance(Duration::from_millis(500));
+        assert_eq!(answered(ip(1)), 2);
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(answered(ip(1)), 4, "the bucket is a second deep");
+        assert_eq!(answered(ip(2)), 100, "another source is not limited");
+        // Its forwards back, its allowance goes with them; over again, a fresh one.
+        drop(first);
+        assert_eq!(answered(ip(1)), 100);
+        drop(second);
+        assert!(lock(&budget.state).refusals.is_empty());
+        let _held = (
+            budget.try_take(ip(1)).unwrap(),
+            budget.try_take(ip(1)).unwrap(),
+        );
+        assert_eq!(answered(ip(1)), 4);
     }
 
     #[test]

@@ -166,7 +166,7 @@ impl DnsMetrics {
         let limited = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "limited",
-            "Queries and connections turned away by a budget, by reason (forwards_per_source, forwards: a forwarded query got SERVFAIL; tcp_connections_per_source, tcp_connections: a connection was refused; tcp_idle_evicted: an idle connection was closed for a new one)",
+            "Queries and connections turned away by a budget, by reason (forwards_per_source, forwards: a forwarded query got SERVFAIL; forwards_per_source_unanswered: over its source's SERVFAIL rate, dropped unanswered; tcp_connections_per_source, tcp_connections: a connection was refused; tcp_idle_evicted: an idle connection was closed for a new one)",
             limited.clone(),
         );
         let tcp_connections = Gauge::default();

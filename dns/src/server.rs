@@ -81,6 +81,9 @@ pub struct DnsConfig {
     pub forwards: usize,
     /// Most forwarded queries in flight from one source address.
     pub forwards_per_source: usize,
+    /// SERVFAILs a second a source over `forwards_per_source` is sent over UDP; its other
+    /// queries are dropped unanswered (`budget.rs` says why).
+    pub refusals_per_source: u32,
     /// Most TCP connections open; beyond it the connection idle longest is closed for a new
     /// one, or the new one refused when none is idle.
     pub tcp_connections: usize,
@@ -113,6 +116,7 @@ impl DnsConfig {
             udp_sockets: handoff::online_cpus().len(),
             forwards: 1024,
             forwards_per_source: 128,
+            refusals_per_source: 100,
             tcp_connections: 1024,
             tcp_connections_per_source: 64,
             tcp_idle_timeout: Duration::from_secs(10),
@@ -224,7 +228,12 @@ impl DnsServer {
                     nameserver: config.nameserver,
                 },
                 forwarder: Forwarder::new(&config, metrics.clone()),
-                forwards: ForwardBudget::new(config.forwards, config.forwards_per_source),
+                forwards: ForwardBudget::new(
+                    config.forwards,
+                    config.forwards_per_source,
+                    config.refusals_per_source,
+                    config.clock.clone(),
+                ),
                 tcp: TcpBudget::new(
                     config.tcp_connections,
                     config.tcp_connections_per_source,

@@ -307,3 +307,62 @@ async fn connections_close_when_idle_or_old_with_a_fin_and_pipelines_are_answere
     );
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_flooding_over_its_budget_is_sent_its_refusal_rate_and_no_more() {
+    let blackhole = ScriptedUpstream::start(|_| None).await;
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![blackhole.addr];
+        c.upstream_timeout = Duration::from_secs(30);
+        c.forwards_per_source = 4;
+        c.refusals_per_source = 20;
+    })
+    .await;
+    let flood = UdpSocket::bind(SocketAddr::new(WORSE, 0)).await.unwrap();
+    let started = std::time::Instant::now();
+    for k in 0..404u16 {
+        let bytes = &framed_query(k, &format!("flood{k}.example.test"))[2..];
+        flood.send_to(bytes, server.addr).await.unwrap();
+    }
+    let refused = || {
+        server.metric("lattice_dns_limited_total{reason=\"forwards_per_source\"}")
+            + server.metric("lattice_dns_limited_total{reason=\"forwards_per_source_unanswered\"}")
+    };
+    eventually(Duration::from_secs(10), || async { refused() == 400.0 }).await;
+    let elapsed = started.elapsed().as_secs_f64();
+
+    let answered = server.metric("lattice_dns_limited_total{reason=\"forwards_per_source\"}");
+    // A second's worth at once, then 20 a second: not one per query.
+    assert!(
+        answered >= 20.0 && answered <= 20.0 + 20.0 * elapsed + 1.0,
+        "{answered} SERVFAILs in {elapsed:.2} s"
+    );
+    // Each refusal answered is a SERVFAIL on the flooding socket: all of them arrive.
+    let mut servfails = 0.0;
+    let mut buf = [0u8; 512];
+    while servfails < answered {
+        let (len, _) = tokio::time::timeout(Duration::from_secs(5), flood.recv_from(&mut buf))
+            .await
+            .expect("every answered refusal arrives")
+            .unwrap();
+        let reply = Message::from_vec(&buf[..len]).unwrap();
+        assert_eq!(reply.metadata.response_code, ResponseCode::ServFail);
+        servfails += 1.0;
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), flood.recv_from(&mut buf))
+            .await
+            .is_err(),
+        "nothing more than the counted SERVFAILs"
+    );
+
+    // Another source is answered at once.
+    let (status, address) =
+        dig_from(server.addr, GOOD, &["+notcp", "web.shop.system.internal"]).await;
+    assert_eq!(
+        (status.as_str(), address.as_str()),
+        ("NOERROR", "240.240.0.1")
+    );
+    // Not drained: a drain waits out the blackholed forwards, which outlive the test.
+    drop(server);
+}

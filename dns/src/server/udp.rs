@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Context, forward};
 use crate::batch::{self, Inbox, Outbox};
+use crate::budget::Limit;
 use crate::error::DnsError;
 use crate::fast;
 use crate::handoff;
@@ -162,6 +163,11 @@ fn answer_slowly(
             let source = peer.ip().to_canonical();
             let permit = match context.forwards.try_take(source) {
                 Ok(permit) => permit,
+                Err(limit) if !context.forwards.answers_refusal(source, limit) => {
+                    let limit = Limit::ForwardsPerSourceUnanswered;
+                    context.refusals.refused(limit, source, &context.metrics);
+                    return;
+                }
                 Err(limit) => {
                     context.refusals.refused(limit, source, &context.metrics);
                     context
