@@ -27,7 +27,11 @@ pub fn run(smoke: bool) -> anyhow::Result<Value> {
     let dir = work.path();
     write_files(dir)?;
     // Release for a measurement; debug for a smoke run, which only checks the bench works.
-    let bench_server = xtask::built_executable("bench_server", !smoke)?;
+    // `LATTICE_BENCH_DNS_SERVER` names another build of it, such as an older one to compare.
+    let bench_server = match std::env::var_os("LATTICE_BENCH_DNS_SERVER") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => xtask::built_executable("bench_server", !smoke)?,
+    };
 
     let knot_port = free_port()?;
     let knot = Server::start(
