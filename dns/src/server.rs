@@ -1,5 +1,5 @@
-//! The DNS server: UDP sockets sharing the port, each drained by its own task through the fast
-//! path (`server/udp.rs`), and TCP listeners, one per CPU, a task per connection
+//! The DNS server: UDP sockets sharing the port, each drained on its own thread through the
+//! fast path (`server/udp.rs`), and TCP listeners, one per CPU, a task per connection
 //! (`server/tcp.rs`); both fall back to the general path and the forwarder. The name table is
 //! read from a `watch` channel, so a new mesh snapshot takes effect on the next query. Answers
 //! for names with a scope are reported to the [`LookupObserver`], if any, which may hold an
@@ -323,14 +323,14 @@ impl DnsServer {
             opened();
         }
         let context = Arc::new(self.context);
+        // The UDP threads outlive an aborted task: on an error they are stopped by this token.
+        let udp_drain = drain.child_token();
+        let _stop_udp = udp_drain.clone().drop_guard();
         let mut tasks = JoinSet::new();
-        for socket in udp {
-            tasks.spawn(udp::serve(
-                Arc::new(socket),
-                context.clone(),
-                names.clone(),
-                drain.clone(),
-            ));
+        for (k, socket) in udp.into_iter().enumerate() {
+            let socket = socket.into_std().map_err(socket_error("UDP"))?;
+            let thread = udp_thread(k, socket, context.clone(), names.clone(), udp_drain.clone());
+            tasks.spawn(thread.map_err(socket_error("UDP"))?);
         }
         tasks.spawn(tcp::serve(listeners, context, names, drain));
         while let Some(ended) = tasks.join_next().await {
@@ -345,6 +345,56 @@ impl DnsServer {
         tracing::info!(addr = %self.local_addr, "DNS server drained");
         Ok(())
     }
+}
+
+/// Serves the `k`-th UDP socket on a thread of its own, with a single-threaded runtime of its
+/// own, as Knot and NSD give each socket of a SO_REUSEPORT group a thread: a burst on one socket
+/// wakes that thread alone (a task of the agent's multi-threaded runtime, woken, also wakes a
+/// second worker to steal work), and no xDS or translation task queues ahead of a datagram.
+/// Forwarded queries run on the socket's thread too; the TCP connections stay on the agent's
+/// runtime. The future it returns ends with the thread's `serve`.
+fn udp_thread(
+    k: usize,
+    socket: std::net::UdpSocket,
+    context: Arc<Context>,
+    names: watch::Receiver<Arc<NameTable>>,
+    drain: CancellationToken,
+) -> std::io::Result<impl std::future::Future<Output = Result<(), DnsError>> + use<>> {
+    let (done, ended) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("dns-udp-{k}"))
+        .spawn(move || {
+            let addr = socket
+                .local_addr()
+                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+            let socket_error = |source| DnsError::Socket {
+                protocol: "UDP",
+                addr,
+                source,
+            };
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(socket_error)
+                .and_then(|runtime| {
+                    // A task, not `block_on`'s own future: the scheduler then polls it as it
+                    // polls the forwards it spawns, checking the socket between them.
+                    runtime.block_on(async move {
+                        let socket = UdpSocket::from_std(socket).map_err(socket_error)?;
+                        tokio::spawn(udp::serve(Arc::new(socket), context, names, drain))
+                            .await
+                            .map_err(|error| DnsError::Task(error.to_string()))?
+                    })
+                });
+            let _ = done.send(served);
+        })?;
+    Ok(async move {
+        ended.await.unwrap_or_else(|_| {
+            Err(DnsError::Task(
+                "a DNS UDP thread ended without a result (it panicked)".into(),
+            ))
+        })
+    })
 }
 
 /// The client's answer to a query that is not the zone's: from the cache or an upstream, or
