@@ -9,13 +9,15 @@
 //! dropped unanswered, as Unbound's `ip-ratelimit` and BIND's response rate limiting do: a
 //! reply costs the node a send as dear as the query's receive, and a source that keeps its
 //! whole budget in flight and asks on is flooding, not waiting for an answer. Over TCP every
-//! query is answered (a connection's pipeline already bounds what it may ask). A connection over the total while some
-//! connection sits idle takes that one's slot instead: the idle connection longest unused is
-//! closed (RFC 7766 §6.2.3 lets a server close idle connections when it needs the resources,
-//! and a client must expect it), because that costs its client one reconnect later, while a
-//! refusal fails a query the new client has in hand. Over its own source's budget a connection
-//! is refused even when the source has idle ones: a source competes only with itself there,
-//! and closing its idle connections would let it churn through connections for free.
+//! query is answered (a connection's pipeline already bounds what it may ask).
+//!
+//! A connection over the total while some connection sits idle takes that one's slot instead:
+//! the idle connection longest unused is closed (RFC 7766 §6.2.3 lets a server close idle
+//! connections when it needs the resources, and a client must expect it), because that costs
+//! its client one reconnect later, while a refusal fails a query the new client has in hand.
+//! Over its own source's budget a connection is refused even when the source has idle ones: a
+//! source competes only with itself there, and closing its idle connections would let it churn
+//! through connections for free.
 
 use std::collections::HashMap;
 use std::net::IpAddr;

@@ -329,7 +329,8 @@ impl DnsServer {
         let mut tasks = JoinSet::new();
         for (k, socket) in udp.into_iter().enumerate() {
             let socket = socket.into_std().map_err(socket_error("UDP"))?;
-            let thread = udp_thread(k, socket, context.clone(), names.clone(), udp_drain.clone());
+            let (context, names, drain) = (context.clone(), names.clone(), udp_drain.clone());
+            let thread = udp_thread(k, self.local_addr, socket, context, names, drain);
             tasks.spawn(thread.map_err(socket_error("UDP"))?);
         }
         tasks.spawn(tcp::serve(listeners, context, names, drain));
@@ -355,6 +356,7 @@ impl DnsServer {
 /// runtime. The future it returns ends with the thread's `serve`.
 fn udp_thread(
     k: usize,
+    addr: SocketAddr,
     socket: std::net::UdpSocket,
     context: Arc<Context>,
     names: watch::Receiver<Arc<NameTable>>,
@@ -364,9 +366,6 @@ fn udp_thread(
     std::thread::Builder::new()
         .name(format!("dns-udp-{k}"))
         .spawn(move || {
-            let addr = socket
-                .local_addr()
-                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
             let socket_error = |source| DnsError::Socket {
                 protocol: "UDP",
                 addr,
