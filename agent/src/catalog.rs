@@ -25,6 +25,7 @@ pub use address_record::{AddressRecordFile, RecordStatus};
 pub use merge::{Conflict, Merger};
 
 use crate::mesh::{AddressBook, MeshMetrics, MeshTx, Provider, ProviderRx, Stale};
+use crate::parallel::BulkThread;
 use crate::readiness::{Readiness, ReadyToken};
 
 /// One provider as `/debug/mesh` shows it.
@@ -108,10 +109,11 @@ impl Catalog {
     /// Merges until shutdown, publishing each merged snapshot on `mesh` (nothing before every
     /// provider's first view).
     ///
-    /// The merging runs off the async runtime (tokio's blocking pool): a change costs the
-    /// services it touched, but the first merge is every service's, bulk work that would hold
-    /// a runtime worker, and the DNS queries queued on it, for as long (about 1 s for 10k
-    /// services in a debug build).
+    /// The merging runs off the async runtime, on a [`BulkThread`] of its own: a change costs
+    /// the services it touched, but the first merge is every service's, bulk work that would
+    /// hold a runtime worker, and the DNS queries queued on it, for as long (about 1 s for 10k
+    /// services in a debug build). A bulk thread rather than tokio's blocking pool, whose
+    /// threads run at the serving threads' priority.
     pub async fn run(self, mesh: MeshTx, shutdown: CancellationToken) {
         let Catalog {
             merger,
@@ -121,6 +123,13 @@ impl Catalog {
             metrics,
             mut record,
         } = self;
+        let thread = match BulkThread::spawn("lattice-merge") {
+            Ok(thread) => thread,
+            Err(error) => {
+                tracing::error!(%error, "the catalog cannot merge");
+                return;
+            }
+        };
         let mut merger = Some(merger);
         // The first pass reads what providers published before the catalog started.
         let mut first = true;
@@ -161,7 +170,7 @@ impl Catalog {
             let Some(mut taken) = merger.take() else {
                 return;
             };
-            let merging = tokio::task::spawn_blocking(move || {
+            let merging = thread.run(move || {
                 let mut changed = false;
                 for (index, report) in reports {
                     changed |= taken.update(index, report);
@@ -174,8 +183,10 @@ impl Catalog {
                 () = shutdown.cancelled() => return,
                 merged = merging => match merged {
                     Ok(merged) => merged,
-                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-                    Err(_) => return,
+                    Err(error) => {
+                        tracing::error!(%error, "the catalog stopped merging");
+                        return;
+                    }
                 },
             };
             if let Some(snapshot) = snapshot {

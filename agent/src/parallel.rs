@@ -5,7 +5,7 @@
 //! 10k-service translation) delays every query queued behind it, so none runs there.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 
 /// Below this many items one thread does it all: spawning threads costs more than it saves.
 pub const PARALLEL_FROM: usize = 512;
@@ -48,6 +48,29 @@ pub fn map_on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sy
     })
 }
 
+/// Puts the calling thread in `SCHED_IDLE`: threads of normal policy (the DNS server's, the
+/// runtime's workers) preempt it as soon as they wake, instead of waiting for the end of its
+/// slice or the next tick (up to 4 ms at HZ=250 on a kernel without preemption, which is what
+/// a DNS query waited behind a translation). Threads it spawns inherit the policy, so the
+/// parts of [`map_on_every_core`] run at it too. The weight is that of the agent's own cgroup
+/// in the node's: a pod's CPU share is set by its cgroup, and inside it bulk work runs in
+/// whatever the serving threads leave. Lowering a thread's policy needs no privilege; if it
+/// fails all the same the thread runs at normal policy, as before, and says so once.
+pub fn yield_to_serving() {
+    use thread_priority::ThreadPriority;
+    use thread_priority::unix::{
+        NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
+        thread_native_id,
+    };
+    if let Err(error) = set_thread_priority_and_policy(
+        thread_native_id(),
+        ThreadPriority::Min,
+        ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+    ) {
+        tracing::warn!(%error, "bulk work runs at normal priority: cannot set SCHED_IDLE");
+    }
+}
+
 type Job = Box<dyn FnOnce() + Send>;
 
 /// A thread of its own that runs the jobs async tasks hand it, one at a time, and hands each
@@ -75,6 +98,7 @@ impl BulkThread {
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                yield_to_serving();
                 for job in queue {
                     job();
                 }
@@ -84,6 +108,13 @@ impl BulkThread {
                 source,
             })?;
         Ok(BulkThread { jobs })
+    }
+
+    /// Drops `value` on the thread, after the jobs before it, without waiting: for large
+    /// values whose freeing would hold a serving thread. If the thread is gone it is dropped
+    /// here.
+    pub fn drop_later<V: Send + 'static>(&self, value: V) {
+        let _ = self.jobs.send(Box::new(move || drop(value)));
     }
 
     /// Runs `job` on the thread and waits for its result without holding a runtime worker. A
@@ -104,6 +135,43 @@ impl BulkThread {
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
             Err(_) => Err(BulkThreadError::Gone),
         }
+    }
+}
+
+/// Values published to serving threads (a name table, Envoy resources, a mesh snapshot), held
+/// after they are replaced until no serving thread holds them any more, so that none of those
+/// threads drops the last reference. Freeing a 10k-service name table takes a DNS thread about
+/// 2 ms, during which its socket is not read; freed on a bulk thread instead, it costs the
+/// serving threads nothing. A serving thread holds one value at a time and lets go of it when
+/// it takes the next, so at most one more value per serving thread is alive than without this.
+pub struct Retiring<T> {
+    held: Vec<Arc<T>>,
+}
+
+impl<T> Default for Retiring<T> {
+    fn default() -> Self {
+        Retiring { held: Vec::new() }
+    }
+}
+
+impl<T> Retiring<T> {
+    pub fn retire(&mut self, value: Arc<T>) {
+        self.held.push(value);
+    }
+
+    /// The values only this still holds, taken out to be dropped off the serving threads.
+    /// No one can take another reference to them: they were replaced where they were
+    /// published, and this holds the only one left.
+    pub fn released(&mut self) -> Vec<Arc<T>> {
+        let (released, held) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|value| Arc::strong_count(value) == 1);
+        self.held = held;
+        released
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
     }
 }
 
@@ -132,6 +200,33 @@ mod tests {
         assert_eq!(name.unwrap().as_deref(), Some("test-bulk"));
     }
 
+    /// The bulk thread, and the threads it splits work across, run at `SCHED_IDLE`: serving
+    /// threads preempt them.
+    #[tokio::test]
+    async fn bulk_work_runs_behind_the_serving_threads() {
+        use thread_priority::unix::{
+            NormalThreadSchedulePolicy, ThreadSchedulePolicy, thread_schedule_policy,
+        };
+        let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+        let thread = BulkThread::spawn("test-bulk").unwrap();
+        let policies = thread
+            .run(|| {
+                let items: Vec<usize> = (0..2 * PARALLEL_FROM).collect();
+                map_on_every_core(&items, |_| thread_schedule_policy().unwrap())
+            })
+            .await
+            .unwrap();
+        assert!(
+            policies.iter().all(|policy| *policy == idle),
+            "{policies:?}"
+        );
+        assert_ne!(
+            thread_schedule_policy().unwrap(),
+            idle,
+            "the awaiting thread's own policy was changed"
+        );
+    }
+
     #[tokio::test]
     #[should_panic(expected = "boom")]
     async fn a_panic_in_a_job_is_raised_in_the_awaiting_task() {
@@ -152,5 +247,19 @@ mod tests {
             let doubled: Vec<usize> = items.iter().map(|i| i * 2).collect();
             assert_eq!(map_on_every_core(&items, |i| i * 2), doubled);
         }
+    }
+
+    #[test]
+    fn a_retired_value_is_released_once_no_one_else_holds_it() {
+        let mut retiring = Retiring::default();
+        let reader = Arc::new("table");
+        retiring.retire(reader.clone());
+        retiring.retire(Arc::new("newer"));
+        let released = retiring.released();
+        assert_eq!(released.iter().map(|v| **v).collect::<Vec<_>>(), ["newer"]);
+        assert!(!retiring.is_empty(), "a reader still holds the older one");
+        drop(reader);
+        assert_eq!(retiring.released().len(), 1);
+        assert!(retiring.is_empty());
     }
 }

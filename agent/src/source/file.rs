@@ -527,7 +527,10 @@ impl FileSource {
         let path = self.path.clone();
         std::thread::Builder::new()
             .name("mesh-file".into())
-            .spawn(move || self.follow(follow, tx, wake_rx))
+            .spawn(move || {
+                crate::parallel::yield_to_serving();
+                self.follow(follow, tx, wake_rx)
+            })
             .map_err(|source| MeshFileError::Read { path, source })?;
         shutdown.cancelled().await;
         let _ = wake_tx.send(Wake::Stop);

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::dns::DnsTranslator;
 use super::envoy::{EnvoyTranslator, ExternalDns};
 use crate::mesh::{MeshMetrics, MeshRx, MeshSnapshot, NodeLocality};
-use crate::parallel::{BulkThread, PARALLEL_FROM};
+use crate::parallel::{BulkThread, PARALLEL_FROM, Retiring};
 use crate::readiness::{Readiness, ReadyToken};
 use crate::xds::snapshot::XdsSnapshot;
 use crate::xds::{self, XdsMetrics, XdsRx, XdsTx};
@@ -120,9 +120,15 @@ impl Pipeline {
         // The locality's sender goes away once the node's zone is settled.
         let mut relocatable = true;
         let mut last_push: Option<tokio::time::Instant> = None;
+        let mut replaced = Replaced::default();
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
+                // Servers let go of what was replaced when they next look: free it then.
+                () = tokio::time::sleep(RELEASE_EVERY), if !replaced.is_empty() => {
+                    replaced.release(&thread);
+                    continue;
+                }
                 changed = self.mesh.changed() => if changed.is_err() { return },
                 changed = self.locality.changed(), if relocatable => {
                     relocatable = changed.is_ok();
@@ -153,6 +159,7 @@ impl Pipeline {
                 return;
             };
             let snapshot = mesh.clone();
+            replaced.release(&thread);
             let job = thread.run(move || {
                 let translated = state.translate(&snapshot, node);
                 (state, translated)
@@ -169,10 +176,14 @@ impl Pipeline {
             };
             translators = Some(state);
             if let Some(names) = translated.names {
-                self.names.send_replace(Arc::new(names));
+                replaced
+                    .names
+                    .retire(self.names.send_replace(Arc::new(names)));
                 self.names_ready.take();
             }
-            self.xds.send_replace(Some(Arc::new(translated.xds)));
+            if let Some(xds) = self.xds.send_replace(Some(Arc::new(translated.xds))) {
+                replaced.xds.retire(xds);
+            }
             self.xds_ready.take();
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
@@ -184,6 +195,37 @@ impl Pipeline {
                 translate_ms = translating.elapsed().as_secs_f64() * 1e3,
                 "serving mesh snapshot"
             );
+            replaced.mesh.retire(mesh);
+        }
+    }
+}
+
+/// How often what was replaced is looked at again while a server still holds some of it.
+const RELEASE_EVERY: Duration = Duration::from_secs(1);
+
+/// What the pipeline published (or translated) and has since replaced, held until the servers
+/// have let go of it and then freed on the translation thread: the last reference to a
+/// 10k-service table or snapshot is not dropped on a DNS thread or a runtime worker.
+#[derive(Default)]
+struct Replaced {
+    names: Retiring<NameTable>,
+    xds: Retiring<XdsSnapshot>,
+    mesh: Retiring<MeshSnapshot>,
+}
+
+impl Replaced {
+    fn is_empty(&self) -> bool {
+        self.names.is_empty() && self.xds.is_empty() && self.mesh.is_empty()
+    }
+
+    fn release(&mut self, thread: &BulkThread) {
+        let released = (
+            self.names.released(),
+            self.xds.released(),
+            self.mesh.released(),
+        );
+        if !(released.0.is_empty() && released.1.is_empty() && released.2.is_empty()) {
+            thread.drop_later(released);
         }
     }
 }
@@ -432,6 +474,67 @@ mod tests {
         let version = publish(&mut state, &mesh, "10.0.0.2:80");
         out.xds.changed().await.unwrap();
         assert_eq!(out.xds.borrow().as_ref().map(|x| x.version), Some(version));
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// A DNS thread holds the table it answers from until it takes the next one: the pipeline
+    /// must hold the replaced one too, or that thread's letting go frees it (milliseconds for
+    /// a large mesh, with its socket unread). Freed once the reader lets go.
+    #[tokio::test]
+    async fn a_replaced_name_table_is_not_freed_by_its_last_reader() {
+        let (mesh, mesh_rx) = mesh::channel();
+        let readiness = Readiness::new();
+        let metrics = Metrics::new();
+        let (_locality, locality_rx) =
+            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
+        let (pipeline, mut out) = Pipeline::new(
+            mesh_rx,
+            locality_rx,
+            Duration::ZERO,
+            metrics.xds.clone(),
+            metrics.mesh.clone(),
+            &readiness,
+        );
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        publish(&mut state, &mesh, "10.0.0.1:80");
+        out.names.changed().await.unwrap();
+        let held = out.names.borrow_and_update().clone();
+        assert!(!held.is_pending());
+
+        // Another service: another name table.
+        let other = ServiceSpec::new(
+            "/foo/bar/other".parse().unwrap(),
+            vec![ServicePort {
+                name: None,
+                port: 8080,
+                protocol: Protocol::Http,
+                endpoints: EndpointSet::parsed(&["10.0.0.2:80"]),
+                hosts: Default::default(),
+            }],
+        );
+        state.upsert(other).unwrap();
+        mesh.send_replace(Some(state.snapshot()));
+        out.names.changed().await.unwrap();
+        assert!(!Arc::ptr_eq(&held, &out.names.borrow_and_update()));
+        assert_eq!(
+            Arc::strong_count(&held),
+            2,
+            "the pipeline let go of the replaced table before its reader did"
+        );
+
+        let freed = Arc::downgrade(&held);
+        drop(held);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while freed.upgrade().is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "the replaced table was never freed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         shutdown.cancel();
         task.await.unwrap();
     }
