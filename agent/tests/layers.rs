@@ -20,7 +20,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("trust", &[]),
     ("scope", &["identity"]),
     ("source", &["mesh", "identity", "parallel", "trust"]),
-    ("catalog", &["mesh", "readiness"]),
+    ("catalog", &["mesh", "readiness", "parallel"]),
     ("translate", &["mesh", "xds", "readiness", "parallel"]),
     ("xds", &["identity", "scope", "trust"]),
     ("metrics", &["mesh", "xds", "scope", "trust"]),
