@@ -441,13 +441,40 @@ impl Watches {
             resource,
             namespace: namespace.clone(),
         });
-        self.streams.push(
+        self.streams.push(on_a_task(
             watcher(api::<K>(client, namespace), config.clone())
                 .default_backoff()
-                .map(move |event| (id, event.map(|e| Change::of(e, map))))
-                .boxed(),
-        );
+                .map(move |event| (id, event.map(|e| Change::of(e, map)))),
+        ));
     }
+}
+
+/// Events a watch's task may have handed on and not yet applied: mapped objects, small.
+const EVENTS_IN_FLIGHT: usize = 1024;
+
+/// Drives one watch on a task of its own and hands its events on through a channel, in
+/// order. Each watch's pages are read, decoded and mapped on whichever runtime worker is free,
+/// so the Services and the EndpointSlices of a list decode on two cores at once instead of
+/// taking turns in the one task that applies them. The task ends with its stream, or when the
+/// receiver is dropped (a re-list replaces every watch).
+fn on_a_task(
+    stream: impl Stream<Item = WatchEvent> + Send + 'static,
+) -> Pin<Box<dyn Stream<Item = WatchEvent> + Send>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(EVENTS_IN_FLIGHT);
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let event = tokio::select! {
+                () = tx.closed() => return,
+                event = stream.next() => event,
+            };
+            let Some(event) = event else { return };
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx).boxed()
 }
 
 fn api<K>(client: &kube::Client, namespace: &Option<String>) -> Api<K>
