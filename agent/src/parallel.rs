@@ -1,8 +1,10 @@
-//! Bulk CPU work, kept off the async runtime: a [`BulkThread`] of its own that async tasks
-//! hand work to and await, and [`map_on_every_core`] to split a large piece of it across the
-//! machine's cores (the first mesh snapshot's translation, the first read of a large mesh
-//! file). The runtime's worker threads serve DNS and xDS; work that holds one for 100 ms (a
-//! 10k-service translation) delays every query queued behind it, so none runs there.
+//! Bulk CPU work, kept off the serving threads and behind them: a [`BulkThread`] of its own
+//! that async tasks hand work to and await, [`map_on_every_core`] to split a large piece of it
+//! across the machine's cores (the first mesh snapshot's translation, the first read of a
+//! large mesh file), and [`Retiring`] for what a translation replaced, freed there too. The
+//! runtime's worker threads and the DNS threads serve; work that holds one for 100 ms (a
+//! 10k-service translation) delays every query queued behind it, so none runs there, and the
+//! bulk threads run at `SCHED_IDLE` ([`yield_to_serving`]).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, mpsc};
@@ -48,14 +50,15 @@ pub fn map_on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sy
     })
 }
 
-/// Puts the calling thread in `SCHED_IDLE`: threads of normal policy (the DNS server's, the
-/// runtime's workers) preempt it as soon as they wake, instead of waiting for the end of its
-/// slice or the next tick (up to 4 ms at HZ=250 on a kernel without preemption, which is what
-/// a DNS query waited behind a translation). Threads it spawns inherit the policy, so the
-/// parts of [`map_on_every_core`] run at it too. The weight is that of the agent's own cgroup
-/// in the node's: a pod's CPU share is set by its cgroup, and inside it bulk work runs in
-/// whatever the serving threads leave. Lowering a thread's policy needs no privilege; if it
-/// fails all the same the thread runs at normal policy, as before, and says so once.
+/// Puts the calling thread in `SCHED_IDLE`: a thread of normal policy (the DNS server's, the
+/// runtime's workers) that wakes preempts it, instead of waiting for the end of its slice or
+/// the next tick (up to 4 ms at HZ=250 on a kernel without preemption, which is what a DNS
+/// query waited behind a translation). It is a tiny weight, not a strict priority: a woken
+/// thread that has had more than its share can still wait for the tick, rarely. Threads it
+/// spawns inherit the policy, so the parts of [`map_on_every_core`] run at it too. The share
+/// against the rest of the node is the agent's cgroup's; inside it, bulk work runs on what
+/// the serving threads leave. Lowering a thread's policy needs no privilege; if it fails all
+/// the same, the thread runs at normal policy and says so.
 pub fn yield_to_serving() {
     use thread_priority::ThreadPriority;
     use thread_priority::unix::{
