@@ -297,9 +297,29 @@ mod tests {
 
     const PERIOD: Duration = Duration::from_millis(100);
 
-    fn publish(state: &mut MeshState, mesh: &MeshTx, endpoint: &str) -> u64 {
-        let spec = ServiceSpec::new(
-            "/foo/bar/buzz".parse().unwrap(),
+    /// A pipeline reading `mesh` and `locality`, and the readiness it reports to.
+    fn pipeline(
+        mesh: MeshRx,
+        locality: LocalityRx,
+        debounce: Duration,
+    ) -> (Pipeline, Published, Readiness) {
+        let readiness = Readiness::new();
+        let metrics = Metrics::new();
+        let (pipeline, out) = Pipeline::new(
+            mesh,
+            locality,
+            debounce,
+            metrics.xds.clone(),
+            metrics.mesh.clone(),
+            &readiness,
+        );
+        (pipeline, out, readiness)
+    }
+
+    /// An HTTP service at `path` on port 8080 with one endpoint.
+    fn http_service(path: &str, endpoint: &str) -> ServiceSpec {
+        ServiceSpec::new(
+            path.parse().unwrap(),
             vec![ServicePort {
                 name: None,
                 port: 8080,
@@ -307,8 +327,13 @@ mod tests {
                 endpoints: EndpointSet::parsed(&[endpoint]),
                 hosts: Default::default(),
             }],
-        );
-        state.upsert(spec).unwrap();
+        )
+    }
+
+    fn publish(state: &mut MeshState, mesh: &MeshTx, endpoint: &str) -> u64 {
+        state
+            .upsert(http_service("/foo/bar/buzz", endpoint))
+            .unwrap();
         let snapshot = state.snapshot();
         let version = snapshot.version;
         mesh.send_replace(Some(snapshot));
@@ -320,18 +345,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_lone_change_goes_out_at_once_and_a_burst_is_coalesced() {
         let (mesh, mesh_rx) = mesh::channel();
-        let readiness = Readiness::new();
-        let metrics = Metrics::new();
         let (_locality, locality_rx) =
             watch::channel(Some(NodeLocality::without_zone(None, "a test")));
-        let (pipeline, mut out) = Pipeline::new(
-            mesh_rx,
-            locality_rx,
-            PERIOD,
-            metrics.xds.clone(),
-            metrics.mesh.clone(),
-            &readiness,
-        );
+        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
         assert_eq!(readiness.pending(), ["dns names", "envoy resources"]);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));
@@ -389,16 +405,7 @@ mod tests {
     async fn nothing_is_translated_before_the_nodes_locality_and_a_new_one_translates_again() {
         let (mesh, mesh_rx) = mesh::channel();
         let (locality, locality_rx) = watch::channel(None);
-        let readiness = Readiness::new();
-        let metrics = Metrics::new();
-        let (pipeline, mut out) = Pipeline::new(
-            mesh_rx,
-            locality_rx,
-            PERIOD,
-            metrics.xds.clone(),
-            metrics.mesh.clone(),
-            &readiness,
-        );
+        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
@@ -484,18 +491,9 @@ mod tests {
     #[tokio::test]
     async fn a_replaced_name_table_is_not_freed_by_its_last_reader() {
         let (mesh, mesh_rx) = mesh::channel();
-        let readiness = Readiness::new();
-        let metrics = Metrics::new();
         let (_locality, locality_rx) =
             watch::channel(Some(NodeLocality::without_zone(None, "a test")));
-        let (pipeline, mut out) = Pipeline::new(
-            mesh_rx,
-            locality_rx,
-            Duration::ZERO,
-            metrics.xds.clone(),
-            metrics.mesh.clone(),
-            &readiness,
-        );
+        let (pipeline, mut out, _readiness) = pipeline(mesh_rx, locality_rx, Duration::ZERO);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
@@ -505,17 +503,9 @@ mod tests {
         assert!(!held.is_pending());
 
         // Another service: another name table.
-        let other = ServiceSpec::new(
-            "/foo/bar/other".parse().unwrap(),
-            vec![ServicePort {
-                name: None,
-                port: 8080,
-                protocol: Protocol::Http,
-                endpoints: EndpointSet::parsed(&["10.0.0.2:80"]),
-                hosts: Default::default(),
-            }],
-        );
-        state.upsert(other).unwrap();
+        state
+            .upsert(http_service("/foo/bar/other", "10.0.0.2:80"))
+            .unwrap();
         mesh.send_replace(Some(state.snapshot()));
         out.names.changed().await.unwrap();
         assert!(!Arc::ptr_eq(&held, &out.names.borrow_and_update()));
