@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::{Value, json};
 
+use super::mapping::ObjectKey;
 use super::*;
 use crate::mesh::{MeshSnapshot, Protocol};
 
