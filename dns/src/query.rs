@@ -228,7 +228,14 @@ fn local_answer(table: &NameTable, zone: ZoneSettings, request: &Message) -> Opt
         reply.metadata.response_code = ResponseCode::Refused;
         return Some(reply);
     }
-    let (target, target_key) = search_suffixed_mesh_name(table, question.name())?;
+    let Some((target, target_key)) = search_suffixed_mesh_name(table, question.name()) else {
+        if table.is_provisional() && search_suffixed_target(question.name()).is_some() {
+            // Perhaps a mesh name the table does not hold yet: as a pending table would.
+            reply.metadata.response_code = ResponseCode::ServFail;
+            return Some(reply);
+        }
+        return None;
+    };
     reply.add_answer(Record::from_rdata(
         question.name().clone(),
         zone.ttl,
@@ -312,6 +319,13 @@ fn answer_in_zone(
     } else {
         match table.lookup(key) {
             Lookup::Service(entry) => service_records(name, entry, qtype, zone.ttl),
+            // A table that may be out of date says nothing about names it lacks: the client
+            // retries rather than caching an absence that may be wrong.
+            Lookup::EmptyNonTerminal | Lookup::Missing if table.is_provisional() => {
+                reply.metadata.response_code = ResponseCode::ServFail;
+                reply.metadata.authoritative = false;
+                return;
+            }
             Lookup::EmptyNonTerminal => Vec::new(),
             Lookup::Missing => {
                 reply.metadata.response_code = ResponseCode::NXDomain;

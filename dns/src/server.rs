@@ -298,7 +298,7 @@ impl DnsServer {
         if self.beside {
             tracing::info!(addr = %self.local_addr, "another DNS server (the agent this one replaces) holds the address: taking traffic once the first name table is published");
             loop {
-                if !names.borrow_and_update().is_pending() {
+                if names.borrow_and_update().is_settled() {
                     break;
                 }
                 tokio::select! {

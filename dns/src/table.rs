@@ -73,11 +73,19 @@ pub(crate) enum Lookup<'a> {
 /// `Arc<NameTable>`; the DNS server swaps whole tables, never edits one.
 #[derive(Debug)]
 pub struct NameTable {
+    /// Shared by a provisional table and the same table settled ([`NameTable::settled`]).
+    records: Arc<Records>,
+    /// Not the mesh's yet (see [`NameTable::pending`]).
+    pending: bool,
+    /// The mesh's as last known, not yet confirmed (see [`NameTable::provisional`]).
+    provisional: bool,
+}
+
+#[derive(Debug)]
+struct Records {
     names: HashMap<Box<[u8]>, NameEntry>,
     empty_non_terminals: HashSet<Box<[u8]>>,
     serial: u32,
-    /// Not the mesh's yet (see [`NameTable::pending`]).
-    pending: bool,
 }
 
 impl NameTable {
@@ -95,6 +103,36 @@ impl NameTable {
     /// Whether this is the table before the mesh is known ([`NameTable::pending`]).
     pub fn is_pending(&self) -> bool {
         self.pending
+    }
+
+    /// This table, as one of a mesh that may have changed since (the agent's last mesh, read
+    /// back at start while its sources are listed): the names it holds are answered, and every
+    /// other name of the zone SERVFAIL, as by a pending table, never NXDOMAIN (the name may
+    /// have been added since). A server bound beside another waits for a table that is not
+    /// provisional, as for one that is not pending.
+    pub fn provisional(mut self) -> Self {
+        self.provisional = true;
+        self
+    }
+
+    /// The same names as a current table: what a provisional table becomes once its mesh is
+    /// confirmed unchanged. Shares the records.
+    pub fn settled(&self) -> Self {
+        NameTable {
+            records: Arc::clone(&self.records),
+            pending: self.pending,
+            provisional: false,
+        }
+    }
+
+    /// Whether this table may be out of date ([`NameTable::provisional`]).
+    pub fn is_provisional(&self) -> bool {
+        self.provisional
+    }
+
+    /// Whether this is the mesh's current table: neither pending nor provisional.
+    pub fn is_settled(&self) -> bool {
+        !self.pending && !self.provisional
     }
 
     /// `entries`: fully qualified names without the trailing dot (`buzz.bar.foo.system.internal`)
@@ -178,23 +216,26 @@ impl NameTable {
             .map(|d| (d.as_secs() & u64::from(u32::MAX)) as u32)
             .unwrap_or(1);
         Self {
-            names,
-            empty_non_terminals,
-            serial,
+            records: Arc::new(Records {
+                names,
+                empty_non_terminals,
+                serial,
+            }),
             pending: false,
+            provisional: false,
         }
     }
 
     /// SOA serial of this table: the second it was built, so a newer table has a larger serial.
     pub(crate) fn serial(&self) -> u32 {
-        self.serial
+        self.records.serial
     }
 
     /// `key` is a lower-cased wire-format name below the zone.
     pub(crate) fn lookup(&self, key: &[u8]) -> Lookup<'_> {
-        if let Some(entry) = self.names.get(key) {
+        if let Some(entry) = self.records.names.get(key) {
             Lookup::Service(entry)
-        } else if self.empty_non_terminals.contains(key) {
+        } else if self.records.empty_non_terminals.contains(key) {
             Lookup::EmptyNonTerminal
         } else {
             Lookup::Missing
@@ -203,7 +244,7 @@ impl NameTable {
 
     /// The entry of a service name; `key` is a lower-cased wire-format name.
     pub(crate) fn service(&self, key: &[u8]) -> Option<&NameEntry> {
-        self.names.get(key)
+        self.records.names.get(key)
     }
 }
 
@@ -282,7 +323,7 @@ mod tests {
     #[test]
     fn indexes_names_case_insensitively_and_skips_foreign_ones() {
         let t = table();
-        assert_eq!(t.names.len(), 2, "distinct names");
+        assert_eq!(t.records.names.len(), 2, "distinct names");
         let key = lowercase_wire_name_from_dotted("BUZZ.bar.foo.system.internal").unwrap();
         let Lookup::Service(e) = t.lookup(&key) else {
             panic!("buzz missing")
@@ -320,7 +361,7 @@ mod tests {
             let key = lowercase_wire_name_from_dotted(name).unwrap();
             assert!(matches!(t.lookup(&key), Lookup::Missing), "{name}");
         }
-        assert_eq!(t.names.len(), 1);
+        assert_eq!(t.records.names.len(), 1);
     }
 
     #[test]

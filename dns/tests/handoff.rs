@@ -312,6 +312,56 @@ async fn before_the_first_table_the_zone_fails_retryably_and_other_names_are_for
     server.stop().await;
 }
 
+/// The agent's last mesh, read back at start: its names answer at once; a name it lacks may
+/// be new, so it fails retryably instead of being denied; and beside the server it replaces,
+/// a successor holding only such a table leaves every query to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provisional_table_answers_its_names_and_denies_none() {
+    let provisional =
+        |entries: &[(&str, &str)]| Arc::new(Arc::try_unwrap(table(entries)).unwrap().provisional());
+    let listen: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let server = Server::start_on(listen, provisional(&[(WEB, "240.240.0.1")]), |_| {}, None).await;
+    eventually(Duration::from_secs(2), || async { server.is_open() }).await;
+    for transport in ["+notcp", "+tcp"] {
+        let d = dig(listen, &[transport, WEB]).await;
+        assert_eq!(d.status(), "NOERROR", "{transport}: {}", d.text);
+        assert!(d.text.contains("240.240.0.1"), "{}", d.text);
+    }
+    // Missing, an empty non-terminal above the name, and a search-suffixed name it lacks.
+    let parent = WEB.split_once('.').unwrap().1;
+    for name in [
+        "nothing.shop.system.internal",
+        parent,
+        "new.shop.system.internal.default.svc.cluster.local",
+    ] {
+        let d = dig(listen, &[name]).await;
+        assert_eq!(d.status(), "SERVFAIL", "{name}: {}", d.text);
+    }
+
+    // A successor beside it, with a provisional table only, takes nothing.
+    let successor =
+        Server::start_on(listen, provisional(&[(WEB, "240.240.0.2")]), |_| {}, None).await;
+    let before = ask_udp(listen, 16, 5).await;
+    assert_eq!(
+        before,
+        HashMap::from([(Some(Ipv4Addr::new(240, 240, 0, 1)), 80)]),
+        "{before:?}"
+    );
+    assert!(!successor.is_open());
+
+    // Its settled table: the names it lacks are denied.
+    server.names.send_replace(table(&[(WEB, "240.240.0.1")]));
+    eventually(Duration::from_secs(2), || async {
+        dig(listen, &["nothing.shop.system.internal"])
+            .await
+            .status()
+            == "NXDOMAIN"
+    })
+    .await;
+    successor.stop().await;
+    server.stop().await;
+}
+
 /// An upstream that answers every query `delay` after it arrives, and counts them.
 async fn slow_upstream(delay: Duration) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     let socket = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
