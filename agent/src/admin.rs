@@ -209,6 +209,9 @@ async fn debug_mesh(State(state): State<AdminState>) -> Response {
             if let Some(addresses) = &catalog.addresses {
                 value["addresses"] = serde_json::to_value(addresses).unwrap_or_default();
             }
+            if let Some(last_mesh) = &catalog.last_mesh {
+                value["last_mesh"] = serde_json::to_value(last_mesh).unwrap_or_default();
+            }
             value["node"] = serde_json::to_value(&*state.node.borrow()).unwrap_or_default();
             value["health_note"] = HEALTH_NOTE.into();
             axum::Json(value).into_response()

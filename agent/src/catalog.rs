@@ -13,6 +13,7 @@
 //! what is served.
 
 pub mod address_record;
+pub mod last_mesh;
 mod merge;
 
 use futures::FutureExt as _;
@@ -22,9 +23,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use address_record::{AddressRecordFile, RecordStatus};
+pub use last_mesh::{LastMeshFile, LastMeshStatus};
 pub use merge::{Conflict, Merger};
 
-use crate::mesh::{AddressBook, MeshMetrics, MeshTx, Provider, ProviderRx, Stale};
+use crate::mesh::{AddressBook, MeshMetrics, MeshTx, Provider, ProviderRx, ServiceSpec, Stale};
 use crate::parallel::BulkThread;
 use crate::readiness::{Readiness, ReadyToken};
 
@@ -50,6 +52,9 @@ pub struct CatalogStatus {
     /// The address record on the node, when there is one (`--state-dir`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub addresses: Option<RecordStatus>,
+    /// The node's last mesh, when there is one (`--state-dir`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_mesh: Option<LastMeshStatus>,
 }
 
 pub type StatusRx = watch::Receiver<CatalogStatus>;
@@ -71,6 +76,8 @@ pub struct Catalog {
     metrics: MeshMetrics,
     /// Where the address book is kept on the node, if anywhere.
     record: Option<AddressRecordFile>,
+    /// Where the node's last mesh is read back from at start, if anywhere.
+    last_mesh: Option<LastMeshFile>,
 }
 
 impl Catalog {
@@ -94,6 +101,7 @@ impl Catalog {
             status,
             metrics,
             record: None,
+            last_mesh: None,
         };
         (catalog, status_rx)
     }
@@ -103,6 +111,13 @@ impl Catalog {
     pub fn with_address_record(mut self, file: AddressRecordFile, book: AddressBook) -> Self {
         self.merger = self.merger.with_address_book(book);
         self.record = Some(file);
+        self
+    }
+
+    /// Before the providers report, serves the node's last mesh from `file` provisionally
+    /// ([`last_mesh`]); with the address record, so that its services get their addresses.
+    pub fn with_last_mesh(mut self, file: LastMeshFile) -> Self {
+        self.last_mesh = Some(file);
         self
     }
 
@@ -122,6 +137,7 @@ impl Catalog {
             status: status_tx,
             metrics,
             mut record,
+            last_mesh,
         } = self;
         let thread = match BulkThread::spawn("lattice-merge") {
             Ok(thread) => thread,
@@ -131,6 +147,28 @@ impl Catalog {
             }
         };
         let mut merger = Some(merger);
+        // The node's last mesh is read beside the providers' first lists, on a thread of its
+        // own, and taken in only if it comes before every provider's first view: it never
+        // delays them. Not at all when every provider has already reported (mesh files alone,
+        // read before the catalog starts).
+        let reported = feeds.iter().all(|feed| feed.borrow().view.is_some());
+        let reader = last_mesh.filter(|_| !reported).and_then(|file| {
+            match BulkThread::spawn("lattice-last-mesh") {
+                Ok(thread) => Some((thread, file)),
+                Err(error) => {
+                    tracing::warn!(%error, "the node's last mesh cannot be read");
+                    None
+                }
+            }
+        });
+        let mut reading = reader
+            .as_ref()
+            .zip(merger.as_ref())
+            .map(|((thread, file), m)| {
+                let (file, trap) = (file.clone(), m.trap().clone());
+                Box::pin(thread.run(move || read_last_mesh(&file, &trap)))
+            });
+        let mut last_mesh_status = None;
         // The first pass reads what providers published before the catalog started.
         let mut first = true;
         loop {
@@ -142,6 +180,20 @@ impl Catalog {
                     futures::future::select_all(feeds.iter_mut().map(|rx| rx.changed().boxed()));
                 tokio::select! {
                     () = shutdown.cancelled() => return,
+                    read = async { reading.as_mut()?.await.ok() }, if reading.is_some() => {
+                        reading = None;
+                        let Some((status, specs)) = read else { continue };
+                        let Some(taken) = merger.take() else { return };
+                        let back = tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            back = take_in_last_mesh(&thread, taken, status, specs, &mesh) => back,
+                        };
+                        let Some((back, status)) = back else { return };
+                        merger = Some(back);
+                        // On to a pass with whatever the providers published meanwhile,
+                        // which also shows the status.
+                        last_mesh_status = Some(status);
+                    }
                     (result, index, _) = changed => {
                         if result.is_err() {
                             // A provider's task ended; the agent is stopping or has failed.
@@ -198,6 +250,7 @@ impl Catalog {
             }
             merger = Some(back);
             status.addresses = record.as_ref().map(|r| r.status().clone());
+            status.last_mesh.clone_from(&last_mesh_status);
             let stale = status
                 .providers
                 .iter()
@@ -211,6 +264,69 @@ impl Catalog {
             });
         }
     }
+}
+
+/// The node's last mesh in `file`, and what `/debug/mesh` says of it.
+fn read_last_mesh(file: &LastMeshFile, trap: &TrapCidrs) -> (LastMeshStatus, Vec<ServiceSpec>) {
+    let mut status = LastMeshStatus {
+        path: file.path().to_path_buf(),
+        ..LastMeshStatus::default()
+    };
+    let specs = match file.read(trap) {
+        Ok(specs) => specs.unwrap_or_default(),
+        Err(reason) => {
+            tracing::warn!(
+                path = %status.path.display(),
+                "the node's last mesh is not used ({reason}): nothing is served before the \
+                 sources report"
+            );
+            status.unused = Some(reason);
+            Vec::new()
+        }
+    };
+    (status, specs)
+}
+
+/// Takes `specs` into `merger` on the merging thread, if no provider's view was merged
+/// meanwhile, and publishes them as the provisional snapshot. `None` when the thread is gone.
+async fn take_in_last_mesh(
+    thread: &BulkThread,
+    merger: Merger,
+    mut status: LastMeshStatus,
+    specs: Vec<ServiceSpec>,
+    mesh: &MeshTx,
+) -> Option<(Merger, LastMeshStatus)> {
+    let job = thread.run(move || {
+        if merger.has_merged() {
+            if !specs.is_empty() {
+                status.unused = Some("the sources reported before it was read".into());
+            }
+            return (merger, None, status);
+        }
+        let offered = specs.len();
+        let (mut merger, taken) = merger.with_last_mesh(specs);
+        let snapshot = merger.provisional_snapshot();
+        status.restored = taken;
+        status.dropped = offered - taken;
+        (merger, snapshot, status)
+    });
+    let (merger, snapshot, status) = match job.await {
+        Ok(done) => done,
+        Err(error) => {
+            tracing::error!(%error, "the catalog stopped merging");
+            return None;
+        }
+    };
+    if let Some(snapshot) = snapshot {
+        tracing::info!(
+            path = %status.path.display(),
+            restored = status.restored,
+            dropped = status.dropped,
+            "the node's last mesh answers DNS until the sources report; no proxy is sent it"
+        );
+        mesh.send_replace(Some(snapshot));
+    }
+    Some((merger, status))
 }
 
 /// A provider whose first view has not been taken yet is read even if its channel says it has

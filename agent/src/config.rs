@@ -251,9 +251,11 @@ pub struct AgentConfig {
     /// A directory on the node for what must outlive the agent across restarts and upgrades:
     /// the address record (addresses.json), so that every name keeps its own address whatever
     /// order the providers report in after a restart, and each pod's scope (scopes/, the
-    /// services it resolved), so that a restarted agent gives every pod's Envoy what it held.
-    /// Without it addresses are derived from the names alone (a name that had to move may move
-    /// again) and scopes live in memory only. The manifests mount the node's /run/lattice (a
+    /// services it resolved), so that a restarted agent gives every pod's Envoy what it held,
+    /// and the last mesh (mesh.json, written at most every 5 s), which a restarted agent
+    /// answers DNS from until its sources report. Without it addresses are derived from the
+    /// names alone (a name that had to move may move again), scopes live in memory only, and a
+    /// restarted agent answers no mesh name before its sources report. The manifests mount the node's /run/lattice (a
     /// tmpfs: it goes with a reboot, as the pods do) at /var/lib/lattice.
     #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,

@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lattice_agent::admin::{self, AdminServer, AdminState};
-use lattice_agent::catalog::{AddressRecordFile, Catalog, Feed};
+use lattice_agent::catalog::{AddressRecordFile, Catalog, Feed, LastMeshFile};
 use lattice_agent::config::{
     AgentConfig, LogFormat, PathClaimRule, ProxyScope, RequestBytes, XdsLimitFlags,
 };
@@ -319,7 +319,9 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     );
     if let Some(dir) = &config.state_dir {
         let (record, book) = AddressRecordFile::load(dir, &config.trap_cidr, metrics.mesh.clone());
-        catalog = catalog.with_address_record(record, book);
+        catalog = catalog
+            .with_address_record(record, book)
+            .with_last_mesh(LastMeshFile::in_dir(dir));
     }
     // The issuer of workload certificates: from its Secret where the agent watches Kubernetes.
     let authority = Arc::new(Authority::new(
@@ -340,7 +342,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         NodeSecrets::new(config.trust_domain.clone(), policy, metrics.trust.clone())
     });
     let admin_state = AdminState {
-        mesh: mesh_rx,
+        mesh: mesh_rx.clone(),
         catalog: catalog_status,
         node: locality_rx.clone(),
         metrics: metrics.clone(),
@@ -473,6 +475,18 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         catalog.run(mesh_tx, token).await;
         Ok("catalog")
     });
+    if let Some(dir) = &config.state_dir {
+        let (file, mesh, metrics, token) = (
+            LastMeshFile::in_dir(dir),
+            mesh_rx.clone(),
+            metrics.mesh.clone(),
+            shutdown.clone(),
+        );
+        tasks.spawn(async move {
+            file.keep(mesh, metrics, token).await;
+            Ok("the node's last mesh")
+        });
+    }
     let token = shutdown.clone();
     tasks.spawn(async move {
         pipeline.run(token).await;

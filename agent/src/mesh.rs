@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lattice_contract::TrapCidrs;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError, AddressRecord, RestoreReport};
@@ -33,7 +33,7 @@ pub use provider::{Provider, ProviderReport, ProviderRx, ProviderTx, Stale};
 pub use route::{RejectedRoute, RouteRule, Rules};
 
 /// How a service port speaks, which decides how Envoy routes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
     Http,
@@ -93,7 +93,7 @@ impl FromStr for Protocol {
 ///
 /// Endpoints are full socket addresses because each port resolves its own target port (a
 /// Kubernetes named port may map to different numbers on different endpoints).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServicePort {
     /// The port clients dial on the service's address.
     pub port: u16,
@@ -106,7 +106,7 @@ pub struct ServicePort {
     pub endpoints: EndpointSet,
     /// Endpoints known by host name (an external service), which Envoy resolves itself.
     /// Sorted and deduplicated; a port has these or IP `endpoints`, never both.
-    #[serde(skip_serializing_if = "HostEndpoints::is_empty")]
+    #[serde(default, skip_serializing_if = "HostEndpoints::is_empty")]
     pub hosts: HostEndpoints,
 }
 
@@ -119,9 +119,17 @@ impl ServicePort {
 
 /// A DNS host name an external endpoint is reached by: `db.example.com`. Lowercase, without
 /// the root's trailing dot; never an IP address.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct HostName(Arc<str>);
+pub struct HostName(#[serde(deserialize_with = "host_name")] Arc<str>);
+
+/// A host name read back (the node's last mesh) is checked as a source's is.
+fn host_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Arc<str>, D::Error> {
+    let name = String::deserialize(d)?;
+    name.parse::<HostName>()
+        .map(|h| h.0)
+        .map_err(serde::de::Error::custom)
+}
 
 /// Text that is not a host name, and why.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -191,7 +199,7 @@ impl FromStr for HostName {
 }
 
 /// An endpoint known by host name and port, and the provider that reported it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct HostEndpoint {
     pub host: HostName,
     pub port: u16,
@@ -199,8 +207,8 @@ pub struct HostEndpoint {
 }
 
 /// The host-name endpoints of one service port: sorted by host and port, one per pair.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(transparent)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "Vec<HostEndpoint>")]
 pub struct HostEndpoints(Arc<[HostEndpoint]>);
 
 impl HostEndpoints {
@@ -225,6 +233,12 @@ impl HostEndpoints {
     }
 }
 
+impl From<Vec<HostEndpoint>> for HostEndpoints {
+    fn from(hosts: Vec<HostEndpoint>) -> Self {
+        HostEndpoints::new(hosts)
+    }
+}
+
 impl FromIterator<HostEndpoint> for HostEndpoints {
     fn from_iter<I: IntoIterator<Item = HostEndpoint>>(iter: I) -> Self {
         HostEndpoints::new(iter.into_iter().collect())
@@ -232,7 +246,9 @@ impl FromIterator<HostEndpoint> for HostEndpoints {
 }
 
 /// The `Host` an HTTP request to an external service carries upstream.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum HostHeader {
     /// The external host name (the endpoint Envoy picked): what a virtual-hosted upstream, a
@@ -263,7 +279,7 @@ impl FromStr for HostHeader {
 }
 
 /// One endpoint of a service port: where to connect, who said so, and where it runs.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Endpoint {
     pub address: SocketAddr,
     pub provider: Provider,
@@ -291,8 +307,8 @@ impl Endpoint {
 }
 
 /// The endpoints of one service port: sorted by address, one per address, shared cheaply.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(transparent)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "Vec<Endpoint>")]
 pub struct EndpointSet(Arc<[Endpoint]>);
 
 impl EndpointSet {
@@ -332,6 +348,12 @@ impl EndpointSet {
     }
 }
 
+impl From<Vec<Endpoint>> for EndpointSet {
+    fn from(endpoints: Vec<Endpoint>) -> Self {
+        EndpointSet::new(endpoints)
+    }
+}
+
 impl FromIterator<Endpoint> for EndpointSet {
     fn from_iter<I: IntoIterator<Item = Endpoint>>(iter: I) -> Self {
         EndpointSet::new(iter.into_iter().collect())
@@ -340,7 +362,7 @@ impl FromIterator<Endpoint> for EndpointSet {
 
 /// One named instance of a stateful service, as a source describes it: a StatefulSet pod
 /// behind a headless Service, or a mesh-file endpoint with a `name`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceSpec {
     /// A DNS label, unique within the service: `db-1`.
     pub name: String,
@@ -352,7 +374,7 @@ pub struct InstanceSpec {
 }
 
 /// A service as a source describes it, before it has an address.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceSpec {
     pub path: MeshPath,
     /// Sorted by port; ports are unique within a service.
@@ -537,6 +559,30 @@ pub struct Service {
 }
 
 impl Service {
+    /// What a source would say to have this service served again (its address aside, which
+    /// the address book keeps): how the node's last mesh is written down.
+    pub fn spec(&self) -> ServiceSpec {
+        ServiceSpec {
+            path: self.path.clone(),
+            ports: self.ports.clone(),
+            routes: self.routes.clone(),
+            instances: self
+                .instances
+                .iter()
+                .map(|instance| InstanceSpec {
+                    name: instance.name.clone(),
+                    ready: instance.ready,
+                    endpoints: instance.endpoints.clone(),
+                })
+                .collect(),
+            health: self.health.clone(),
+            traffic_distribution: self.traffic_distribution,
+            host_header: self.host_header,
+            clients: self.clients.clone(),
+            identities: self.identities.clone(),
+        }
+    }
+
     /// Same names, addresses, readiness, health policy and ports (ignoring endpoints and
     /// routes): if two versions of a service have the same shape, only their endpoints or
     /// routes need pushing.
@@ -596,6 +642,11 @@ pub struct MeshSnapshot {
     /// whose output depends on the shape only (the DNS names, the capture listener) can skip
     /// them without comparing services.
     pub shape_version: u64,
+    /// Read back from the node's last mesh at start, before every provider has reported:
+    /// good enough to answer the names it holds, never pushed to a proxy (see the catalog's
+    /// `last_mesh`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub provisional: bool,
     pub trap: TrapCidrs,
     pub services: ServiceMap,
     /// Routes the sources refused, and why: shown to operators, served to no proxy.
@@ -840,6 +891,16 @@ impl MeshState {
         &self.addresses
     }
 
+    /// Whether it holds no service.
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty()
+    }
+
+    /// Every service's path, in order.
+    pub fn paths(&self) -> impl Iterator<Item = &MeshPath> {
+        self.services.keys()
+    }
+
     /// The service at `path`, as last upserted.
     pub fn service(&self, path: &MeshPath) -> Option<&Arc<Service>> {
         self.services.get(path)
@@ -926,6 +987,7 @@ impl MeshState {
         Arc::new(MeshSnapshot {
             version: self.version,
             shape_version: self.shape_version,
+            provisional: false,
             trap: self.addresses.trap().clone(),
             services: self.services.clone(),
             rejected_routes: self.rejected_routes.clone(),

@@ -264,6 +264,38 @@ impl Agent {
         Ok(status)
     }
 
+    /// `dig` of `name`'s A record at the agent's DNS server, asked once: the status
+    /// (`NOERROR`, `SERVFAIL`…; `no answer` when none came) and the answer's records.
+    pub fn dig_a(&self, name: &str) -> (String, Vec<String>) {
+        let output = Command::new("dig")
+            .args([
+                &format!("@{}", self.dns.ip()),
+                "-p",
+                &self.dns.port().to_string(),
+                "+tries=1",
+                "+time=1",
+                name,
+                "A",
+            ])
+            .output()
+            .expect("dig runs");
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        let status = text
+            .split("status: ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or("no answer")
+            .to_string();
+        let records = text
+            .lines()
+            .skip_while(|l| !l.starts_with(";; ANSWER SECTION"))
+            .skip(1)
+            .take_while(|l| !l.trim().is_empty())
+            .filter_map(|l| l.split_whitespace().last().map(str::to_string))
+            .collect();
+        (status, records)
+    }
+
     /// Kills and starts again on the same ports with the same arguments.
     pub fn restart(&mut self) {
         self.kill();

@@ -1148,3 +1148,66 @@ fn with_any_path_claims_the_oldest_claim_wins() {
     })
     .unwrap();
 }
+
+/// After a crash, with the API server away, the restarted agent answers the names of the
+/// node's last mesh at their addresses, fails every other mesh name retryably (never NXDOMAIN)
+/// and is not ready; once the API server answers, the mesh is the cluster's again.
+#[test]
+fn a_restarted_agent_answers_the_nodes_last_mesh_until_the_api_server_answers() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let mut cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
+    let (web, db) = ("web.shop.system.internal", "db.shop.system.internal");
+    let last_mesh = state.path().join("mesh.json");
+    wait::until("the node's last mesh written", RECOVER, || {
+        let text = std::fs::read_to_string(&last_mesh).unwrap_or_default();
+        (text.contains("/shop/web") && text.contains("/shop/db"))
+            .then_some(())
+            .ok_or(text)
+    })
+    .unwrap();
+    let before = (cluster.agent.dig_a(web), cluster.agent.dig_a(db));
+    for (status, records) in [&before.0, &before.1] {
+        assert_eq!(status, "NOERROR");
+        assert_eq!(records.len(), 1, "{records:?}");
+    }
+
+    cluster.server.stop();
+    cluster.agent.restart();
+    let agent = &cluster.agent;
+    wait::until("the last mesh's names answered", RECOVER, || {
+        let now = (agent.dig_a(web), agent.dig_a(db));
+        (now == before).then_some(()).ok_or(format!("{now:?}"))
+    })
+    .unwrap();
+    let (status, _) = agent.dig_a("new.shop.system.internal");
+    assert_eq!(status, "SERVFAIL", "a name the last mesh lacks may be new");
+    assert_ne!(agent.get("/readyz").unwrap().0, 200, "ready before listing");
+    let mesh = agent.mesh().unwrap();
+    assert_eq!(mesh["provisional"], json!(true), "{mesh}");
+    assert_eq!(mesh["last_mesh"]["restored"], json!(2), "{mesh}");
+
+    // Meanwhile the cluster changed: a new service, and the database gone.
+    cluster
+        .server
+        .apply_json(service(
+            "shop",
+            "new",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+    cluster.server.delete::<Service>("shop", "db").unwrap();
+    cluster.server.restart().unwrap();
+    agent.wait_ready().unwrap();
+    wait::until("the cluster's mesh", RECOVER, || {
+        let now = (agent.dig_a("new.shop.system.internal").0, agent.dig_a(db).0);
+        (now == ("NOERROR".into(), "NXDOMAIN".into()))
+            .then_some(())
+            .ok_or(format!("{now:?}"))
+    })
+    .unwrap();
+    assert_eq!(agent.dig_a(web), before.0);
+    assert!(agent.mesh().unwrap().get("provisional").is_none());
+}

@@ -181,37 +181,6 @@ fn replies(agent: &Agent) -> anyhow::Result<u64> {
         .sum::<f64>() as u64)
 }
 
-/// A dig of `name` A: its status (`SERVFAIL`, `NOERROR`…) and the A records.
-fn dig(agent: &Agent, name: &str) -> (String, Vec<String>) {
-    let output = std::process::Command::new("dig")
-        .args([
-            &format!("@{}", agent.dns.ip()),
-            "-p",
-            &agent.dns.port().to_string(),
-            "+tries=1",
-            "+time=1",
-            name,
-            "A",
-        ])
-        .output()
-        .expect("dig runs");
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    let status = text
-        .split("status: ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or("no answer")
-        .to_string();
-    let addresses = text
-        .lines()
-        .skip_while(|l| !l.starts_with(";; ANSWER SECTION"))
-        .skip(1)
-        .take_while(|l| !l.trim().is_empty())
-        .filter_map(|l| l.split_whitespace().last().map(str::to_string))
-        .collect();
-    (status, addresses)
-}
-
 /// After a SIGKILL the restarted agent answers at once: names outside the mesh are forwarded
 /// as ever, mesh names get SERVFAIL (retryable) while it has no name table (its Kubernetes API
 /// server is down), never NXDOMAIN; and the names resume as soon as its first table is in.
@@ -240,7 +209,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
     );
     agent.wait_ready()?;
     let name = "web.shop.system.internal";
-    let (status, addresses) = dig(&agent, name);
+    let (status, addresses) = agent.dig_a(name);
     assert_eq!(status, "NOERROR");
     let address = addresses.first().cloned().unwrap_or_default();
 
@@ -252,7 +221,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
     wait::until(
         "the restarted agent answers",
         Duration::from_secs(10),
-        || match dig(&agent, &forwarded) {
+        || match agent.dig_a(&forwarded) {
             (status, addresses) if status == "NOERROR" => Ok(addresses),
             other => Err(format!("{other:?}")),
         },
@@ -260,7 +229,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
     .map(|addresses| assert_eq!(addresses, [expected.to_string()]))?;
     let mut seen_servfail = 0;
     for _ in 0..5 {
-        let (status, _) = dig(&agent, name);
+        let (status, _) = agent.dig_a(name);
         assert_eq!(
             status,
             "SERVFAIL",
@@ -269,7 +238,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
         );
         seen_servfail += 1;
     }
-    let (status, _) = dig(&agent, "nothing.shop.system.internal");
+    let (status, _) = agent.dig_a("nothing.shop.system.internal");
     assert_eq!(
         status, "SERVFAIL",
         "no name of the zone is known missing yet"
@@ -281,7 +250,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
     let answered = wait::until(
         "mesh names answered again",
         Duration::from_secs(20),
-        || match dig(&agent, name) {
+        || match agent.dig_a(name) {
             (status, addresses) if status == "NOERROR" => Ok(addresses),
             (status, _) if status == "SERVFAIL" => Err("SERVFAIL".to_string()),
             other => panic!("a mesh name got {other:?}, never anything but SERVFAIL or its answer"),
@@ -292,7 +261,7 @@ fn after_a_crash_mesh_names_fail_retryably_until_the_first_table() -> anyhow::Re
         "{seen_servfail} SERVFAIL while the table was missing; answers {:?} after the API server came back",
         took.elapsed()
     );
-    let (status, _) = dig(&agent, "nothing.shop.system.internal");
+    let (status, _) = agent.dig_a("nothing.shop.system.internal");
     assert_eq!(
         status, "NXDOMAIN",
         "with the table, a missing name is missing"

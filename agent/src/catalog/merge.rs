@@ -132,6 +132,45 @@ impl Merger {
         self
     }
 
+    /// Starts from `specs`, the node's last mesh, served provisionally (see
+    /// [`Merger::provisional_snapshot`]) until every provider has reported; only before the
+    /// first merge and after the address book is restored, so each service gets its recorded
+    /// address back. A service that no longer fits (an address or name it cannot have) is
+    /// left out. Returns how many were taken.
+    pub fn with_last_mesh(mut self, specs: Vec<ServiceSpec>) -> (Self, usize) {
+        if self.merged {
+            return (self, 0);
+        }
+        let mut taken = 0;
+        for spec in specs {
+            if self.state.upsert(spec).is_ok() {
+                taken += 1;
+            }
+        }
+        (self, taken)
+    }
+
+    /// Whether every provider has reported and their views were merged.
+    pub fn has_merged(&self) -> bool {
+        self.merged
+    }
+
+    /// The mesh read back from the node, while the providers are still to report: `None` once
+    /// they have (or when there was none).
+    pub fn provisional_snapshot(&mut self) -> Option<Arc<MeshSnapshot>> {
+        if self.merged || self.state.is_empty() {
+            return None;
+        }
+        let mut snapshot = Arc::unwrap_or_clone(self.state.snapshot());
+        snapshot.provisional = true;
+        Some(Arc::new(snapshot))
+    }
+
+    /// The trapped block the mesh's addresses are in.
+    pub fn trap(&self) -> &TrapCidrs {
+        self.state.address_book().trap()
+    }
+
     /// Who holds which address in the merged mesh.
     pub fn address_book(&self) -> &AddressBook {
         self.state.address_book()
@@ -157,6 +196,17 @@ impl Merger {
                 .collect();
             paths.sort();
             paths.dedup();
+            // What the node's last mesh held that no provider has any more goes first, so its
+            // names and addresses are free for the services that are here.
+            let gone: Vec<MeshPath> = self
+                .state
+                .paths()
+                .filter(|path| paths.binary_search(path).is_err())
+                .cloned()
+                .collect();
+            for path in &gone {
+                self.state.remove(path);
+            }
             for path in &paths {
                 self.merge_path(path);
             }
@@ -208,6 +258,7 @@ impl Merger {
                 .collect(),
             conflicts: self.conflicts.values().cloned().collect(),
             addresses: None,
+            last_mesh: None,
         }
     }
 
@@ -242,7 +293,13 @@ impl Merger {
             self.resolve(path);
             return;
         };
-        let served = self.state.service(path).map(|s| Shape::of(s));
+        // Before the first merge only the node's last mesh is served, and no proxy was given
+        // it: the providers decide the shape as if it were not there.
+        let served = self
+            .state
+            .service(path)
+            .filter(|_| self.merged)
+            .map(|s| Shape::of(s));
         let shape = match served {
             Some(shape) if definitions.iter().any(|(_, d)| Shape::of(d) == shape) => shape,
             _ => Shape::of(first),
@@ -274,6 +331,10 @@ impl Merger {
         }
         let spec = merged_spec(path, &shape, &contributions);
         if let Err(error) = self.state.upsert(spec) {
+            if !self.merged {
+                // Not what the node's last mesh said either.
+                self.state.remove(path);
+            }
             // Unservable as merged (an address or a name it cannot have): what served before
             // keeps serving, and the reason is shown like a conflict.
             let serving = self.serving(self.contributions.get(path));
@@ -1019,6 +1080,50 @@ mod tests {
         !merger.status().conflicts.is_empty()
     }
 
+    #[test]
+    fn the_nodes_last_mesh_serves_until_every_provider_reported_and_keeps_what_is_unchanged() {
+        let (kube, file) = providers();
+        let web = service(&kube, "/shop/web", &[HTTP], &["10.0.0.1"]);
+        let gone = service(&kube, "/shop/gone", &[(5432, Protocol::Tcp)], &["10.0.0.2"]);
+        let db = service(&kube, "/shop/db", &[(5432, Protocol::Tcp)], &["10.0.0.3"]);
+        let (mut merger, taken) = Merger::new(trap(), vec![kube.clone(), file.clone()])
+            .with_last_mesh(vec![web.clone(), gone, db]);
+        assert_eq!(taken, 3);
+        assert!(
+            merger.snapshot().is_none(),
+            "nothing settled before the providers"
+        );
+        let last = merger.provisional_snapshot().expect("the last mesh");
+        assert!(last.provisional);
+        assert_eq!(last.services.len(), 3);
+
+        // The database moved to another port, the gone service is gone, a new one came.
+        let db = service(&kube, "/shop/db", &[(5433, Protocol::Tcp)], &["10.0.0.3"]);
+        let new = service(&file, "/shop/new", &[HTTP], &["10.0.0.4"]);
+        assert!(!merger.update(0, view(vec![web.clone(), db.clone()])));
+        assert!(
+            merger.provisional_snapshot().is_some(),
+            "one provider is still to report"
+        );
+        assert!(merger.update(1, view(vec![new.clone()])));
+        assert!(merger.provisional_snapshot().is_none());
+        let settled = merger.snapshot().unwrap();
+        assert!(!settled.provisional);
+        let paths: Vec<String> = settled.services.keys().map(|p| p.to_string()).collect();
+        assert_eq!(paths, ["/shop/db", "/shop/new", "/shop/web"]);
+        let path: MeshPath = "/shop/web".parse().unwrap();
+        assert!(
+            Arc::ptr_eq(&last.services[&path], &settled.services[&path]),
+            "an unchanged service is the same value: the translators reuse what they made of it"
+        );
+
+        // As if there had been no last mesh.
+        let mut fresh = Merger::new(trap(), vec![kube, file]);
+        fresh.update(0, view(vec![web, db]));
+        fresh.update(1, view(vec![new]));
+        assert_eq!(fresh.snapshot().unwrap().services, settled.services);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
@@ -1029,12 +1134,17 @@ mod tests {
             views in arbitrary_views(),
             order in Just(vec![0usize, 1, 2]).prop_shuffle(),
             early in proptest::collection::vec((0usize..3, arbitrary_views()), 0..3),
+            last in proptest::option::of(arbitrary_views()),
         ) {
             let mut reference = Merger::new(trap(), three_providers());
             for (i, v) in views.iter().enumerate() {
                 reference.update(i, view(v.clone()));
             }
+            // And whatever the node's last mesh held: it leaves no trace.
             let mut shuffled = Merger::new(trap(), three_providers());
+            if let Some(last) = last {
+                shuffled = shuffled.with_last_mesh(last.into_iter().flatten().collect()).0;
+            }
             // Early reports from a provider that reports again before the merge.
             for (slot, others) in early {
                 if slot != order[2] {

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A service's health policy.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthPolicy {
     /// Active checks that Envoy sends to every endpoint; `None`: off.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -25,7 +25,7 @@ impl Default for HealthPolicy {
 }
 
 /// An active health check.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ActiveCheck {
     pub kind: CheckKind,
     #[serde(with = "millis")]
@@ -45,7 +45,7 @@ impl ActiveCheck {
     pub const DEFAULT_UNHEALTHY_THRESHOLD: u32 = 3;
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckKind {
     /// `GET path`; healthy when the status is in one of `statuses` (half-open ranges
@@ -72,7 +72,7 @@ pub const DEFAULT_HEALTHY_STATUSES: (u16, u16) = (200, 400);
 /// errors (502, 503, 504) or 3 consecutive connect failures eject; no success-rate ejection;
 /// out for 15 s, doubling with each repeat up to 5 min; at most half the endpoints out, so a
 /// two-endpoint service can lose its bad one and always keeps one.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutlierDetection {
     pub consecutive_5xx: u32,
     pub consecutive_gateway_errors: u32,
@@ -105,5 +105,9 @@ mod millis {
 
     pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        <u64 as serde::Deserialize>::deserialize(d).map(Duration::from_millis)
     }
 }

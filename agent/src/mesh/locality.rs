@@ -12,13 +12,13 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Endpoint;
 
 /// What a service asks of the choice of endpoints (Kubernetes `spec.trafficDistribution`, the
 /// mesh file's `trafficDistribution`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum TrafficDistribution {
     /// No preference: every endpoint is equal.
     #[default]
@@ -60,11 +60,11 @@ impl FromStr for TrafficDistribution {
 /// and nodes whose clients should use it. Kubernetes writes them for Services that ask for a
 /// topology preference; where present they say more than the endpoint's own zone (topology
 /// aware routing may lend an endpoint to a neighbouring zone).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Hints {
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    #[serde(default, skip_serializing_if = "<[_]>::is_empty")]
     pub for_zones: Box<[Arc<str>]>,
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    #[serde(default, skip_serializing_if = "<[_]>::is_empty")]
     pub for_nodes: Box<[Arc<str>]>,
 }
 

@@ -16,6 +16,7 @@ pub struct MeshMetrics {
     conflicts: Gauge,
     stale_providers: Gauge,
     address_record_write_failures: Counter,
+    last_mesh_write_failures: Counter,
 }
 
 impl MeshMetrics {
@@ -63,12 +64,22 @@ impl MeshMetrics {
             "Writes of the address record on the node (--state-dir) that failed; /debug/mesh says why",
             metrics.address_record_write_failures.clone(),
         );
+        mesh.register(
+            "last_mesh_write_failures",
+            "Writes of the node's last mesh (--state-dir) that failed; the agent's log says why",
+            metrics.last_mesh_write_failures.clone(),
+        );
         metrics
     }
 
     /// Counts a failed write of the address record.
     pub fn address_record_write_failed(&self) {
         self.address_record_write_failures.inc();
+    }
+
+    /// Counts a failed write of the node's last mesh.
+    pub fn last_mesh_write_failed(&self) {
+        self.last_mesh_write_failures.inc();
     }
 
     /// Records what the catalog reports: paths in conflict and stale providers.

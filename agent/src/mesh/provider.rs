@@ -39,6 +39,24 @@ impl Provider {
     }
 }
 
+/// Read back (the node's last mesh), every endpoint names its provider: the names are shared
+/// again, as the sources share them, rather than allocated once per endpoint.
+impl<'de> serde::Deserialize<'de> for Provider {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Provider, D::Error> {
+        thread_local! {
+            static LAST: std::cell::RefCell<Option<Provider>> = const { std::cell::RefCell::new(None) };
+        }
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        if name == "kubernetes" {
+            return Ok(Provider::kubernetes());
+        }
+        Ok(LAST.with_borrow_mut(|last| match last {
+            Some(provider) if provider.as_str() == name => provider.clone(),
+            _ => last.insert(Provider::new(name.as_ref())).clone(),
+        }))
+    }
+}
+
 impl fmt::Display for Provider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

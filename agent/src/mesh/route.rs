@@ -14,7 +14,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::MeshPath;
 
@@ -56,7 +56,7 @@ fn quoted(pattern: &str) -> String {
 }
 
 /// Where a rule was written.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "lowercase")]
 pub enum RuleSource {
     /// The mesh file: the rule's index in its service's `routes:` and its name, if any.
@@ -89,7 +89,7 @@ impl fmt::Display for RuleSource {
 }
 
 /// How a request's path must look.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PathMatch {
     /// The whole path, case-sensitive, query string aside.
@@ -138,7 +138,7 @@ fn absolute(path: &str) -> Result<(), RuleError> {
 }
 
 /// How a header or query parameter value must look.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ValueMatch {
     Exact(String),
@@ -156,14 +156,14 @@ impl ValueMatch {
 }
 
 /// A condition on one header (name case-insensitive) or query parameter (name exact).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ValueCondition {
     pub name: String,
     pub value: ValueMatch,
 }
 
 /// One way a request can match a rule: every condition must hold.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RequestMatch {
     pub path: PathMatch,
     /// An HTTP method, upper case.
@@ -203,7 +203,7 @@ impl RequestMatch {
 }
 
 /// Where a share of a rule's traffic goes.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum BackendTarget {
     /// Another mesh service's port (its endpoints: backends are not routed again).
@@ -213,7 +213,7 @@ pub enum BackendTarget {
     Unresolved { reason: String },
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Backend {
     pub target: BackendTarget,
     /// A share of the rule's traffic: weight over the sum of the rule's weights. 0 sends none.
@@ -238,7 +238,7 @@ pub const DEFAULT_RETRY_ON: [RetryOn; 3] = [
 ];
 
 /// When a failed attempt is tried again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RetryOn {
     /// Any 5xx answer, and no answer at all.
@@ -275,7 +275,7 @@ impl RetryOn {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RetryPolicy {
     /// Tries after the first.
     pub attempts: u32,
@@ -330,7 +330,7 @@ impl RetryPolicy {
 }
 
 /// Edits to the request's headers before it is sent to a backend.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HeaderEdits {
     /// Replace every value of the header with this one (or add it).
     pub set: Vec<(String, String)>,
@@ -346,7 +346,7 @@ impl HeaderEdits {
 }
 
 /// One routing rule of a service.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RouteRule {
     pub source: RuleSource,
     /// Breaks ties between rules whose matches are equally specific: the Gateway API's
@@ -470,6 +470,12 @@ mod millis_opt {
             Some(d) => s.serialize_some(&(d.as_millis() as u64)),
             None => s.serialize_none(),
         }
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        <Option<u64> as serde::Deserialize>::deserialize(d).map(|ms| ms.map(Duration::from_millis))
     }
 }
 

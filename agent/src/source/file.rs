@@ -678,6 +678,69 @@ mod tests {
         super::parse(text, &Provider::new("file:test"), &Limits::default())
     }
 
+    /// One of everything a service can say: routes with every option, a stateful service,
+    /// host names, health checks, locality, clients and identities.
+    const EVERYTHING: &str = r#"
+services:
+  - path: /shop/web
+    ports: [{port: 8080, protocol: http, targetPort: 9090}]
+    trafficDistribution: PreferSameZone
+    clients: [shop/web-*]
+    identities: [spiffe://cluster.local/ns/shop/sa/web]
+    endpoints:
+      - {address: 10.200.0.3, zone: zone-b}
+      - {address: 10.200.0.4, zone: zone-c, node: node-7}
+    health:
+      check:
+        http: {path: /healthz, statuses: ["200-299"]}
+        interval: 5s
+        timeout: 1s
+      outlier: {consecutive5xx: 7, ejectionTime: 20s}
+    routes:
+      - name: green-by-header
+        port: 8080
+        matches:
+          - path: {regex: "/v[0-9]+"}
+            method: GET
+            headers: [{name: x-release, exact: green}]
+            query: [{name: animal, present: true}]
+        backends: [{service: /shop/web-green, weight: 3}, {service: /shop/web, weight: 1}]
+        timeout: 10s
+        backendTimeout: 2s
+        retry: {attempts: 3, on: [5xx, reset], codes: [503], backoff: 25ms}
+        requestHeaders:
+          set: [{name: x-a, value: b}]
+          add: [{name: x-b, value: c}]
+          remove: [x-c]
+  - path: /shop/web-green
+    ports: [{port: 8080, protocol: http}]
+    endpoints: [{address: 10.200.0.5}]
+  - path: /data/db
+    ports: [{port: 9042, name: cql}, {port: 8080, protocol: http, targetPort: 8081}]
+    endpoints:
+      - {address: 10.200.0.10, name: db-0}
+      - {address: 10.200.0.11, name: db-1, ready: false}
+  - path: /ext/billing
+    hostHeader: keep
+    ports: [{port: 80, protocol: http}]
+    endpoints: [{address: api.billing.example.com}]
+"#;
+
+    /// What the node's last mesh is made of: a spec written as JSON reads back the same,
+    /// whatever it says.
+    #[test]
+    fn every_spec_reads_back_from_json_as_written() {
+        let specs = parse(EVERYTHING).unwrap();
+        let text = serde_json::to_string(&specs).unwrap();
+        let read: Vec<ServiceSpec> = serde_json::from_str(&text).unwrap();
+        assert_eq!(read, specs);
+        assert!(
+            serde_json::from_str::<Vec<ServiceSpec>>(&text.replace("billing.example", "-x"))
+                .is_err(),
+            "a host name no source would take"
+        );
+    }
+
     pub(super) const GOOD: &str = r#"
 services:
   - path: /foo/bar/buzz

@@ -158,27 +158,66 @@ impl Pipeline {
             let Some(mut state) = translators.take() else {
                 return;
             };
-            let snapshot = mesh.clone();
             replaced.release(&thread);
-            let job = thread.run(move || {
+            if mesh.provisional {
+                // The node's last mesh: its names answer meanwhile, built first. Then, unless
+                // the settled mesh is already here, the Envoy resources, which stay with the
+                // translators as the base the settled mesh is translated against and go to no
+                // proxy (one may hold a newer mesh).
+                let snapshot = mesh.clone();
+                let names = run_job(&thread, &shutdown, move || {
+                    let names = state.dns.translate(&snapshot);
+                    (state, names)
+                });
+                let Some((back, names)) = names.await else {
+                    return;
+                };
+                state = back;
+                if let Some(names) = names {
+                    replaced
+                        .names
+                        .retire(self.names.send_replace(Arc::new(names.provisional())));
+                }
+                tracing::info!(
+                    version = mesh.version,
+                    services = mesh.services.len(),
+                    names_ms = translating.elapsed().as_secs_f64() * 1e3,
+                    "answering DNS from the node's last mesh until the sources report"
+                );
+                if !self.mesh.has_changed().unwrap_or(true) {
+                    let snapshot = mesh.clone();
+                    let warmed = run_job(&thread, &shutdown, move || {
+                        let xds = state.envoy_for(node).translate(&snapshot);
+                        (state, xds)
+                    });
+                    let Some((back, xds)) = warmed.await else {
+                        return;
+                    };
+                    state = back;
+                    thread.drop_later(xds);
+                }
+                translators = Some(state);
+                replaced.mesh.retire(mesh);
+                continue;
+            }
+            let snapshot = mesh.clone();
+            let job = run_job(&thread, &shutdown, move || {
                 let translated = state.translate(&snapshot, node);
                 (state, translated)
             });
-            let (state, translated) = tokio::select! {
-                () = shutdown.cancelled() => return,
-                done = job => match done {
-                    Ok(done) => done,
-                    Err(error) => {
-                        tracing::error!(%error, "the translators stopped");
-                        return;
-                    }
-                },
+            let Some((state, translated)) = job.await else {
+                return;
             };
             translators = Some(state);
-            if let Some(names) = translated.names {
-                replaced
-                    .names
-                    .retire(self.names.send_replace(Arc::new(names)));
+            let names = translated.names.map(Arc::new).or_else(|| {
+                // Unchanged since the node's last mesh: the same table, now current.
+                let current = self.names.borrow();
+                current
+                    .is_provisional()
+                    .then(|| Arc::new(current.settled()))
+            });
+            if let Some(names) = names {
+                replaced.names.retire(self.names.send_replace(names));
                 self.names_ready.take();
             }
             if let Some(xds) = self.xds.send_replace(Some(Arc::new(translated.xds))) {
@@ -197,6 +236,24 @@ impl Pipeline {
             );
             replaced.mesh.retire(mesh);
         }
+    }
+}
+
+/// Runs `job` on the translation thread; `None` on shutdown or when the thread is gone.
+async fn run_job<R: Send + 'static>(
+    thread: &BulkThread,
+    shutdown: &CancellationToken,
+    job: impl FnOnce() -> R + Send + 'static,
+) -> Option<R> {
+    tokio::select! {
+        () = shutdown.cancelled() => None,
+        done = thread.run(job) => match done {
+            Ok(done) => Some(done),
+            Err(error) => {
+                tracing::error!(%error, "the translators stopped");
+                None
+            }
+        },
     }
 }
 
@@ -249,24 +306,25 @@ struct Translated {
 }
 
 impl Translators {
+    /// The Envoy translator for `node`'s locality.
+    fn envoy_for(&mut self, node: NodeLocality) -> &mut EnvoyTranslator {
+        envoy_for(
+            &mut self.envoy,
+            node,
+            &self.external_dns,
+            self.capture_port,
+            self.mesh_mtls,
+        )
+    }
+
     fn translate(&mut self, mesh: &MeshSnapshot, node: NodeLocality) -> Translated {
-        // Another node locality changes every priority: everything is translated anew
-        // (versions are content hashes, so only what changed is pushed).
-        let envoy = match &mut self.envoy {
-            Some(envoy) if *envoy.node() == node => envoy,
-            slot => {
-                tracing::info!(
-                    node = node.name.as_deref().unwrap_or("-"),
-                    zone = node.zone.as_deref().unwrap_or("-"),
-                    "endpoint priorities follow this node"
-                );
-                slot.insert(
-                    EnvoyTranslator::new(node, self.external_dns.clone())
-                        .with_capture_port(self.capture_port)
-                        .with_mesh_mtls(self.mesh_mtls),
-                )
-            }
-        };
+        let envoy = envoy_for(
+            &mut self.envoy,
+            node,
+            &self.external_dns,
+            self.capture_port,
+            self.mesh_mtls,
+        );
         let dns = &mut self.dns;
         if dns.is_current(mesh) || mesh.services.len() < PARALLEL_FROM {
             return Translated {
@@ -286,6 +344,31 @@ impl Translators {
             }
         })
     }
+}
+
+/// The translator in `slot` if it was made for `node`'s locality, else a new one: another
+/// locality changes every priority, so everything is translated anew (versions are content
+/// hashes, so only what changed is pushed).
+fn envoy_for<'a>(
+    slot: &'a mut Option<EnvoyTranslator>,
+    node: NodeLocality,
+    external_dns: &ExternalDns,
+    capture_port: CapturePort,
+    mesh_mtls: bool,
+) -> &'a mut EnvoyTranslator {
+    if slot.as_ref().is_some_and(|envoy| *envoy.node() != node) {
+        *slot = None;
+    }
+    slot.get_or_insert_with(|| {
+        tracing::info!(
+            node = node.name.as_deref().unwrap_or("-"),
+            zone = node.zone.as_deref().unwrap_or("-"),
+            "endpoint priorities follow this node"
+        );
+        EnvoyTranslator::new(node, external_dns.clone())
+            .with_capture_port(capture_port)
+            .with_mesh_mtls(mesh_mtls)
+    })
 }
 
 #[cfg(test)]
@@ -399,6 +482,38 @@ mod tests {
             !out.xds.has_changed().unwrap_or(false),
             "a push after the burst"
         );
+    }
+
+    #[tokio::test]
+    async fn the_nodes_last_mesh_answers_names_and_reaches_no_proxy_until_it_is_settled() {
+        let (mesh, mesh_rx) = mesh::channel();
+        let (_locality, locality_rx) =
+            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
+        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, Duration::ZERO);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .upsert(http_service("/foo/bar/buzz", "10.0.0.1:80"))
+            .unwrap();
+        let mut last = Arc::unwrap_or_clone(state.snapshot());
+        last.provisional = true;
+        mesh.send_replace(Some(Arc::new(last)));
+        out.names.changed().await.unwrap();
+        assert!(out.names.borrow_and_update().is_provisional());
+        assert!(
+            out.xds.borrow().is_none(),
+            "a proxy was offered the last mesh"
+        );
+        assert_eq!(readiness.pending(), ["dns names", "envoy resources"]);
+
+        // Settled and unchanged: the same names, now current, and the resources go out.
+        mesh.send_replace(Some(state.snapshot()));
+        out.xds.changed().await.unwrap();
+        assert!(out.names.borrow_and_update().is_settled());
+        assert!(readiness.pending().is_empty(), "{:?}", readiness.pending());
+        shutdown.cancel();
+        task.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
