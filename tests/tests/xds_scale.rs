@@ -17,7 +17,9 @@
 //! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
 //! answered and holding the whole mesh (`restart.agent_ready_ms`: kill → the new agent's
 //! `/readyz`, its own start; `restart.agent_cpu_s`: the new agent's CPU seconds at ready and
-//! at consistent), `restart.bytes_per_delta_client` (and
+//! at consistent), `restart.api_server_away` (the Kubernetes source: kill -9 with the API
+//! server stopped, `dns_ms` until a mesh name is answered from the node's last mesh, and that
+//! no name was denied nor the agent ready meanwhile), `restart.bytes_per_delta_client` (and
 //! `_sotw_`) what a client received again although nothing had changed.
 //!
 //! Envoy is timed through its ACKs: it reaches the agent through a relay that reads the ADS
@@ -214,13 +216,19 @@ impl Feed {
         Feed { ips, sink, dir }
     }
 
+    /// The agent, with a state directory as the DaemonSet gives it: what it keeps there (the
+    /// addresses, the last mesh) is part of its restart.
     fn start_agent(&self) -> Agent {
+        let state = self.dir.path().join("state");
+        let state = ["--state-dir", state.to_str().unwrap()];
         match &self.sink {
             Sink::Kube(_) => {
                 let kubeconfig = self.dir.path().join("kubeconfig");
-                Agent::start_with_env(&[], &[("KUBECONFIG", kubeconfig.to_str().unwrap())])
+                Agent::start_with_env(&state, &[("KUBECONFIG", kubeconfig.to_str().unwrap())])
             }
-            Sink::File(path) => Agent::start(&["--mesh-file", path.to_str().unwrap()]),
+            Sink::File(path) => {
+                Agent::start(&[&state[..], &["--mesh-file", path.to_str().unwrap()]].concat())
+            }
         }
     }
 
@@ -711,7 +719,11 @@ async fn run(
         (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
         _ => None,
     };
-    let restart = restart(&mut agent, &mut fleet, &modes, services).await;
+    let mut restart = restart(&mut agent, &mut fleet, &modes, services).await;
+    if matches!(feed.sink, Sink::Kube(_)) {
+        restart["api_server_away"] =
+            crash_with_the_api_server_away(&mut agent, feed.server()).await;
+    }
     let nacks: u64 = fleet.iter().map(|c| c.with_view(|v| v.nacks)).sum();
     let envoy_report = envoy_mode.map(|mode| {
         json!({
@@ -838,6 +850,49 @@ async fn restart(
         "bytes_per_delta_client": mean(&delta),
         "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
         "bytes_per_sotw_client": mean(&sotw),
+    })
+}
+
+/// A crash while the API server cannot be reached: kill -9, the API server stopped, the agent
+/// started again; kill → the first answer for a mesh name (`dns_ms`: the node's last mesh, as
+/// the agent cannot list anything), whether a name the mesh lacks was denied meanwhile
+/// (`nxdomain_meanwhile`: it must not be, as it may be new), then the API server back and the
+/// agent ready again. `dns_ms` is null when no mesh name was answered within [`DNS_AWAY`].
+async fn crash_with_the_api_server_away(agent: &mut Agent, server: &FakeApiServer) -> Value {
+    const DNS_AWAY: Duration = Duration::from_secs(10);
+    server.stop();
+    let killed = Instant::now();
+    agent.restart();
+    let mut resolver = Resolver::bind(Ipv4Addr::LOCALHOST, agent.dns).await;
+    let name = dns_name(7);
+    let mut answered = None;
+    while answered.is_none() && killed.elapsed() < DNS_AWAY {
+        // Asked again after 20 ms without an answer: the agent may not have bound yet.
+        match resolver.answer(&name, Duration::from_millis(20)).await {
+            Some((0, true, at)) => answered = Some(at),
+            // SERVFAIL before the last mesh is read.
+            Some(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            None => {}
+        }
+    }
+    let absent = format!("absent.{}", dns_name(7));
+    let nxdomain = resolver
+        .answer(&absent, DNS_TIMEOUT)
+        .await
+        .map(|(rcode, _, _)| rcode);
+    let ready_before = matches!(http_get(agent.admin, "/readyz"), Ok((200, _)));
+    server
+        .restart()
+        .unwrap_or_else(|e| panic!("the API server does not come back: {e}"));
+    agent
+        .wait_ready()
+        .unwrap_or_else(|e| panic!("{e}\nagent log:\n{}", agent.log()));
+    let dns_ms = answered.map(|at| ms(at.duration_since(killed)));
+    println!("restart with the API server away: a mesh name answered after {dns_ms:?} ms");
+    json!({
+        "dns_ms": dns_ms,
+        "nxdomain_meanwhile": nxdomain == Some(3),
+        "ready_meanwhile": ready_before,
     })
 }
 
@@ -995,6 +1050,29 @@ impl Resolver {
             Err(_) => Ok(None),
             Ok(Err(e)) => Err(format!("receiving DNS answers: {e}")),
             Ok(Ok((len, _))) => Ok(dns_reply(&buf[..len]).map(|(id, ok)| (id, ok, Instant::now()))),
+        }
+    }
+
+    /// One query for `name`, if answered within `timeout`: the response code, whether it
+    /// holds an address, and when it came.
+    async fn answer(&mut self, name: &str, timeout: Duration) -> Option<(u8, bool, Instant)> {
+        let id = self.send(name).await.ok()?;
+        let mut buf = [0u8; 1500];
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let received = tokio::time::timeout(left, self.socket.recv_from(&mut buf)).await;
+            let (len, _) = match received {
+                Ok(Ok(received)) => received,
+                // Refused (nothing bound yet: the port's ICMP error), or no answer in time.
+                Ok(Err(_)) | Err(_) => return None,
+            };
+            let packet = &buf[..len];
+            if let Some((got, answered)) = dns_reply(packet)
+                && got == id
+            {
+                return Some((packet[3] & 0x0f, answered, Instant::now()));
+            }
         }
     }
 
