@@ -143,7 +143,9 @@ impl LastMeshFile {
         let thread = match BulkThread::spawn("lattice-last-mesh") {
             Ok(thread) => thread,
             Err(error) => {
+                // Not a reason to stop serving: a restart then waits for the sources.
                 tracing::warn!(%error, "the node's last mesh cannot be written");
+                shutdown.cancelled().await;
                 return;
             }
         };
