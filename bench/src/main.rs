@@ -7,6 +7,7 @@ mod bench_hostile;
 mod bench_hostile_dns;
 mod bench_hostile_file;
 mod bench_init;
+mod bench_issuance;
 mod bench_kube;
 mod bench_mtls;
 mod bench_xds;
@@ -35,7 +36,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, translate, kube, xds, init, hostile, mtls); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init, hostile, mtls, issuance); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -78,7 +79,7 @@ type BenchPart = fn(bool) -> anyhow::Result<serde_json::Value>;
 
 /// Runs the chosen benchmark parts (all when `only` is empty) and writes their JSON report.
 fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
-    let runners: [(&str, BenchPart); 7] = [
+    let runners: [(&str, BenchPart); 8] = [
         ("dns", bench_dns::run),
         ("translate", bench_dns::during_translation),
         ("kube", bench_kube::run),
@@ -86,6 +87,7 @@ fn bench_parts(smoke: bool, only: &[String]) -> anyhow::Result<()> {
         ("init", bench_init::run),
         ("hostile", bench_hostile::run),
         ("mtls", bench_mtls::run),
+        ("issuance", bench_issuance::run),
     ];
     if let Some(unknown) = only
         .iter()

@@ -70,7 +70,7 @@ enum Task {
         /// Small sizes and short runs: checks the benchmarks work, measures little.
         #[arg(long)]
         smoke: bool,
-        /// Only these parts (dns, translate, kube, xds, init, hostile, mtls); all when empty.
+        /// Only these parts (dns, translate, kube, xds, init, hostile, mtls, issuance); all when empty.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
