@@ -15,6 +15,7 @@
 pub mod address_record;
 pub mod last_mesh;
 mod merge;
+mod state_file;
 
 use futures::FutureExt as _;
 use lattice_contract::TrapCidrs;

@@ -280,12 +280,7 @@ impl Agent {
             .output()
             .expect("dig runs");
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
-        let status = text
-            .split("status: ")
-            .nth(1)
-            .and_then(|rest| rest.split(',').next())
-            .unwrap_or("no answer")
-            .to_string();
+        let status = dig_status(&text);
         let records = text
             .lines()
             .skip_while(|l| !l.starts_with(";; ANSWER SECTION"))
@@ -310,6 +305,15 @@ impl Drop for Agent {
             eprintln!("--- lattice-agent log ---\n{}", self.log());
         }
     }
+}
+
+/// The status of a `dig` answer (`NOERROR`, `SERVFAIL`…), `no answer` when it holds none.
+pub fn dig_status(text: &str) -> String {
+    text.split("status: ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or("no answer")
+        .to_string()
 }
 
 /// Minimal blocking HTTP/1.1 GET with `Connection: close`: (status, body). Envoy's admin

@@ -829,12 +829,7 @@ impl ClientPod {
         let output = self.run("dig", &["+time=2", "+tries=1", name, "A"])?;
         let took = start.elapsed();
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
-        let status = text
-            .split("status: ")
-            .nth(1)
-            .and_then(|rest| rest.split(',').next())
-            .unwrap_or("no answer")
-            .to_string();
+        let status = crate::agent::dig_status(&text);
         let mut addresses = Vec::new();
         let mut in_answer = false;
         for line in text.lines() {

@@ -292,12 +292,7 @@ fn dnsviz_and_zonemaster_find_only_what_a_private_unsigned_one_server_zone_must_
 
 /// The dig answer's status, whether it carries an OPT record, and its EDNS line.
 fn status_and_opt(out: &str) -> (String, Option<String>) {
-    let status = out
-        .split("status: ")
-        .nth(1)
-        .and_then(|s| s.split(',').next())
-        .unwrap_or("no answer")
-        .to_string();
+    let status = lattice_e2e::agent::dig_status(out);
     let opt = out
         .lines()
         .find(|l| l.starts_with("; EDNS:"))

@@ -14,12 +14,12 @@
 //! a node's first start, and the next write replaces it. Entries the block cannot hold are
 //! dropped one by one. What happened shows on `/debug/mesh` (`addresses`).
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use lattice_contract::TrapCidrs;
 use serde::Serialize;
 
+use super::state_file;
 use crate::mesh::{AddressBook, AddressRecord, MeshMetrics};
 
 /// The record's file name in `--state-dir`.
@@ -148,44 +148,12 @@ impl AddressRecordFile {
 
 /// The record at `path`; `None` when there is none.
 fn read(path: &Path) -> Result<Option<AddressRecord>, String> {
-    let file = match std::fs::File::open(path) {
-        Ok(file) => file,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(err) => return Err(format!("cannot open it: {err}")),
-    };
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    if size > MAX_RECORD_BYTES {
-        return Err(format!(
-            "{size} bytes, more than the {MAX_RECORD_BYTES} a record can be"
-        ));
-    }
-    let mut text = Vec::new();
-    std::io::Read::read_to_end(
-        &mut std::io::Read::take(file, MAX_RECORD_BYTES + 1),
-        &mut text,
-    )
-    .map_err(|err| format!("cannot read it: {err}"))?;
-    serde_json::from_slice(&text)
-        .map(Some)
-        .map_err(|err| format!("not a record: {err}"))
+    state_file::read(path, MAX_RECORD_BYTES, "a record")
 }
 
 /// Writes `record` at `path` through a temporary file of its own, renamed over it.
 fn write(path: &Path, record: &AddressRecord) -> Result<(), String> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .map_err(|err| format!("cannot create {}: {err}", dir.display()))?;
-    let mut file = tempfile::Builder::new()
-        .prefix(".addresses.")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(|err| format!("cannot create a file in {}: {err}", dir.display()))?;
-    let text = serde_json::to_vec(record).map_err(|err| err.to_string())?;
-    file.write_all(&text)
-        .map_err(|err| format!("cannot write: {err}"))?;
-    file.persist(path)
-        .map_err(|err| format!("cannot rename over it: {}", err.error))?;
-    Ok(())
+    state_file::replace(path, "addresses", record)
 }
 
 #[cfg(test)]

@@ -15,10 +15,10 @@
 //! written here (it is written at most every [`SAVE_EVERY`]), and a control plane must never
 //! take a proxy back. Nor is the agent ready until its sources have reported.
 //!
-//! Written like the address record: whole, through a temporary file renamed over it, no fsync,
-//! off the async runtime. A file that cannot be used (unreadable, not JSON, another format or
-//! trapped block, too large) is logged and left out: the agent then starts as on a node's first
-//! start, with no mesh until its sources report.
+//! Written like the address record ([`super::state_file`]): whole, through a temporary file
+//! renamed over it, no fsync, off the async runtime. A file that cannot be used (unreadable,
+//! not JSON, another format or trapped block, too large) is logged and left out: the agent
+//! then starts as on a node's first start, with no mesh until its sources report.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,6 +28,7 @@ use lattice_contract::TrapCidrs;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use super::state_file;
 use crate::mesh::{MeshMetrics, MeshRx, MeshSnapshot, ServiceMap, ServiceSpec};
 use crate::parallel::BulkThread;
 
@@ -106,20 +107,9 @@ impl LastMeshFile {
     /// The services of the file, if there is one for `trap`: `Ok(None)` when there is none,
     /// `Err` with the reason when it cannot be used.
     pub fn read(&self, trap: &TrapCidrs) -> Result<Option<Vec<ServiceSpec>>, String> {
-        let file = match std::fs::File::open(&self.path) {
-            Ok(file) => file,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(err) => return Err(format!("cannot open it: {err}")),
+        let Some(read) = state_file::read::<Read>(&self.path, MAX_BYTES, "a last mesh")? else {
+            return Ok(None);
         };
-        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-        if size > MAX_BYTES {
-            return Err(format!("{size} bytes, more than the {MAX_BYTES} it may be"));
-        }
-        let mut text = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
-        std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_BYTES + 1), &mut text)
-            .map_err(|err| format!("cannot read it: {err}"))?;
-        let read: Read =
-            serde_json::from_slice(&text).map_err(|err| format!("not a last mesh: {err}"))?;
         if read.format != FORMAT {
             return Err(format!(
                 "format {}, where this agent reads {FORMAT}",
@@ -196,29 +186,14 @@ impl LastMeshFile {
     }
 }
 
-/// Writes `snapshot`'s services at `path` through a temporary file of its own, renamed over it.
+/// Writes `snapshot`'s services at `path`, replacing the file whole.
 fn write(path: &Path, snapshot: &Arc<MeshSnapshot>) -> Result<(), String> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .map_err(|err| format!("cannot create {}: {err}", dir.display()))?;
-    let file = tempfile::Builder::new()
-        .prefix(".mesh.")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(|err| format!("cannot create a file in {}: {err}", dir.display()))?;
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     let written = Written {
         format: FORMAT,
         trap: String::from(snapshot.trap.clone()),
         services: Specs(&snapshot.services),
     };
-    serde_json::to_writer(&mut out, &written).map_err(|err| format!("cannot write: {err}"))?;
-    let file = out
-        .into_inner()
-        .map_err(|err| format!("cannot write: {}", err.error()))?;
-    file.persist(path)
-        .map_err(|err| format!("cannot rename over it: {}", err.error))?;
-    Ok(())
+    state_file::replace(path, "mesh", &written)
 }
 
 #[cfg(test)]

@@ -160,43 +160,13 @@ impl Pipeline {
             };
             replaced.release(&thread);
             if mesh.provisional {
-                // The node's last mesh: its names answer meanwhile, built first. Then, unless
-                // the settled mesh is already here, the Envoy resources, which stay with the
-                // translators as the base the settled mesh is translated against and go to no
-                // proxy (one may hold a newer mesh).
-                let snapshot = mesh.clone();
-                let names = run_job(&thread, &shutdown, move || {
-                    let names = state.dns.translate(&snapshot);
-                    (state, names)
-                });
-                let Some((back, names)) = names.await else {
+                let Some(back) = self
+                    .translate_last_mesh(&thread, &shutdown, state, &mesh, node, &mut replaced)
+                    .await
+                else {
                     return;
                 };
-                state = back;
-                if let Some(names) = names {
-                    replaced
-                        .names
-                        .retire(self.names.send_replace(Arc::new(names.provisional())));
-                }
-                tracing::info!(
-                    version = mesh.version,
-                    services = mesh.services.len(),
-                    names_ms = translating.elapsed().as_secs_f64() * 1e3,
-                    "answering DNS from the node's last mesh until the sources report"
-                );
-                if !self.mesh.has_changed().unwrap_or(true) {
-                    let snapshot = mesh.clone();
-                    let warmed = run_job(&thread, &shutdown, move || {
-                        let xds = state.envoy_for(node).translate(&snapshot);
-                        (state, xds)
-                    });
-                    let Some((back, xds)) = warmed.await else {
-                        return;
-                    };
-                    state = back;
-                    thread.drop_later(xds);
-                }
-                translators = Some(state);
+                translators = Some(back);
                 replaced.mesh.retire(mesh);
                 continue;
             }
@@ -236,6 +206,53 @@ impl Pipeline {
             );
             replaced.mesh.retire(mesh);
         }
+    }
+}
+
+impl Pipeline {
+    /// The node's last mesh: its names answer meanwhile, built first. Then, unless the settled
+    /// mesh is already here, its Envoy resources, which stay with the translators as the base
+    /// the settled mesh is translated against and go to no proxy (one may hold a newer mesh).
+    /// `None` on shutdown or when the thread is gone.
+    async fn translate_last_mesh(
+        &self,
+        thread: &BulkThread,
+        shutdown: &CancellationToken,
+        mut state: Translators,
+        mesh: &Arc<MeshSnapshot>,
+        node: NodeLocality,
+        replaced: &mut Replaced,
+    ) -> Option<Translators> {
+        let started = Instant::now();
+        let snapshot = mesh.clone();
+        let (back, names) = run_job(thread, shutdown, move || {
+            let names = state.dns.translate(&snapshot);
+            (state, names)
+        })
+        .await?;
+        state = back;
+        if let Some(names) = names {
+            replaced
+                .names
+                .retire(self.names.send_replace(Arc::new(names.provisional())));
+        }
+        tracing::info!(
+            version = mesh.version,
+            services = mesh.services.len(),
+            names_ms = started.elapsed().as_secs_f64() * 1e3,
+            "answering DNS from the node's last mesh until the sources report"
+        );
+        if self.mesh.has_changed().unwrap_or(true) {
+            return Some(state);
+        }
+        let snapshot = mesh.clone();
+        let (back, xds) = run_job(thread, shutdown, move || {
+            let xds = state.envoy_for(node).translate(&snapshot);
+            (state, xds)
+        })
+        .await?;
+        thread.drop_later(xds);
+        Some(back)
     }
 }
 

@@ -1,0 +1,59 @@
+//! A JSON file in the state directory (`--state-dir`), as the address record and the node's
+//! last mesh keep theirs: read whole with a bound on its size, and replaced whole through a
+//! temporary file of its own renamed over it, so a reader (the next agent, or one overlapping
+//! during an upgrade) sees the old file or the new one, never half of one. No fsync: the file
+//! must outlive the agent, which the page cache does; a node that loses power restarts its
+//! pods too.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The JSON value at `path`, if there is a file: `Ok(None)` when there is none, `Err` with the
+/// reason (`what` names the file's kind: "not a record") when it cannot be read or is larger
+/// than `max_bytes`.
+pub fn read<T: DeserializeOwned>(
+    path: &Path,
+    max_bytes: u64,
+    what: &str,
+) -> Result<Option<T>, String> {
+    let file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(err) => return Err(format!("cannot open it: {err}")),
+    };
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if size > max_bytes {
+        return Err(format!("{size} bytes, more than the {max_bytes} it may be"));
+    }
+    let mut text = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, max_bytes + 1), &mut text)
+        .map_err(|err| format!("cannot read it: {err}"))?;
+    serde_json::from_slice(&text)
+        .map(Some)
+        .map_err(|err| format!("not {what}: {err}"))
+}
+
+/// Replaces the file at `path` with `value` as JSON, streamed through a temporary file
+/// (`.<prefix>.*.tmp`) in the same directory, renamed over it.
+pub fn replace(path: &Path, prefix: &str, value: &impl Serialize) -> Result<(), String> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .map_err(|err| format!("cannot create {}: {err}", dir.display()))?;
+    let file = tempfile::Builder::new()
+        .prefix(&format!(".{prefix}."))
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|err| format!("cannot create a file in {}: {err}", dir.display()))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    serde_json::to_writer(&mut out, value).map_err(|err| format!("cannot write: {err}"))?;
+    out.flush().map_err(|err| format!("cannot write: {err}"))?;
+    let file = out
+        .into_inner()
+        .map_err(|err| format!("cannot write: {}", err.error()))?;
+    file.persist(path)
+        .map_err(|err| format!("cannot rename over it: {}", err.error))?;
+    Ok(())
+}
