@@ -176,7 +176,7 @@ impl Ads for DeltaStream {
                 let delivery = if accepted {
                     self.common.accept(kind, snapshot)
                 } else {
-                    self.common.of(kind).reject()
+                    self.common.reject(kind)
                 };
                 if let Some(delivery) = delivery {
                     events.push(match &request.error_detail {

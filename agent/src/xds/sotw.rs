@@ -98,7 +98,7 @@ impl Ads for SotwStream {
                 let delivery = if accepted {
                     self.common.accept(kind, snapshot)
                 } else {
-                    self.common.of(kind).reject()
+                    self.common.reject(kind)
                 };
                 if let Some(delivery) = delivery {
                     if accepted {

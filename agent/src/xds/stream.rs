@@ -649,6 +649,9 @@ pub(super) struct Types {
     pub(super) clusters_unknown: bool,
     /// Clusters re-created by the client before it asked for endpoints on this stream.
     recreated: NameSet,
+    /// The assignments the client held of the clusters the cluster response in flight
+    /// re-creates, forgotten when it was sent: held still if the client refuses it.
+    recreating: Vec<Arc<XdsResource>>,
     pub(super) nonces: u64,
     pub(super) limits: Limits,
 }
@@ -787,6 +790,7 @@ impl Types {
         if kind == ResourceType::Cluster {
             // What it holds of clusters is known from now on (see `clusters_recreated`).
             self.clusters_unknown = false;
+            self.recreating.clear();
         }
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in dropped {
@@ -797,6 +801,24 @@ impl Types {
             // ignored): looked at again, so that if the cluster comes back, so do they.
             if endpoints.interest.wants(&name) {
                 endpoints.look_again(name);
+            }
+        }
+        Some(delivery)
+    }
+
+    /// The client refused the in-flight response of `kind` (see [`TypeState::reject`]). With
+    /// clusters, it re-created none of them: it holds their endpoints as it did, unless an
+    /// endpoint response taken since says otherwise.
+    pub(super) fn reject(&mut self, kind: ResourceType) -> Option<Delivery> {
+        let delivery = self.types[kind.index()].reject()?;
+        if kind == ResourceType::Cluster {
+            let endpoints = &mut self.types[ResourceType::Endpoint.index()];
+            for held in self.recreating.drain(..) {
+                if endpoints.client.get(&held.name).is_none()
+                    && endpoints.interest.wants(&held.name)
+                {
+                    endpoints.client.insert(held);
+                }
             }
         }
         Some(delivery)
@@ -840,6 +862,9 @@ impl Types {
             return;
         }
         for name in names {
+            if let Some(held) = endpoints.client.get(&name) {
+                self.recreating.push(held.clone());
+            }
             // A version it refused for the cluster it had may suit the new one.
             endpoints.forget(&name);
             if let Some(delivery) = &mut endpoints.in_flight {
