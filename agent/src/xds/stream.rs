@@ -649,11 +649,61 @@ pub(super) struct Types {
     pub(super) clusters_unknown: bool,
     /// Clusters re-created by the client before it asked for endpoints on this stream.
     recreated: NameSet,
-    /// The assignments the client held of the clusters the cluster response in flight
+    /// What the client holds of the endpoints of the clusters the cluster response in flight
     /// re-creates, forgotten when it was sent: held still if the client refuses it.
-    recreating: Vec<Arc<XdsResource>>,
+    recreating: Recreating,
     pub(super) nonces: u64,
     pub(super) limits: Limits,
+}
+
+/// The endpoints a refused cluster response leaves with the client (see
+/// [`Types::resend_endpoints_of`]).
+#[derive(Debug, Default)]
+struct Recreating {
+    /// As the machine believed the client held them when the cluster response was sent.
+    held: Vec<Arc<XdsResource>>,
+    /// Taken out of the endpoint response then in flight (by its nonce): it reaches the client
+    /// before the clusters, so if the client takes it, these are what it holds instead.
+    in_flight: Option<(String, Vec<Arc<XdsResource>>)>,
+}
+
+impl Recreating {
+    fn clear(&mut self) {
+        self.held.clear();
+        self.in_flight = None;
+    }
+
+    /// The client took the endpoint response `delivery`, while the cluster response is in
+    /// flight.
+    fn endpoints_taken(&mut self, delivery: &Delivery) {
+        match self.in_flight.take() {
+            Some((nonce, taken)) if nonce == delivery.nonce => {
+                for resource in taken {
+                    self.held.retain(|h| h.name != resource.name);
+                    self.held.push(resource);
+                }
+            }
+            // Sent after the clusters: applied after them too, whatever they did.
+            other => {
+                self.in_flight = other;
+                self.held.retain(|h| {
+                    !delivery.removed.contains(&h.name)
+                        && !delivery.carried().any(|r| r.name == h.name)
+                });
+            }
+        }
+    }
+
+    /// The client refused the endpoint response `delivery`.
+    fn endpoints_refused(&mut self, delivery: &Delivery) {
+        if self
+            .in_flight
+            .as_ref()
+            .is_some_and(|(nonce, _)| *nonce == delivery.nonce)
+        {
+            self.in_flight = None;
+        }
+    }
 }
 
 impl Types {
@@ -787,10 +837,14 @@ impl Types {
             _ => Vec::new(),
         };
         let delivery = state.accept(snapshot.of(kind), snapshot.whole(kind))?;
-        if kind == ResourceType::Cluster {
-            // What it holds of clusters is known from now on (see `clusters_recreated`).
-            self.clusters_unknown = false;
-            self.recreating.clear();
+        match kind {
+            ResourceType::Cluster => {
+                // What it holds of clusters is known from now on (see `clusters_recreated`).
+                self.clusters_unknown = false;
+                self.recreating.clear();
+            }
+            ResourceType::Endpoint => self.recreating.endpoints_taken(&delivery),
+            _ => {}
         }
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in dropped {
@@ -811,15 +865,20 @@ impl Types {
     /// endpoint response taken since says otherwise.
     pub(super) fn reject(&mut self, kind: ResourceType) -> Option<Delivery> {
         let delivery = self.types[kind.index()].reject()?;
-        if kind == ResourceType::Cluster {
-            let endpoints = &mut self.types[ResourceType::Endpoint.index()];
-            for held in self.recreating.drain(..) {
-                if endpoints.client.get(&held.name).is_none()
-                    && endpoints.interest.wants(&held.name)
-                {
-                    endpoints.client.insert(held);
+        match kind {
+            ResourceType::Cluster => {
+                let endpoints = &mut self.types[ResourceType::Endpoint.index()];
+                for held in self.recreating.held.drain(..) {
+                    if endpoints.client.get(&held.name).is_none()
+                        && endpoints.interest.wants(&held.name)
+                    {
+                        endpoints.client.insert(held);
+                    }
                 }
+                self.recreating.clear();
             }
+            ResourceType::Endpoint => self.recreating.endpoints_refused(&delivery),
+            _ => {}
         }
         Some(delivery)
     }
@@ -861,14 +920,24 @@ impl Types {
             self.recreated.extend(names);
             return;
         }
+        if let Some(delivery) = &endpoints.in_flight
+            && self.recreating.in_flight.is_none()
+        {
+            self.recreating.in_flight = Some((delivery.nonce.clone(), Vec::new()));
+        }
         for name in names {
             if let Some(held) = endpoints.client.get(&name) {
-                self.recreating.push(held.clone());
+                self.recreating.held.push(held.clone());
             }
             // A version it refused for the cluster it had may suit the new one.
             endpoints.forget(&name);
-            if let Some(delivery) = &mut endpoints.in_flight {
-                delivery.listed.retain(|r| r.name != name);
+            if let Some(delivery) = &mut endpoints.in_flight
+                && let Some(at) = delivery.listed.iter().position(|r| r.name == name)
+            {
+                let resource = delivery.listed.remove(at);
+                if let Some((_, taken)) = &mut self.recreating.in_flight {
+                    taken.push(resource);
+                }
             }
             endpoints.look_again(name);
         }
