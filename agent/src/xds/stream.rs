@@ -647,7 +647,8 @@ pub(super) struct Types {
     /// A SotW client reconnected holding clusters other than the snapshot's, and which is not
     /// known (its version is a digest): every cluster of the next response may be re-created.
     pub(super) clusters_unknown: bool,
-    /// Clusters re-created by the client before it asked for endpoints on this stream.
+    /// Clusters re-created by the client (their cluster response taken) before it asked for
+    /// endpoints on this stream.
     recreated: NameSet,
     /// What the client holds of the endpoints of the clusters the cluster response in flight
     /// re-creates, forgotten when it was sent: held still if the client refuses it.
@@ -665,12 +666,16 @@ struct Recreating {
     /// Taken out of the endpoint response then in flight (by its nonce): it reaches the client
     /// before the clusters, so if the client takes it, these are what it holds instead.
     in_flight: Option<(String, Vec<Arc<XdsResource>>)>,
+    /// The clusters it re-creates, sent before the client asked for endpoints on this stream:
+    /// what it holds of their endpoints, its first endpoint request will say.
+    unasked: Vec<Arc<str>>,
 }
 
 impl Recreating {
     fn clear(&mut self) {
         self.held.clear();
         self.in_flight = None;
+        self.unasked.clear();
     }
 
     /// The client took the endpoint response `delivery`, while the cluster response is in
@@ -841,6 +846,7 @@ impl Types {
             ResourceType::Cluster => {
                 // What it holds of clusters is known from now on (see `clusters_recreated`).
                 self.clusters_unknown = false;
+                self.recreated.extend(self.recreating.unasked.drain(..));
                 self.recreating.clear();
             }
             ResourceType::Endpoint => self.recreating.endpoints_taken(&delivery),
@@ -917,7 +923,7 @@ impl Types {
     fn resend_endpoints_of(&mut self, names: Vec<Arc<str>>) {
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         if !endpoints.requested {
-            self.recreated.extend(names);
+            self.recreating.unasked.extend(names);
             return;
         }
         if let Some(delivery) = &endpoints.in_flight
@@ -949,6 +955,14 @@ impl Types {
         let endpoints = &mut self.types[ResourceType::Endpoint.index()];
         for name in self.recreated.drain() {
             endpoints.client.remove(&name);
+        }
+        // Re-created by the cluster response still in flight: as when they were sent after
+        // this request, held again if the client refuses it.
+        for name in self.recreating.unasked.drain(..) {
+            if let Some(held) = endpoints.client.get(&name) {
+                self.recreating.held.push(held.clone());
+                endpoints.client.remove(&name);
+            }
         }
     }
 }
