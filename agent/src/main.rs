@@ -33,7 +33,6 @@ use lattice_agent::readiness::Readiness;
 use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
-use lattice_agent::translate::envoy::inbound_listeners;
 use lattice_agent::translate::pipeline::Pipeline;
 use lattice_agent::trust::{Authority, LeafPolicy, NodeSecrets, SecretRef};
 use lattice_agent::xds::{
@@ -217,7 +216,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     let pipeline = pipeline
         .with_external_dns(external_dns)
         .with_capture_port(config.envoy_port)
-        .with_mesh_mtls(serves_secrets(&config));
+        .with_mesh_mtls(serves_secrets(&config))
+        .with_trust_domain(&config.trust_domain);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
     // node-local address, so it must exist first; it stays when the agent stops, for the agent
@@ -513,9 +513,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         None => xds,
     };
     let xds = match secrets {
-        Some(secrets) => xds
-            .with_secrets(secrets)
-            .with_inbound_listeners(inbound_listeners(&config.trust_domain, config.envoy_port)),
+        Some(secrets) => xds.with_secrets(secrets),
         None => xds,
     };
     let token = drain.clone();

@@ -7,6 +7,7 @@
 //! knows about Kubernetes, files, Envoy or DNS.
 
 mod address;
+pub mod authorization;
 pub mod health;
 pub mod locality;
 mod metrics;
@@ -25,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 pub use address::{AddressBook, AddressError, AddressRecord, RestoreReport};
+pub use authorization::{Action, AuthorizationRule, Caller, PathMatch};
 pub use health::HealthPolicy;
 pub use locality::{Hints, NodeLocality, TrafficDistribution};
 pub use metrics::MeshMetrics;
@@ -397,6 +399,9 @@ pub struct ServiceSpec {
     /// The SPIFFE IDs its endpoints' proxies present, sorted: when there are any, clients
     /// call it over mesh mTLS and accept only these; checked by the source.
     pub identities: Vec<Arc<str>>,
+    /// Who may call its endpoints, in canonical order (see [`authorization`]); none: anyone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub authorization: Vec<AuthorizationRule>,
 }
 
 impl ServiceSpec {
@@ -413,7 +418,14 @@ impl ServiceSpec {
             host_header: HostHeader::default(),
             clients: Vec::new(),
             identities: Vec::new(),
+            authorization: Vec::new(),
         }
+    }
+
+    /// Who may call its endpoints.
+    pub fn with_authorization(mut self, rules: Vec<AuthorizationRule>) -> Self {
+        self.authorization = authorization::canonical(rules);
+        self
     }
 
     /// The identities of its endpoints' proxies: it is called over mesh mTLS.
@@ -556,6 +568,9 @@ pub struct Service {
     /// The SPIFFE IDs its endpoints present: called over mesh mTLS when there are any.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub identities: Vec<Arc<str>>,
+    /// Who may call its endpoints; none: anyone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub authorization: Vec<AuthorizationRule>,
 }
 
 impl Service {
@@ -580,6 +595,7 @@ impl Service {
             host_header: self.host_header,
             clients: self.clients.clone(),
             identities: self.identities.clone(),
+            authorization: self.authorization.clone(),
         }
     }
 
@@ -823,6 +839,7 @@ impl MeshState {
             && existing.host_header == spec.host_header
             && existing.clients == spec.clients
             && existing.identities == spec.identities
+            && existing.authorization == spec.authorization
             && existing.instances == instances
         {
             return Ok(false);
@@ -839,6 +856,7 @@ impl MeshState {
             host_header: spec.host_header,
             clients: spec.clients,
             identities: spec.identities,
+            authorization: spec.authorization,
         };
         if let Some(existing) = &existing {
             self.totals.subtract(existing);

@@ -2,6 +2,7 @@
 //! [`crate::mesh::MeshState`] from what it watches and publishes only complete, consistent
 //! snapshots on the mesh channel.
 
+pub mod authorization;
 pub mod file;
 pub mod health;
 pub mod kube;

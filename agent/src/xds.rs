@@ -26,6 +26,8 @@ mod testing;
 mod view;
 mod wire;
 
+/// The mode [`InboundListeners`] builds a listener for.
+pub use crate::identity::InboundMode;
 pub use admission::Caps;
 pub use delta::DeltaStream;
 pub use grpc::AdsService;
@@ -33,7 +35,8 @@ pub use limits::{RequestBound, XdsLimits};
 pub use metrics::XdsMetrics;
 pub use parts::{ListenerBase, Part, PartsIndex, ServiceParts};
 pub use response::{DeltaResponse, SotwResponse};
-pub use server::{InboundListeners, ProxyRegistry, XdsServer};
+pub use server::{ProxyRegistry, XdsServer};
+pub use snapshot::InboundListeners;
 pub use snapshot::{ResourceMap, ResourceType, XdsResource, XdsRx, XdsSnapshot, XdsTx};
 pub use sotw::SotwStream;
 pub use stream::{Ads, DEFAULT_MAX_NAMES, Event, Limits, Push};

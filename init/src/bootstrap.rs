@@ -154,13 +154,20 @@ pub fn bootstrap(config: &BootstrapConfig) -> Value {
 /// Where the agent's inbound listener hands a connection once it has terminated mesh mTLS (or
 /// accepted plaintext): the app, at the address and port the connection was for. Static, so
 /// no proxy's CDS carries it. Envoy's UID is never captured, so the connection is not
-/// redirected again.
+/// redirected again. Requests read at a port with authorization rules go on in the protocol
+/// they came in (HTTP/1.1, or HTTP/2 for gRPC and h2c).
 fn inbound_passthrough_cluster() -> Value {
     json!({
         "name": INBOUND_PASSTHROUGH_CLUSTER,
         "type": "ORIGINAL_DST",
         "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "use_downstream_protocol_config": {},
+            },
+        },
     })
 }
 

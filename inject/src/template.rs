@@ -55,6 +55,9 @@ pub const RUN_VOLUME: &str = "lattice-init-run";
 /// Where it is mounted, and the bootstrap in it.
 const MOUNT: &str = "/etc/lattice";
 const BOOTSTRAP: &str = "/etc/lattice/envoy.json";
+/// How long a connection on a replaced listener may go on (Envoy's `--drain-time-s`): a
+/// caller whose authorization was withdrawn keeps an open TCP connection at most this long.
+pub const PROXY_DRAIN_SECONDS: u32 = 45;
 /// The name of the proxy's readiness port (port names are unique in a pod, at most 15
 /// characters).
 pub const READY_PORT: &str = "lattice-ready";
@@ -513,6 +516,13 @@ fn proxy_container(config: &InjectConfig, overrides: &Overrides) -> Container {
             config.proxy_log_level.clone(),
             // A sidecar is replaced, never hot-restarted: no shared memory needed.
             "--disable-hot-restart".to_string(),
+            // A changed listener (an authorization rule, an inbound mode) takes over at once:
+            // HTTP connections on the old one close after their next response, the rest
+            // after the drain time, as Istio's sidecars do.
+            "--drain-strategy".to_string(),
+            "immediate".to_string(),
+            "--drain-time-s".to_string(),
+            PROXY_DRAIN_SECONDS.to_string(),
         ]),
         volume_mounts: Some(vec![VolumeMount {
             name: VOLUME.to_string(),

@@ -96,13 +96,18 @@ fn move_static(
 }
 
 /// How every test Envoy runs: no hot-restart shared memory (several Envoys on one machine),
-/// one worker thread (two cores for everything).
-pub const ARGS: [&str; 5] = [
+/// one worker thread (two cores for everything), and a replaced listener's connections
+/// drained as the injector's sidecars drain them.
+pub const ARGS: [&str; 9] = [
     "--disable-hot-restart",
     "--log-level",
     "info",
     "--concurrency",
     "1",
+    "--drain-strategy",
+    "immediate",
+    "--drain-time-s",
+    "45",
 ];
 
 pub struct Envoy {

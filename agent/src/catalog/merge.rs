@@ -535,9 +535,15 @@ fn merged_spec(
         .values()
         .flat_map(|c| c.identities.iter().cloned())
         .collect();
+    // And rules: a deny of any provider holds, and so does the allow list they make together.
+    let authorization = contributions
+        .values()
+        .flat_map(|c| c.authorization.iter().cloned())
+        .collect();
     let mut spec = ServiceSpec::new(path.clone(), ports)
         .with_clients(clients)
         .with_identities(identities)
+        .with_authorization(authorization)
         .with_health(health)
         .with_traffic_distribution(traffic_distribution)
         .with_instances(instances)

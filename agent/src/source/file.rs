@@ -89,6 +89,9 @@ struct FileService {
     /// clients call it over mesh mTLS and accept only these.
     #[serde(default)]
     identities: Vec<String>,
+    /// Who may call its endpoints (docs/mesh-file.md).
+    #[serde(default)]
+    authorization: Vec<super::authorization::RuleSpec>,
 }
 
 #[derive(Deserialize)]
@@ -330,6 +333,15 @@ fn read_service(
                 .collect(),
         });
     }
+    if host_count != 0 && !service.authorization.is_empty() {
+        return Err(format!(
+            "{at}.authorization: a service whose endpoints are host names is outside the mesh, \
+             and its endpoints run no mesh proxy to enforce it"
+        ));
+    }
+    let service_ports: Vec<u16> = ports.iter().map(|p| p.port).collect();
+    let authorization = super::authorization::check(&service.authorization, &service_ports)
+        .map_err(|e| format!("{at}.authorization{e}"))?;
     let instances = instances
         .into_iter()
         .map(|(name, ip, ready)| InstanceSpec {
@@ -355,7 +367,8 @@ fn read_service(
             .with_traffic_distribution(traffic_distribution)
             .with_host_header(host_header)
             .with_clients(clients)
-            .with_identities(identities),
+            .with_identities(identities)
+            .with_authorization(authorization),
         routes: service.routes,
     })
 }
@@ -679,7 +692,7 @@ mod tests {
     }
 
     /// One of everything a service can say: routes with every option, a stateful service,
-    /// host names, health checks, locality, clients and identities.
+    /// host names, health checks, locality, clients, identities and authorization.
     const EVERYTHING: &str = r#"
 services:
   - path: /shop/web
@@ -687,6 +700,13 @@ services:
     trafficDistribution: PreferSameZone
     clients: [shop/web-*]
     identities: [spiffe://cluster.local/ns/shop/sa/web]
+    authorization:
+      - from: [{serviceAccount: shop/front}, {namespace: ops}, {identity: "spiffe://x.example/ns/a/sa/b"}]
+        ports: [8080]
+        paths: [/api/*, /health]
+        methods: [GET]
+      - action: deny
+        from: [{namespace: guests}]
     endpoints:
       - {address: 10.200.0.3, zone: zone-b}
       - {address: 10.200.0.4, zone: zone-c, node: node-7}
@@ -734,6 +754,7 @@ services:
         let text = serde_json::to_string(&specs).unwrap();
         let read: Vec<ServiceSpec> = serde_json::from_str(&text).unwrap();
         assert_eq!(read, specs);
+        assert_eq!(read[0].authorization.len(), 2);
         assert!(
             serde_json::from_str::<Vec<ServiceSpec>>(&text.replace("billing.example", "-x"))
                 .is_err(),

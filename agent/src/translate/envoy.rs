@@ -48,11 +48,12 @@ use imbl::ordmap::DiffItem;
 use lattice_contract::CapturePort;
 use prost::Message;
 
+pub mod authorization;
 mod inbound;
 mod mtls;
 mod routes;
 
-pub use inbound::{INBOUND_LISTENER, inbound_listeners};
+pub use inbound::INBOUND_LISTENER;
 pub use routes::UNRESOLVED_BACKEND;
 
 use crate::mesh::health::{ActiveCheck, CheckKind, HealthPolicy};
@@ -112,6 +113,10 @@ pub struct EnvoyTranslator {
     /// Whether proxies are served secrets: only then does a service with identities get mesh
     /// mTLS, since its clusters name the proxy's secrets.
     mesh_mtls: bool,
+    /// The trust domain of the mesh's SPIFFE IDs, which authorization rules name.
+    trust_domain: Arc<str>,
+    /// The proxies' inbound listeners, with mesh mTLS on.
+    inbound: Option<Arc<authorization::Inbound>>,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -138,6 +143,9 @@ impl EnvoyTranslator {
             dns,
             capture_port: CapturePort::default(),
             mesh_mtls: false,
+            // `--trust-domain`'s default.
+            trust_domain: Arc::from("cluster.local"),
+            inbound: None,
             mesh: None,
             shape_version: None,
             resources: Default::default(),
@@ -158,6 +166,12 @@ impl EnvoyTranslator {
         self
     }
 
+    /// The trust domain authorization rules' service accounts and namespaces are in.
+    pub fn with_trust_domain(mut self, trust_domain: &str) -> Self {
+        self.trust_domain = Arc::from(trust_domain);
+        self
+    }
+
     /// The node this translator prefers endpoints for.
     pub fn node(&self) -> &NodeLocality {
         &self.node
@@ -172,6 +186,17 @@ impl EnvoyTranslator {
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
         let mut rerouted: BTreeSet<Arc<str>> = BTreeSet::new();
         let changes: Vec<_> = previous.diff(&mesh.services).collect();
+        let policed = |s: &Service| !s.authorization.is_empty();
+        let authorization_changed = changes.iter().any(|change| match change {
+            DiffItem::Add(_, service) | DiffItem::Remove(_, service) => policed(service),
+            DiffItem::Update {
+                old: (_, old),
+                new: (_, new),
+            } => {
+                old.authorization != new.authorization
+                    || ((policed(old) || policed(new)) && !old.same_endpoints(new))
+            }
+        });
         // The clusters and assignments of every added or changed service, built first: on
         // every core when there are many (the first snapshot builds 10k services' worth).
         let (dns, node, mtls) = (&self.dns, &self.node, self.mesh_mtls);
@@ -240,13 +265,39 @@ impl EnvoyTranslator {
             }
         }
         self.mesh = Some(mesh.services.clone());
+        if self.mesh_mtls {
+            self.follow_authorization(mesh, authorization_changed);
+        }
         XdsSnapshot {
             version: mesh.version,
             resources: self.resources.clone(),
             parts: self.parts.clone(),
             changed_at: mesh.taken_at,
             indexes: Default::default(),
+            inbound: self
+                .inbound
+                .clone()
+                .map(|inbound| inbound as Arc<dyn crate::xds::InboundListeners>),
         }
+    }
+
+    /// Rebuilds the pods' policies when a rule, or where a policed service runs, changed: from
+    /// the services with rules (a walk over the mesh that reads a length per service).
+    fn follow_authorization(&mut self, mesh: &MeshSnapshot, changed: bool) {
+        let current = self
+            .inbound
+            .as_deref()
+            .filter(|i| i.serves(&self.trust_domain, self.capture_port));
+        if current.is_some() && !changed {
+            return;
+        }
+        let policies = authorization::pod_policies(mesh.services.values().map(|s| &**s));
+        self.inbound = Some(Arc::new(authorization::Inbound::new(
+            self.trust_domain.clone(),
+            self.capture_port,
+            policies,
+            current,
+        )));
     }
 
     /// Records what `service` adds to the listener and the route configurations, and its

@@ -44,9 +44,16 @@ pub struct Pipeline {
     /// Held until the first translation of each kind is published.
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
+    envoy: EnvoySettings,
+}
+
+/// What every Envoy translator of the pipeline is made with.
+#[derive(Clone)]
+struct EnvoySettings {
     external_dns: ExternalDns,
     capture_port: CapturePort,
     mesh_mtls: bool,
+    trust_domain: Arc<str>,
 }
 
 impl Pipeline {
@@ -70,9 +77,13 @@ impl Pipeline {
             mesh_metrics,
             xds_ready: Some(readiness.register("envoy resources")),
             names_ready: Some(readiness.register("dns names")),
-            external_dns: ExternalDns::default(),
-            capture_port: CapturePort::default(),
-            mesh_mtls: false,
+            envoy: EnvoySettings {
+                external_dns: ExternalDns::default(),
+                capture_port: CapturePort::default(),
+                mesh_mtls: false,
+                // `--trust-domain`'s default.
+                trust_domain: "cluster.local".into(),
+            },
         };
         let published = Published {
             xds: xds_rx,
@@ -83,20 +94,26 @@ impl Pipeline {
 
     /// How Envoy resolves external services' host names.
     pub fn with_external_dns(mut self, external_dns: ExternalDns) -> Self {
-        self.external_dns = external_dns;
+        self.envoy.external_dns = external_dns;
         self
     }
 
     /// Where the capture listener listens in every pod (`--envoy-port`).
     pub fn with_capture_port(mut self, port: CapturePort) -> Self {
-        self.capture_port = port;
+        self.envoy.capture_port = port;
         self
     }
 
     /// Services whose endpoints name identities are called over mesh mTLS: for an agent that
     /// serves every verified proxy its secrets.
     pub fn with_mesh_mtls(mut self, on: bool) -> Self {
-        self.mesh_mtls = on;
+        self.envoy.mesh_mtls = on;
+        self
+    }
+
+    /// The trust domain authorization rules' service accounts and namespaces are in.
+    pub fn with_trust_domain(mut self, trust_domain: &str) -> Self {
+        self.envoy.trust_domain = trust_domain.into();
         self
     }
 
@@ -111,9 +128,7 @@ impl Pipeline {
         let mut translators = Some(Translators {
             envoy: None,
             dns: DnsTranslator::default(),
-            external_dns: self.external_dns.clone(),
-            capture_port: self.capture_port,
-            mesh_mtls: self.mesh_mtls,
+            settings: self.envoy.clone(),
         });
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
@@ -310,9 +325,7 @@ struct Translators {
     /// Made for the node's locality, and made anew when it changes.
     envoy: Option<EnvoyTranslator>,
     dns: DnsTranslator,
-    external_dns: ExternalDns,
-    capture_port: CapturePort,
-    mesh_mtls: bool,
+    settings: EnvoySettings,
 }
 
 /// One run's output.
@@ -325,23 +338,11 @@ struct Translated {
 impl Translators {
     /// The Envoy translator for `node`'s locality.
     fn envoy_for(&mut self, node: NodeLocality) -> &mut EnvoyTranslator {
-        envoy_for(
-            &mut self.envoy,
-            node,
-            &self.external_dns,
-            self.capture_port,
-            self.mesh_mtls,
-        )
+        envoy_for(&mut self.envoy, node, &self.settings)
     }
 
     fn translate(&mut self, mesh: &MeshSnapshot, node: NodeLocality) -> Translated {
-        let envoy = envoy_for(
-            &mut self.envoy,
-            node,
-            &self.external_dns,
-            self.capture_port,
-            self.mesh_mtls,
-        );
+        let envoy = envoy_for(&mut self.envoy, node, &self.settings);
         let dns = &mut self.dns;
         if dns.is_current(mesh) || mesh.services.len() < PARALLEL_FROM {
             return Translated {
@@ -369,9 +370,7 @@ impl Translators {
 fn envoy_for<'a>(
     slot: &'a mut Option<EnvoyTranslator>,
     node: NodeLocality,
-    external_dns: &ExternalDns,
-    capture_port: CapturePort,
-    mesh_mtls: bool,
+    settings: &EnvoySettings,
 ) -> &'a mut EnvoyTranslator {
     if slot.as_ref().is_some_and(|envoy| *envoy.node() != node) {
         *slot = None;
@@ -382,9 +381,10 @@ fn envoy_for<'a>(
             zone = node.zone.as_deref().unwrap_or("-"),
             "endpoint priorities follow this node"
         );
-        EnvoyTranslator::new(node, external_dns.clone())
-            .with_capture_port(capture_port)
-            .with_mesh_mtls(mesh_mtls)
+        EnvoyTranslator::new(node, settings.external_dns.clone())
+            .with_capture_port(settings.capture_port)
+            .with_mesh_mtls(settings.mesh_mtls)
+            .with_trust_domain(&settings.trust_domain)
     })
 }
 

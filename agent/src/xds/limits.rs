@@ -175,6 +175,7 @@ mod tests {
             parts: Default::default(),
             changed_at: Instant::now(),
             indexes: Default::default(),
+            inbound: None,
         }
     }
 

@@ -30,7 +30,7 @@ use super::limits::{RequestBounds, STREAM_WINDOW, XdsLimits};
 use super::metrics::XdsMetrics;
 use super::response::SharedHeads;
 use super::secrets;
-use super::snapshot::{ResourceMap, XdsResource, XdsRx, XdsSnapshot};
+use super::snapshot::{ResourceMap, XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
 use crate::identity::{IdentityCheck, InboundMode, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
@@ -67,25 +67,15 @@ pub struct ProxyStatus {
     /// The mode of the inbound listener it is served, when its pod captures inbound.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inbound: Option<InboundMode>,
+    /// How many authorization rules its inbound listener enforces at its pod's ports.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub authorization_rules: usize,
     #[serde(skip)]
     connected_at: Option<Instant>,
 }
 
-/// A proxy's inbound listener in each mode (built by the translator, shared by every proxy in
-/// a mode).
-#[derive(Clone, Debug)]
-pub struct InboundListeners {
-    pub permissive: Arc<XdsResource>,
-    pub strict: Arc<XdsResource>,
-}
-
-impl InboundListeners {
-    pub fn get(&self, mode: InboundMode) -> &Arc<XdsResource> {
-        match mode {
-            InboundMode::Permissive => &self.permissive,
-            InboundMode::Strict => &self.strict,
-        }
-    }
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The proxies connected right now, by stream id.
@@ -140,7 +130,6 @@ pub struct XdsServer {
     /// Each verified proxy's certificate and the trust bundle, served over SDS.
     secrets: Option<NodeSecrets>,
     /// The inbound listener in each mode, for proxies with secrets whose pod captures inbound.
-    inbound_listeners: Option<InboundListeners>,
     heads: Arc<SharedHeads>,
     limits: Arc<XdsLimits>,
     admission: Arc<Admission>,
@@ -173,7 +162,6 @@ impl XdsServer {
             lifecycle: Arc::new(RateLimitedLog::with_burst(100)),
             scopes: None,
             secrets: None,
-            inbound_listeners: None,
             heads: Arc::default(),
             admission: Arc::new(Admission::new(limits.caps)),
             budget: RequestBudget::new(
@@ -233,13 +221,6 @@ impl XdsServer {
     /// gets a secret otherwise).
     pub fn with_secrets(mut self, secrets: NodeSecrets) -> Self {
         self.secrets = Some(secrets);
-        self
-    }
-
-    /// Gives each proxy that gets secrets, and whose pod captures its inbound TCP, the inbound
-    /// listener of its pod's mode.
-    pub fn with_inbound_listeners(mut self, listeners: InboundListeners) -> Self {
-        self.inbound_listeners = Some(listeners);
         self
     }
 
@@ -315,8 +296,8 @@ impl XdsServer {
             scoped: None,
             node_secrets: self.secrets.clone(),
             secrets: None,
-            inbound_listeners: self.inbound_listeners.clone(),
             inbound_mode: None,
+            authorization_rules: 0,
         };
         tokio::spawn(stream.run(guard));
         Ok(Opened {
@@ -391,6 +372,7 @@ impl StreamGuard {
                 scope: None,
                 identity: None,
                 inbound: None,
+                authorization_rules: 0,
             },
         );
         StreamGuard {
@@ -437,10 +419,11 @@ struct StreamTask<A: Ads> {
     node_secrets: Option<NodeSecrets>,
     /// The verified pod's identity's secrets, and their resources as its view holds them.
     secrets: Option<Held>,
-    inbound_listeners: Option<InboundListeners>,
     /// The verified pod's inbound mode, when it captures inbound: its view then holds the
     /// inbound listener of that mode beside its secrets.
     inbound_mode: Option<InboundMode>,
+    /// What `/debug/xds` shows of its inbound listener's rules.
+    authorization_rules: usize,
 }
 
 struct Held {
@@ -753,13 +736,8 @@ impl<A: Ads> StreamTask<A> {
     /// runs); whether it changed. Only a proxy given secrets gets an inbound listener: the
     /// listener's mTLS names them.
     fn inbound_changed(&mut self) -> bool {
-        let wanted = match (
-            &self.inbound_listeners,
-            &self.secrets,
-            self.peer,
-            &self.pods,
-        ) {
-            (Some(_), Some(_), Some(peer), Some(pods)) => {
+        let wanted = match (&self.secrets, self.peer, &self.pods) {
+            (Some(_), Some(peer), Some(pods)) => {
                 let pod = self.verified.as_ref().and_then(Option::as_ref);
                 pod.and_then(|pod| {
                     pods.borrow()
@@ -783,11 +761,19 @@ impl<A: Ads> StreamTask<A> {
         let view = self.scoped_view_of(snapshot);
         match &self.secrets {
             Some(held) if !held.resources.is_empty() => {
-                let listener = self
-                    .inbound_mode
-                    .zip(self.inbound_listeners.as_ref())
-                    .map(|(mode, listeners)| listeners.get(mode));
-                Arc::new(view.with_secrets(held.resources.clone(), listener))
+                let listener = match (self.inbound_mode, &snapshot.inbound, self.peer) {
+                    (Some(mode), Some(listeners), Some(peer)) => {
+                        let rules = listeners.rules(peer);
+                        if rules != self.authorization_rules {
+                            self.authorization_rules = rules;
+                            self.proxies
+                                .update(self.id, |p| p.authorization_rules = rules);
+                        }
+                        Some(listeners.listener(peer, mode))
+                    }
+                    _ => None,
+                };
+                Arc::new(view.with_secrets(held.resources.clone(), listener.as_ref()))
             }
             _ => view,
         }

@@ -167,6 +167,22 @@ pub struct XdsSnapshot {
     pub changed_at: Instant,
     /// Hash indexes of `resources`, built when first asked for (see [`Self::names`]).
     pub indexes: Indexes,
+    /// The inbound listener of each proxy whose pod captures inbound; none when the agent
+    /// serves no secrets (the listener's mTLS names them).
+    pub inbound: Option<Arc<dyn InboundListeners>>,
+}
+
+/// Each proxy's inbound listener, by its pod's address and mode: what the translator makes of
+/// the mesh's authorization rules for the pod at that address (every pod without rules gets
+/// the same listener of its mode).
+pub trait InboundListeners: std::fmt::Debug + Send + Sync {
+    fn listener(
+        &self,
+        pod: std::net::IpAddr,
+        mode: crate::identity::InboundMode,
+    ) -> Arc<XdsResource>;
+    /// How many authorization rules hold at the pod's ports, for `/debug/xds`.
+    fn rules(&self, pod: std::net::IpAddr) -> usize;
 }
 
 impl XdsSnapshot {
@@ -202,6 +218,7 @@ impl XdsSnapshot {
             parts: self.parts.clone(),
             changed_at: self.changed_at,
             indexes,
+            inbound: self.inbound.clone(),
         }
     }
 

@@ -125,6 +125,7 @@ impl View {
             parts: Default::default(),
             changed_at: snapshot.changed_at,
             indexes: Default::default(),
+            inbound: snapshot.inbound.clone(),
         });
         self.source = Some(snapshot.clone());
         self.made = Some(made.clone());

@@ -26,11 +26,19 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::config::listener::v3::{
     Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
+use envoy_types::pb::envoy::config::route::v3::{
+    Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost, route, route_action,
+    route_match,
+};
 use envoy_types::pb::envoy::extensions::access_loggers::stream::v3::{
     StderrAccessLog, stderr_access_log,
 };
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
 use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager, HttpFilter, http_connection_manager, http_filter,
+};
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy, UpstreamConnectMode, tcp_proxy,
 };
@@ -40,9 +48,8 @@ use lattice_contract::{
     INBOUND_PASSTHROUGH_CLUSTER,
 };
 
+use super::authorization::{self, PodPolicy, PortPolicy};
 use super::{mtls, socket_address, typed};
-use crate::xds::InboundListeners;
-use crate::xds::snapshot::XdsResource;
 
 /// The inbound listener's name in every proxy.
 pub const INBOUND_LISTENER: &str = "lattice-inbound";
@@ -53,20 +60,17 @@ pub const INBOUND_LISTENER: &str = "lattice-inbound";
 /// to avoid that), in strict mode it is refused.
 const FIRST_BYTES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The inbound listener in each mode, built once: every proxy in a mode gets the same bytes.
-/// For proxies whose peers' SPIFFE IDs are in `trust_domain`, in pods whose capture port is
-/// `capture`.
-pub fn inbound_listeners(trust_domain: &str, capture: CapturePort) -> InboundListeners {
-    let build =
-        |strict| XdsResource::new(INBOUND_LISTENER, listener(strict, trust_domain, capture));
-    InboundListeners {
-        permissive: build(false),
-        strict: build(true),
-    }
-}
-
+/// The inbound listener of a pod in `strict` mode or not, for proxies whose peers' SPIFFE IDs
+/// are in `trust_domain`, in pods whose capture port is `capture`, with `policy` at its policed
+/// ports (see [`super::authorization`]).
+///
 /// `strict`: what is not mesh mTLS is refused; else it is handed on as it came.
-fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener {
+pub(super) fn listener(
+    strict: bool,
+    trust_domain: &str,
+    capture: CapturePort,
+    policy: Option<&PodPolicy>,
+) -> Listener {
     let own_ports = [
         ENVOY_ADMIN_PORT,
         capture.get(),
@@ -77,12 +81,7 @@ fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener 
         .into_iter()
         .map(|port| FilterChain {
             name: format!("envoy-port-{port}"),
-            filter_chain_match: Some(FilterChainMatch {
-                destination_port: Some(UInt32Value {
-                    value: u32::from(port),
-                }),
-                ..FilterChainMatch::default()
-            }),
+            filter_chain_match: Some(port_match(port)),
             // A cluster no proxy has: the connection is closed.
             filters: vec![tcp_proxy(Handoff::Refuse)],
             ..FilterChain::default()
@@ -90,20 +89,17 @@ fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener 
         .collect();
     filter_chains.push(FilterChain {
         name: "mtls".to_string(),
-        filter_chain_match: Some(FilterChainMatch {
-            transport_protocol: "tls".to_string(),
-            application_protocols: vec![lattice_contract::MESH_ALPN.to_string()],
-            ..FilterChainMatch::default()
-        }),
-        transport_socket: Some(TransportSocket {
-            name: "envoy.transport_sockets.tls".to_string(),
-            config_type: Some(transport_socket::ConfigType::TypedConfig(typed(
-                mtls::downstream(trust_domain),
-            ))),
-        }),
+        filter_chain_match: Some(mesh_match(None)),
+        transport_socket: Some(mtls_socket(trust_domain)),
         filters: vec![tcp_proxy(Handoff::Mtls)],
         ..FilterChain::default()
     });
+    for (&port, policy) in policy.into_iter().flatten() {
+        if own_ports.contains(&port) {
+            continue;
+        }
+        filter_chains.extend(policed_chains(strict, trust_domain, port, policy));
+    }
     // Strict: no default chain, so Envoy closes the connection (`no_filter_chain_match` in
     // its listener statistics).
     let default_filter_chain = (!strict).then(|| FilterChain {
@@ -136,6 +132,151 @@ fn listener(strict: bool, trust_domain: &str, capture: CapturePort) -> Listener 
     }
 }
 
+/// The chains of a policed port. Envoy picks a chain by destination port first and never
+/// goes back to a less specific one: once a port has chains of its own, every kind of
+/// connection to it needs one, or it falls to the listener's default chain, past the rules.
+/// So, in permissive mode, beside mesh mTLS: plaintext, and TLS that is not the mesh's (read
+/// as a connection). In strict mode only mesh mTLS has a chain; the rest finds none and is
+/// closed, as at every other port.
+fn policed_chains(
+    strict: bool,
+    trust_domain: &str,
+    port: u16,
+    policy: &PortPolicy,
+) -> Vec<FilterChain> {
+    let reads = |handoff: Handoff| -> Vec<Filter> {
+        if policy.http && handoff != Handoff::OtherTls {
+            return vec![http_manager(handoff, port, policy, trust_domain)];
+        }
+        let mut filters = authorization::network_filters(
+            policy,
+            trust_domain,
+            &format!("inbound_{}_{port}", handoff.name()),
+        );
+        filters.push(tcp_proxy(handoff));
+        filters
+    };
+    let mut chains = vec![FilterChain {
+        name: format!("mtls-{port}"),
+        filter_chain_match: Some(mesh_match(Some(port))),
+        transport_socket: Some(mtls_socket(trust_domain)),
+        filters: reads(Handoff::Mtls),
+        ..FilterChain::default()
+    }];
+    if !strict {
+        chains.push(FilterChain {
+            name: format!("other-tls-{port}"),
+            filter_chain_match: Some(FilterChainMatch {
+                transport_protocol: "tls".to_string(),
+                ..port_match(port)
+            }),
+            filters: reads(Handoff::OtherTls),
+            ..FilterChain::default()
+        });
+        chains.push(FilterChain {
+            name: format!("plaintext-{port}"),
+            filter_chain_match: Some(port_match(port)),
+            filters: reads(Handoff::Plaintext),
+            ..FilterChain::default()
+        });
+    }
+    chains
+}
+
+fn port_match(port: u16) -> FilterChainMatch {
+    FilterChainMatch {
+        destination_port: Some(UInt32Value {
+            value: u32::from(port),
+        }),
+        ..FilterChainMatch::default()
+    }
+}
+
+/// TLS offering the mesh ALPN, at `port` or any.
+fn mesh_match(port: Option<u16>) -> FilterChainMatch {
+    FilterChainMatch {
+        transport_protocol: "tls".to_string(),
+        application_protocols: vec![lattice_contract::MESH_ALPN.to_string()],
+        ..port.map(port_match).unwrap_or_default()
+    }
+}
+
+fn mtls_socket(trust_domain: &str) -> TransportSocket {
+    TransportSocket {
+        name: "envoy.transport_sockets.tls".to_string(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(typed(
+            mtls::downstream(trust_domain),
+        ))),
+    }
+}
+
+/// Reads the requests of a policed HTTP port: its rules, then on to the app at the
+/// connection's original destination. A mesh caller's SPIFFE ID reaches the app in
+/// `x-forwarded-client-cert` (`URI=...`); whatever a caller sent in that header is dropped.
+fn http_manager(handoff: Handoff, port: u16, policy: &PortPolicy, trust_domain: &str) -> Filter {
+    let mut http_filters = authorization::http_filters(policy, trust_domain);
+    http_filters.push(HttpFilter {
+        name: "envoy.filters.http.router".to_string(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(typed(
+            Router::default(),
+        ))),
+        ..HttpFilter::default()
+    });
+    let to_app = Route {
+        r#match: Some(RouteMatch {
+            path_specifier: Some(route_match::PathSpecifier::Prefix("/".to_string())),
+            ..RouteMatch::default()
+        }),
+        action: Some(route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(
+                INBOUND_PASSTHROUGH_CLUSTER.to_string(),
+            )),
+            // As long as the app takes: the caller's own Envoy keeps the route's timeout.
+            timeout: Some(Duration::default()),
+            ..RouteAction::default()
+        })),
+        ..Route::default()
+    };
+    let mtls = handoff == Handoff::Mtls;
+    let manager = HttpConnectionManager {
+        stat_prefix: format!("inbound_{}_{port}", handoff.name()),
+        codec_type: http_connection_manager::CodecType::Auto as i32,
+        route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(
+            RouteConfiguration {
+                name: INBOUND_LISTENER.to_string(),
+                virtual_hosts: vec![VirtualHost {
+                    name: "app".to_string(),
+                    domains: vec!["*".to_string()],
+                    routes: vec![to_app],
+                    ..VirtualHost::default()
+                }],
+                ..RouteConfiguration::default()
+            },
+        )),
+        http_filters,
+        forward_client_cert_details: if mtls {
+            http_connection_manager::ForwardClientCertDetails::SanitizeSet
+        } else {
+            http_connection_manager::ForwardClientCertDetails::Sanitize
+        } as i32,
+        set_current_client_cert_details: mtls.then(|| {
+            http_connection_manager::SetCurrentClientCertDetails {
+                uri: true,
+                ..Default::default()
+            }
+        }),
+        access_log: access_log(&format!(
+            "[{INBOUND_LISTENER}] {} peer=%DOWNSTREAM_PEER_URI_SAN% from=%DOWNSTREAM_REMOTE_ADDRESS% to=%UPSTREAM_HOST% request=%REQ(:METHOD)% %REQ(:PATH)% code=%RESPONSE_CODE% flags=%RESPONSE_FLAGS%\n",
+            handoff.name()
+        )),
+        ..HttpConnectionManager::default()
+    };
+    Filter {
+        name: "envoy.filters.network.http_connection_manager".to_string(),
+        config_type: Some(filter::ConfigType::TypedConfig(typed(manager))),
+    }
+}
+
 fn listener_filter(name: &str, config: envoy_types::pb::google::protobuf::Any) -> ListenerFilter {
     ListenerFilter {
         name: name.to_string(),
@@ -153,6 +294,9 @@ enum Handoff {
     Mtls,
     /// Hands them to the app as they came.
     Plaintext,
+    /// Hands on TLS that is not the mesh's (an app's own) as it came: at a policed port, where
+    /// it needs a chain of its own.
+    OtherTls,
 }
 
 impl Handoff {
@@ -162,6 +306,7 @@ impl Handoff {
             Handoff::Refuse => "envoy_port",
             Handoff::Mtls => "mtls",
             Handoff::Plaintext => "plaintext",
+            Handoff::OtherTls => "other_tls",
         }
     }
 }
@@ -171,30 +316,12 @@ fn tcp_proxy(handoff: Handoff) -> Filter {
     let logged = handoff != Handoff::Refuse;
     let cluster = match handoff {
         Handoff::Refuse => "lattice-inbound-refused",
-        Handoff::Mtls | Handoff::Plaintext => INBOUND_PASSTHROUGH_CLUSTER,
+        Handoff::Mtls | Handoff::Plaintext | Handoff::OtherTls => INBOUND_PASSTHROUGH_CLUSTER,
     };
     let access_log = if logged {
-        vec![AccessLog {
-            name: "envoy.access_loggers.stderr".to_string(),
-            config_type: Some(access_log::ConfigType::TypedConfig(typed(
-                StderrAccessLog {
-                    access_log_format: Some(stderr_access_log::AccessLogFormat::LogFormat(
-                        SubstitutionFormatString {
-                            format: Some(substitution_format_string::Format::TextFormatSource(
-                                DataSource {
-                                    specifier: Some(data_source::Specifier::InlineString(format!(
-                                        "[{INBOUND_LISTENER}] {stat_prefix} peer=%DOWNSTREAM_PEER_URI_SAN% from=%DOWNSTREAM_REMOTE_ADDRESS% to=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% received=%BYTES_RECEIVED% sent=%BYTES_SENT%\n"
-                                    ))),
-                                    ..DataSource::default()
-                                },
-                            )),
-                            ..SubstitutionFormatString::default()
-                        },
-                    )),
-                },
-            ))),
-            ..AccessLog::default()
-        }]
+        access_log(&format!(
+            "[{INBOUND_LISTENER}] {stat_prefix} peer=%DOWNSTREAM_PEER_URI_SAN% from=%DOWNSTREAM_REMOTE_ADDRESS% to=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% received=%BYTES_RECEIVED% sent=%BYTES_SENT%\n"
+        ))
     } else {
         Vec::new()
     };
@@ -206,7 +333,9 @@ fn tcp_proxy(handoff: Handoff) -> Filter {
             UpstreamConnectMode::OnDownstreamTlsHandshake as i32,
             Some(UInt32Value { value: 64 * 1024 }),
         ),
-        Handoff::Refuse | Handoff::Plaintext => (UpstreamConnectMode::Immediate as i32, None),
+        Handoff::Refuse | Handoff::Plaintext | Handoff::OtherTls => {
+            (UpstreamConnectMode::Immediate as i32, None)
+        }
     };
     let proxy = TcpProxy {
         stat_prefix: format!("inbound_{stat_prefix}"),
@@ -228,17 +357,45 @@ fn tcp_proxy(handoff: Handoff) -> Filter {
     }
 }
 
+/// A line to Envoy's stderr per connection or request, in `format`.
+fn access_log(format: &str) -> Vec<AccessLog> {
+    vec![AccessLog {
+        name: "envoy.access_loggers.stderr".to_string(),
+        config_type: Some(access_log::ConfigType::TypedConfig(typed(
+            StderrAccessLog {
+                access_log_format: Some(stderr_access_log::AccessLogFormat::LogFormat(
+                    SubstitutionFormatString {
+                        format: Some(substitution_format_string::Format::TextFormatSource(
+                            DataSource {
+                                specifier: Some(data_source::Specifier::InlineString(
+                                    format.to_string(),
+                                )),
+                                ..DataSource::default()
+                            },
+                        )),
+                        ..SubstitutionFormatString::default()
+                    },
+                )),
+            },
+        ))),
+        ..AccessLog::default()
+    }]
+}
+
 #[cfg(test)]
 mod tests {
     use lattice_contract::MESH_ALPN;
-    use prost::Message;
 
     use super::*;
-    use crate::identity::InboundMode;
+    use crate::xds::InboundMode;
 
     fn decoded(mode: InboundMode) -> Listener {
-        let listeners = inbound_listeners("cluster.local", CapturePort::default());
-        Listener::decode(listeners.get(mode).body.value.as_slice()).unwrap()
+        listener(
+            mode == InboundMode::Strict,
+            "cluster.local",
+            CapturePort::default(),
+            None,
+        )
     }
 
     #[test]
@@ -273,5 +430,76 @@ mod tests {
             let matched = mtls.filter_chain_match.as_ref().unwrap();
             assert_eq!(matched.application_protocols, [MESH_ALPN]);
         }
+    }
+
+    /// A policed port has chains of its own for every kind of connection in permissive mode
+    /// (else what has none falls to the default chain, past the rules), and for mesh mTLS
+    /// only in strict mode; an HTTP port reads requests, a TCP one connections.
+    #[test]
+    fn a_policed_port_has_a_chain_for_every_kind_of_connection() {
+        use crate::mesh::{Action, AuthorizationRule};
+        let rule = AuthorizationRule {
+            action: Action::Allow,
+            from: Vec::new(),
+            ports: Vec::new(),
+            paths: Vec::new(),
+            methods: Vec::new(),
+        };
+        let policy: PodPolicy = [
+            (
+                8080,
+                PortPolicy {
+                    http: true,
+                    rules: vec![rule.clone()],
+                },
+            ),
+            (
+                5432,
+                PortPolicy {
+                    http: false,
+                    rules: vec![rule],
+                },
+            ),
+        ]
+        .into();
+        let chains = |strict| {
+            let listener = listener(
+                strict,
+                "cluster.local",
+                CapturePort::default(),
+                Some(&policy),
+            );
+            listener
+                .filter_chains
+                .into_iter()
+                .skip(5)
+                .map(|c| {
+                    let filters: Vec<String> = c.filters.iter().map(|f| f.name.clone()).collect();
+                    (c.name, filters.join(","))
+                })
+                .collect::<Vec<_>>()
+        };
+        let hcm = "envoy.filters.network.http_connection_manager";
+        let tcp = "envoy.filters.network.rbac,envoy.filters.network.tcp_proxy";
+        let pairs = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            chains(false),
+            pairs(&[
+                ("mtls-5432", tcp),
+                ("other-tls-5432", tcp),
+                ("plaintext-5432", tcp),
+                ("mtls-8080", hcm),
+                ("other-tls-8080", tcp),
+                ("plaintext-8080", hcm),
+            ])
+        );
+        assert_eq!(
+            chains(true),
+            pairs(&[("mtls-5432", tcp), ("mtls-8080", hcm)])
+        );
     }
 }

@@ -1,0 +1,556 @@
+//! Authorization on the inbound listener: a service's rules ([`crate::mesh::authorization`])
+//! compiled to Envoy's RBAC filters, in the inbound listener of every proxy whose pod is one
+//! of the service's endpoints, at the port the endpoint serves.
+//!
+//! Each policed port of a pod gets its own filter chains ([`super::inbound`]), whose filters
+//! run the deny rules first (an RBAC filter that refuses what any of them matches), then the
+//! allow rules, if the port has any (one that refuses what none of them matches). An HTTP port
+//! (`http`, `http2`, `grpc`) reads requests (Envoy's HTTP connection manager and HTTP RBAC
+//! filter): a refused request gets 403, and rules may name paths and methods. Any other port,
+//! or TLS that is not the mesh's, is read as a connection (the network RBAC filter): a
+//! refused one is closed, and a rule that names paths or methods cannot be read there, so it
+//! fails closed: an allow rule of that kind matches nothing and a deny rule matches whatever
+//! its callers are.
+//!
+//! A caller is known by the SPIFFE ID of its mesh mTLS certificate; plaintext has none, so it
+//! matches only rules without `from`.
+//!
+//! Envoy's RBAC config keeps policies in a map, which protobuf encodes in no fixed order: each
+//! filter here holds one policy, so a listener's bytes, hence its version, depend only on the
+//! rules.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::{Arc, OnceLock};
+
+use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
+use envoy_types::pb::envoy::config::rbac::v3::{
+    Permission, Policy, Principal, Rbac as Rules, permission, principal, rbac,
+};
+use envoy_types::pb::envoy::config::route::v3::{HeaderMatcher, header_matcher};
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpFilter, http_filter,
+};
+use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    PathMatcher, StringMatcher, path_matcher, string_matcher,
+};
+use lattice_contract::CapturePort;
+
+use super::typed;
+use crate::mesh::{Action, AuthorizationRule, Caller, PathMatch, Service};
+use crate::xds::snapshot::XdsResource;
+use crate::xds::{InboundListeners, InboundMode};
+
+/// What holds at one port of a pod (the port the endpoint serves).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortPolicy {
+    /// Whether every service that reaches the pod at this port speaks HTTP there: then the
+    /// port's chains read requests.
+    pub http: bool,
+    /// The rules of every service that reaches the pod at this port and covers it, each once.
+    pub rules: Vec<AuthorizationRule>,
+}
+
+/// What holds at a pod's policed ports, by port.
+pub type PodPolicy = BTreeMap<u16, PortPolicy>;
+
+/// The policies of every pod that is an endpoint of a service with rules, by address. Built
+/// from the services with rules only: a mesh without rules costs nothing here.
+pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<IpAddr, PodPolicy> {
+    let mut pods: HashMap<IpAddr, PodPolicy> = HashMap::new();
+    for service in services.filter(|s| !s.authorization.is_empty()) {
+        for port in &service.ports {
+            let rules: Vec<&AuthorizationRule> = service
+                .authorization
+                .iter()
+                .filter(|rule| rule.covers(port.port))
+                .collect();
+            if rules.is_empty() {
+                continue;
+            }
+            let http = port.protocol.is_http();
+            let endpoints = port.endpoints.iter().map(|e| e.address).chain(
+                service
+                    .instances
+                    .iter()
+                    .flat_map(|i| &i.endpoints)
+                    .filter(|(p, _)| *p == port.port)
+                    .map(|(_, address)| *address),
+            );
+            for endpoint in endpoints {
+                let policy = pods
+                    .entry(endpoint.ip())
+                    .or_default()
+                    .entry(endpoint.port())
+                    .or_insert_with(|| PortPolicy {
+                        http,
+                        rules: Vec::new(),
+                    });
+                policy.http &= http;
+                for rule in &rules {
+                    if !policy.rules.contains(rule) {
+                        policy.rules.push((*rule).clone());
+                    }
+                }
+            }
+        }
+    }
+    for policy in pods.values_mut().flat_map(|p| p.values_mut()) {
+        policy.rules.sort();
+    }
+    pods
+}
+
+/// The RBAC filters of a chain that reads connections (see the module's documentation).
+pub(super) fn network_filters(
+    policy: &PortPolicy,
+    trust_domain: &str,
+    stat_prefix: &str,
+) -> Vec<Filter> {
+    compiled(policy, trust_domain, false)
+        .into_iter()
+        .map(|(action, rules)| Filter {
+            name: "envoy.filters.network.rbac".to_string(),
+            config_type: Some(filter::ConfigType::TypedConfig(typed(NetworkRbac {
+                rules: Some(rules),
+                // Under `tcp.inbound_`, which the bootstrap's statistics keep.
+                stat_prefix: format!("tcp.{stat_prefix}.{action}."),
+                ..NetworkRbac::default()
+            }))),
+        })
+        .collect()
+}
+
+/// The RBAC filters of a chain that reads HTTP requests, before its router.
+pub(super) fn http_filters(policy: &PortPolicy, trust_domain: &str) -> Vec<HttpFilter> {
+    compiled(policy, trust_domain, true)
+        .into_iter()
+        .map(|(action, rules)| HttpFilter {
+            name: "envoy.filters.http.rbac".to_string(),
+            config_type: Some(http_filter::ConfigType::TypedConfig(typed(HttpRbac {
+                rules: Some(rules),
+                rules_stat_prefix: action.to_string(),
+                ..HttpRbac::default()
+            }))),
+            ..HttpFilter::default()
+        })
+        .collect()
+}
+
+/// The deny filter's rules, if any rule denies, then the allow filter's, if any allows: each
+/// with one policy whose principals are the rules (a principal of Envoy's RBAC can say paths
+/// and methods too, so a rule is one principal). `http`: whether requests are read.
+fn compiled(policy: &PortPolicy, trust_domain: &str, http: bool) -> Vec<(&'static str, Rules)> {
+    let mut out = Vec::new();
+    for (action, name, envoy_action) in [
+        (Action::Deny, "deny", rbac::Action::Deny),
+        (Action::Allow, "allow", rbac::Action::Allow),
+    ] {
+        let rules: Vec<&AuthorizationRule> = policy
+            .rules
+            .iter()
+            .filter(|rule| rule.action == action)
+            .collect();
+        if rules.is_empty() {
+            continue;
+        }
+        let principals: Vec<Principal> = rules
+            .iter()
+            .filter_map(|rule| principal_of(rule, trust_domain, http))
+            .collect();
+        // An allow filter whose rules all fail closed here has no policy: it refuses all.
+        let policies = if principals.is_empty() {
+            HashMap::new()
+        } else {
+            HashMap::from([(
+                name.to_string(),
+                Policy {
+                    permissions: vec![Permission {
+                        rule: Some(permission::Rule::Any(true)),
+                    }],
+                    principals,
+                    ..Policy::default()
+                },
+            )])
+        };
+        out.push((
+            name,
+            Rules {
+                action: envoy_action as i32,
+                policies,
+                ..Rules::default()
+            },
+        ));
+    }
+    out
+}
+
+/// One rule as one principal: its callers, and, when requests are read, its paths and
+/// methods. `None`: an allow rule that cannot be read on a connection (it matches nothing).
+fn principal_of(rule: &AuthorizationRule, trust_domain: &str, http: bool) -> Option<Principal> {
+    if rule.is_http() && !http && rule.action == Action::Allow {
+        return None;
+    }
+    let mut all = Vec::new();
+    if !rule.from.is_empty() {
+        all.push(any_of(
+            rule.from
+                .iter()
+                .map(|caller| authenticated(caller, trust_domain))
+                .collect(),
+        ));
+    }
+    if http {
+        if !rule.paths.is_empty() {
+            all.push(any_of(rule.paths.iter().map(path).collect()));
+        }
+        if !rule.methods.is_empty() {
+            all.push(any_of(rule.methods.iter().map(|m| method(m)).collect()));
+        }
+    }
+    Some(match all.len() {
+        0 => identifier(principal::Identifier::Any(true)),
+        1 => all.remove(0),
+        _ => identifier(principal::Identifier::AndIds(principal::Set { ids: all })),
+    })
+}
+
+fn identifier(id: principal::Identifier) -> Principal {
+    Principal {
+        identifier: Some(id),
+    }
+}
+
+fn any_of(mut ids: Vec<Principal>) -> Principal {
+    if ids.len() == 1 {
+        return ids.remove(0);
+    }
+    identifier(principal::Identifier::OrIds(principal::Set { ids }))
+}
+
+fn matcher(pattern: string_matcher::MatchPattern) -> StringMatcher {
+    StringMatcher {
+        match_pattern: Some(pattern),
+        ..StringMatcher::default()
+    }
+}
+
+/// The caller's certificate's URI SAN: a SPIFFE ID exactly, or every service account of a
+/// namespace (the prefix up to `/sa/`).
+fn authenticated(caller: &Caller, trust_domain: &str) -> Principal {
+    let pattern = match caller {
+        Caller::Identity(id) => string_matcher::MatchPattern::Exact(id.to_string()),
+        Caller::ServiceAccount { namespace, name } => string_matcher::MatchPattern::Exact(format!(
+            "spiffe://{trust_domain}/ns/{namespace}/sa/{name}"
+        )),
+        Caller::Namespace(namespace) => string_matcher::MatchPattern::Prefix(format!(
+            "spiffe://{trust_domain}/ns/{namespace}/sa/"
+        )),
+    };
+    identifier(principal::Identifier::Authenticated(
+        principal::Authenticated {
+            principal_name: Some(matcher(pattern)),
+        },
+    ))
+}
+
+/// The request's path, without its query.
+fn path(path: &PathMatch) -> Principal {
+    let pattern = match path {
+        PathMatch::Exact(p) => string_matcher::MatchPattern::Exact(p.to_string()),
+        PathMatch::Prefix(p) => string_matcher::MatchPattern::Prefix(p.to_string()),
+    };
+    identifier(principal::Identifier::UrlPath(PathMatcher {
+        rule: Some(path_matcher::Rule::Path(matcher(pattern))),
+    }))
+}
+
+fn method(method: &str) -> Principal {
+    identifier(principal::Identifier::Header(HeaderMatcher {
+        name: ":method".to_string(),
+        header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(matcher(
+            string_matcher::MatchPattern::Exact(method.to_string()),
+        ))),
+        ..HeaderMatcher::default()
+    }))
+}
+
+/// The inbound listeners of one translation: shared ones for pods without rules, and one per
+/// policed pod and mode, built when a proxy of that pod first asks (a node runs a few of the
+/// mesh's pods; the policies cover them all).
+#[derive(Debug)]
+pub struct Inbound {
+    trust_domain: Arc<str>,
+    capture: CapturePort,
+    permissive: Arc<XdsResource>,
+    strict: Arc<XdsResource>,
+    pods: HashMap<IpAddr, Arc<PodInbound>>,
+}
+
+#[derive(Debug)]
+struct PodInbound {
+    policy: PodPolicy,
+    rules: usize,
+    /// Permissive, strict.
+    built: [OnceLock<Arc<XdsResource>>; 2],
+}
+
+impl Inbound {
+    /// For `policies` (see [`pod_policies`]). What `previous` built for a pod whose policy
+    /// did not change is kept, so its proxies see no change.
+    pub fn new(
+        trust_domain: Arc<str>,
+        capture: CapturePort,
+        policies: HashMap<IpAddr, PodPolicy>,
+        previous: Option<&Inbound>,
+    ) -> Inbound {
+        let (permissive, strict) = match previous {
+            Some(previous) => (previous.permissive.clone(), previous.strict.clone()),
+            None => {
+                let build = |strict| {
+                    XdsResource::new(
+                        super::INBOUND_LISTENER,
+                        super::inbound::listener(strict, &trust_domain, capture, None),
+                    )
+                };
+                (build(false), build(true))
+            }
+        };
+        let pods = policies
+            .into_iter()
+            .map(|(ip, policy)| {
+                let kept = previous
+                    .and_then(|p| p.pods.get(&ip))
+                    .filter(|pod| pod.policy == policy)
+                    .cloned();
+                let pod = kept.unwrap_or_else(|| {
+                    Arc::new(PodInbound {
+                        rules: policy.values().map(|p| p.rules.len()).sum(),
+                        policy,
+                        built: Default::default(),
+                    })
+                });
+                (ip, pod)
+            })
+            .collect();
+        Inbound {
+            trust_domain,
+            capture,
+            permissive,
+            strict,
+            pods,
+        }
+    }
+
+    /// Whether it was built for this trust domain and capture port.
+    pub fn serves(&self, trust_domain: &str, capture: CapturePort) -> bool {
+        &*self.trust_domain == trust_domain && self.capture == capture
+    }
+}
+
+impl InboundListeners for Inbound {
+    fn listener(&self, pod: IpAddr, mode: InboundMode) -> Arc<XdsResource> {
+        let strict = mode == InboundMode::Strict;
+        let Some(policed) = self.pods.get(&pod) else {
+            return if strict {
+                self.strict.clone()
+            } else {
+                self.permissive.clone()
+            };
+        };
+        policed.built[usize::from(strict)]
+            .get_or_init(|| {
+                XdsResource::new(
+                    super::INBOUND_LISTENER,
+                    super::inbound::listener(
+                        strict,
+                        &self.trust_domain,
+                        self.capture,
+                        Some(&policed.policy),
+                    ),
+                )
+            })
+            .clone()
+    }
+
+    fn rules(&self, pod: IpAddr) -> usize {
+        self.pods.get(&pod).map_or(0, |p| p.rules)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use prost::Message;
+
+    use super::*;
+    use crate::mesh::{
+        Endpoint, EndpointSet, MeshState, Protocol, Provider, ServicePort, ServiceSpec,
+    };
+
+    fn rule(action: Action, from: &[&str], ports: &[u16], methods: &[&str]) -> AuthorizationRule {
+        AuthorizationRule {
+            action,
+            from: from
+                .iter()
+                .map(|ns| Caller::Namespace((*ns).into()))
+                .collect(),
+            ports: ports.to_vec(),
+            paths: Vec::new(),
+            methods: methods.iter().map(|m| Arc::from(*m)).collect(),
+        }
+    }
+
+    fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
+        ServicePort {
+            port,
+            name: None,
+            protocol,
+            endpoints: EndpointSet::new(
+                endpoints
+                    .iter()
+                    .map(|e| Endpoint::new(e.parse::<SocketAddr>().unwrap(), Provider::new("test")))
+                    .collect(),
+            ),
+            hosts: Default::default(),
+        }
+    }
+
+    fn services(specs: Vec<ServiceSpec>) -> Vec<Arc<Service>> {
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        for spec in specs {
+            state.upsert(spec).unwrap();
+        }
+        state.snapshot().services.values().cloned().collect()
+    }
+
+    /// Rules reach the pods that are the service's endpoints, at the ports they serve, only
+    /// for the service ports they cover; two services at one pod port add up, and a port that
+    /// one of them speaks TCP on is read as connections.
+    #[test]
+    fn rules_reach_each_endpoint_at_the_port_it_serves() {
+        let web_only = rule(Action::Allow, &["shop"], &[80], &[]);
+        let every_port = rule(Action::Deny, &["guests"], &[], &["POST"]);
+        let web = ServiceSpec::new(
+            "/shop/web".parse().unwrap(),
+            vec![
+                port(80, Protocol::Http, &["10.0.0.1:8080", "10.0.0.2:8080"]),
+                port(9000, Protocol::Tcp, &["10.0.0.1:9000"]),
+            ],
+        )
+        .with_authorization(vec![web_only.clone(), every_port.clone()]);
+        let raw = ServiceSpec::new(
+            "/shop/raw".parse().unwrap(),
+            vec![port(7000, Protocol::Tcp, &["10.0.0.2:8080"])],
+        )
+        .with_authorization(vec![rule(Action::Allow, &["ops"], &[], &[])]);
+        let open = ServiceSpec::new(
+            "/shop/open".parse().unwrap(),
+            vec![port(80, Protocol::Http, &["10.0.0.3:80"])],
+        );
+        let services = services(vec![web, raw, open]);
+        let pods = pod_policies(services.iter().map(|s| &**s));
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(pods.len(), 2, "{pods:?}");
+        let first = &pods[&ip("10.0.0.1")];
+        assert_eq!(first.keys().copied().collect::<Vec<_>>(), [8080, 9000]);
+        assert!(first[&8080].http);
+        assert_eq!(
+            first[&8080].rules,
+            canonical(vec![web_only, every_port.clone()])
+        );
+        assert!(!first[&9000].http);
+        assert_eq!(first[&9000].rules, [every_port]);
+        let second = &pods[&ip("10.0.0.2")][&8080];
+        assert!(!second.http, "TCP for one service: read as connections");
+        assert_eq!(second.rules.len(), 3);
+    }
+
+    fn canonical(rules: Vec<AuthorizationRule>) -> Vec<AuthorizationRule> {
+        crate::mesh::authorization::canonical(rules)
+    }
+
+    /// Deny first, then allow; on a connection, an allow rule about requests matches nothing
+    /// (no policy: refuses all) and a deny rule about requests matches its callers whatever
+    /// they ask.
+    #[test]
+    fn rules_about_requests_fail_closed_on_connections() {
+        let policy = PortPolicy {
+            http: false,
+            rules: vec![
+                rule(Action::Allow, &["shop"], &[], &["GET"]),
+                rule(Action::Deny, &["guests"], &[], &["POST"]),
+            ],
+        };
+        let compiled = compiled(&policy, "cluster.local", false);
+        let actions: Vec<&str> = compiled.iter().map(|(a, _)| *a).collect();
+        assert_eq!(actions, ["deny", "allow"]);
+        let deny = &compiled[0].1.policies["deny"].principals[0];
+        assert_eq!(
+            deny,
+            &authenticated(&Caller::Namespace("guests".into()), "cluster.local"),
+            "the deny rule holds for its callers, whatever they ask"
+        );
+        assert!(compiled[1].1.policies.is_empty(), "allow matches nothing");
+        let http = compiled_bytes(&PortPolicy {
+            http: true,
+            ..policy
+        });
+        assert!(!http.is_empty());
+    }
+
+    fn compiled_bytes(policy: &PortPolicy) -> Vec<Vec<u8>> {
+        compiled(policy, "cluster.local", policy.http)
+            .into_iter()
+            .map(|(_, rules)| rules.encode_to_vec())
+            .collect()
+    }
+
+    /// A listener's version is its bytes' hash: the same rules must make the same bytes.
+    #[test]
+    fn the_same_rules_make_the_same_bytes() {
+        let policy = PortPolicy {
+            http: true,
+            rules: (0..20)
+                .map(|i| rule(Action::Allow, &[&format!("ns{i}")], &[], &["GET"]))
+                .collect(),
+        };
+        let first = compiled_bytes(&policy);
+        for _ in 0..20 {
+            assert_eq!(compiled_bytes(&policy), first);
+        }
+    }
+
+    /// A pod whose policy did not change keeps the listener built for it.
+    #[test]
+    fn an_unchanged_pod_keeps_its_listener() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let policy = |ns: &str| -> HashMap<IpAddr, PodPolicy> {
+            let port = PortPolicy {
+                http: true,
+                rules: vec![rule(Action::Allow, &[ns], &[], &[])],
+            };
+            HashMap::from([(ip, PodPolicy::from([(8080, port)]))])
+        };
+        let capture = CapturePort::default();
+        let first = Inbound::new("cluster.local".into(), capture, policy("a"), None);
+        let built = first.listener(ip, InboundMode::Strict);
+        assert_eq!(first.rules(ip), 1);
+        let same = Inbound::new("cluster.local".into(), capture, policy("a"), Some(&first));
+        assert!(Arc::ptr_eq(&built, &same.listener(ip, InboundMode::Strict)));
+        let changed = Inbound::new("cluster.local".into(), capture, policy("b"), Some(&same));
+        assert_ne!(
+            changed.listener(ip, InboundMode::Strict).version,
+            built.version
+        );
+        let other: IpAddr = "10.0.0.9".parse().unwrap();
+        assert!(Arc::ptr_eq(
+            &changed.listener(other, InboundMode::Strict),
+            &first.strict
+        ));
+        assert_eq!(changed.rules(other), 0);
+    }
+}
