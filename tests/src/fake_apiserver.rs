@@ -63,6 +63,12 @@ pub static KINDS: &[Kind] = &[
     Kind::namespaced(GATEWAY_API, "v1", "HTTPRoute", "httproutes"),
     Kind::namespaced(GATEWAY_API, "v1", "GRPCRoute", "grpcroutes"),
     Kind::namespaced(GATEWAY_API, "v1", "ReferenceGrant", "referencegrants"),
+    Kind::namespaced(
+        "lattice.mlab.com",
+        "v1alpha1",
+        "MeshAuthorization",
+        "meshauthorizations",
+    ),
     Kind::namespaced("", "v1", "Pod", "pods"),
     Kind::namespaced("", "v1", "ConfigMap", "configmaps"),
     Kind::namespaced("", "v1", "Secret", "secrets"),

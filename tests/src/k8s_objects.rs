@@ -108,3 +108,30 @@ pub fn populate(server: &FakeApiServer, services: usize, per: usize) -> anyhow::
     }
     Ok(())
 }
+
+/// The agent's `MeshAuthorization` kind, as the tests apply and delete it (the agent reads its
+/// own type of it; `deploy/crds/meshauthorization.yaml` is its schema).
+#[derive(kube::CustomResource, Clone, Debug, Default, serde::Deserialize, serde::Serialize)]
+#[kube(
+    group = "lattice.mlab.com",
+    version = "v1alpha1",
+    kind = "MeshAuthorization",
+    plural = "meshauthorizations",
+    namespaced,
+    schema = "disabled"
+)]
+pub struct MeshAuthorizationSpec {
+    #[serde(rename = "targetRef")]
+    pub target_ref: Value,
+    pub rules: Vec<Value>,
+}
+
+/// A `MeshAuthorization` of `namespace` for its Service `service`.
+pub fn mesh_authorization(namespace: &str, name: &str, service: &str, rules: Value) -> Value {
+    json!({
+        "apiVersion": "lattice.mlab.com/v1alpha1",
+        "kind": "MeshAuthorization",
+        "metadata": {"namespace": namespace, "name": name},
+        "spec": {"targetRef": {"kind": "Service", "name": service}, "rules": rules},
+    })
+}

@@ -224,3 +224,100 @@ fn a_services_rules_refuse_other_callers_and_follow_the_file_live() {
     .unwrap();
     assert_eq!(guest.tcp_exchange(echo_at, b"hello\n").unwrap(), b"hello\n");
 }
+
+/// A pod as the injector admits it with inbound capture, labelled as meshed.
+fn meshed_pod(name: &str, ip: Ipv4Addr) -> serde_json::Value {
+    let mut object = pod(
+        name,
+        name,
+        ip,
+        json!({"lattice.mlab.com/inbound-capture": "enabled",
+               "lattice.mlab.com/service-account": name}),
+    );
+    object["metadata"]["labels"] = json!({"lattice.mlab.com/inbound-capture": "enabled"});
+    object
+}
+
+/// The same rules from Kubernetes: a `MeshAuthorization` attached to the Service `default/web`
+/// (whose EndpointSlice names web's meshed pod), read through the agent's real watch of the
+/// fake API server. The allowed service account passes, another gets 403; a second resource
+/// that does not read closes the Service to everyone (fail closed); deleting both opens it.
+#[test]
+fn a_mesh_authorization_resource_protects_its_service() {
+    use lattice_e2e::k8s_objects::{self, MeshAuthorization, mesh_authorization};
+    let (front_ip, guest_ip, web_ip) = (
+        Ipv4Addr::new(10, 200, 0, 2),
+        Ipv4Addr::new(10, 200, 0, 3),
+        Ipv4Addr::new(10, 200, 0, 4),
+    );
+    let ports = json!([{"name": "http", "port": WEB_PORT, "appProtocol": "http"}]);
+    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    let objects = vec![
+        pod("front", "front", front_ip, json!({})),
+        pod("guest", "guest", guest_ip, json!({})),
+        meshed_pod("web", web_ip),
+        k8s_objects::service("default", "web", ports),
+        k8s_objects::slice(
+            "default",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": WEB_PORT}]),
+            endpoints,
+        ),
+        mesh_authorization(
+            "default",
+            "web-callers",
+            "web",
+            json!([{"from": [{"serviceAccount": "default/front"}]}]),
+        ),
+    ];
+    let trusted = TrustedNode::start("authzkube", objects, None).unwrap();
+    let (server, agent) = (&trusted.server, &trusted.agent);
+    let web = trusted.pod("web", 4, &["--inbound-capture"]).unwrap();
+    let app = Server::http(&web.pod, "web", WEB_PORT).unwrap();
+    wait::until("web's inbound listener", WITHIN, || inbound_listening(&web)).unwrap();
+    let front = trusted.pod("front", 2, &[]).unwrap();
+    let guest = trusted.pod("guest", 3, &[]).unwrap();
+    let url = format!("http://web.default.system.internal:{WEB_PORT}/");
+    let status_of = |pod: &ClientPod| status(&pod.pod.netns, "GET", &url);
+    let becomes = |what: &str, pod: &ClientPod, wanted: u16| {
+        wait::until(what, WITHIN, || match status_of(pod) {
+            code if code == wanted => Ok(()),
+            code => Err(code.to_string()),
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), web.envoy_log()));
+    };
+    becomes("front let through", &front, 200);
+    becomes("guest refused", &guest, 403);
+
+    server
+        .apply_json(mesh_authorization(
+            "default",
+            "typo",
+            "web",
+            json!([{"form": [{"namespace": "default"}]}]),
+        ))
+        .unwrap();
+    becomes(
+        "front refused by a resource that does not read",
+        &front,
+        403,
+    );
+    let served = app.stats.served();
+    assert_eq!(status_of(&front), 403);
+    assert_eq!(
+        app.stats.served(),
+        served,
+        "a refused request reached the app"
+    );
+    assert!(
+        agent.log().contains("MeshAuthorization does not read"),
+        "the agent says why"
+    );
+
+    for name in ["web-callers", "typo"] {
+        server.delete::<MeshAuthorization>("default", name).unwrap();
+    }
+    becomes("guest let through", &guest, 200);
+}

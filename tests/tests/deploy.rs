@@ -26,6 +26,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Namespace, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use lattice_e2e::agent::Agent;
 use lattice_e2e::fake_apiserver::FakeApiServer;
@@ -133,9 +134,47 @@ fn diff(at: &str, original: &Value, back: &Value, lost: &mut Vec<String>) {
                 diff(&format!("{at}[{i}]"), x, y, lost);
             }
         }
+        // A schema's bounds are floats in k8s-openapi: 1 reads back as 1.0, the same number.
+        (Value::Number(a), Value::Number(b)) if a.as_f64() == b.as_f64() => {}
         (a, b) if a != b => lost.push(format!("{at}: {a} became {b}")),
         _ => {}
     }
+}
+
+/// The MeshAuthorization CRD serves the group, version, kind and plural the fake API server
+/// serves it at (where the end-to-end tests' real agent reads it), and its schema keeps what
+/// the agent reads: every field of a rule, which its pruning would otherwise drop.
+fn crd_serves_what_the_agent_reads(object: &Value) -> anyhow::Result<()> {
+    let crd: CustomResourceDefinition = serde_json::from_value(object.clone())?;
+    let spec = &crd.spec;
+    let served = lattice_e2e::fake_apiserver::KINDS
+        .iter()
+        .find(|k| k.name == spec.names.kind)
+        .context("the fake API server does not serve the CRD's kind")?;
+    assert_eq!(spec.group, served.group);
+    assert_eq!(spec.names.plural, served.plural);
+    assert_eq!(spec.scope == "Namespaced", served.namespaced);
+    let version = spec
+        .versions
+        .iter()
+        .find(|v| v.name == served.version)
+        .context("the version the agent reads is not served")?;
+    assert!(version.served && version.storage);
+    let schema = serde_json::to_value(&version.schema)?;
+    let rule = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"]["rules"]["items"]["properties"];
+    for field in ["action", "from", "ports", "paths", "methods"] {
+        assert!(
+            rule.get(field).is_some(),
+            "the schema prunes rules' {field}"
+        );
+    }
+    for field in ["serviceAccount", "namespace", "identity"] {
+        assert!(
+            rule["from"]["items"]["properties"].get(field).is_some(),
+            "the schema prunes from's {field}"
+        );
+    }
+    Ok(())
 }
 
 #[test]
@@ -155,6 +194,10 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
             "Service" => round_trip::<Service>(object)?,
             "PodDisruptionBudget" => round_trip::<PodDisruptionBudget>(object)?,
             "MutatingWebhookConfiguration" => round_trip::<MutatingWebhookConfiguration>(object)?,
+            "CustomResourceDefinition" => {
+                round_trip::<CustomResourceDefinition>(object)?;
+                crd_serves_what_the_agent_reads(object)?;
+            }
             other => bail!("{}: no test covers kind {other}", named(object)),
         }
         *kinds.entry(kind(object).to_string()).or_insert(0) += 1;
@@ -162,6 +205,7 @@ fn a_every_object_parses_into_k8s_openapi_types() -> anyhow::Result<()> {
     let expected: BTreeMap<String, i32> = [
         ("ClusterRole", 2),
         ("ClusterRoleBinding", 2),
+        ("CustomResourceDefinition", 1),
         ("Role", 2),
         ("RoleBinding", 2),
         ("DaemonSet", 1),

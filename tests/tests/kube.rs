@@ -23,9 +23,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 /// The watches the agent keeps open on a cluster-wide source: one per kind it reads.
-/// Services, EndpointSlices, HTTPRoutes, GRPCRoutes, ReferenceGrants, the path grants
-/// ConfigMap, and the Secret of the CA of workload certificates.
-const WATCHES: usize = 7;
+/// Services, EndpointSlices, HTTPRoutes, GRPCRoutes, ReferenceGrants, MeshAuthorizations, the
+/// path grants ConfigMap, and the Secret of the CA of workload certificates.
+const WATCHES: usize = 8;
 /// How long a change may take to show up in normal operation: the same bar as the data path's.
 const FOLLOW: Duration = Duration::from_secs(1);
 /// How long recovery from a fault may take: the watcher backs off (0.8 s doubling) on errors.

@@ -1,8 +1,9 @@
-//! Kubernetes source: Services (core/v1) and EndpointSlices (discovery.k8s.io/v1), and the
-//! Gateway API's HTTPRoutes, GRPCRoutes and ReferenceGrants (gateway.networking.k8s.io/v1),
-//! through the kube-rs runtime `watcher`, folded into a compact index that feeds the mesh state.
+//! Kubernetes source: Services (core/v1) and EndpointSlices (discovery.k8s.io/v1), the
+//! Gateway API's HTTPRoutes, GRPCRoutes and ReferenceGrants (gateway.networking.k8s.io/v1), and
+//! the mesh's MeshAuthorizations (lattice.mlab.com/v1alpha1), through the kube-rs runtime
+//! `watcher`, folded into a compact index that feeds the mesh state.
 //!
-//! The Gateway API kinds are optional: on a cluster without their CRDs the API server answers
+//! The Gateway API kinds and MeshAuthorization are optional: on a cluster without their CRDs the API server answers
 //! 404, which counts as an empty, complete list (so the agent gets ready), is logged once, and
 //! keeps being retried with backoff, so CRDs installed later are picked up.
 //!
@@ -20,6 +21,7 @@
 //! `--kube-rollback-check`) and every change's version with the highest seen, and on a step
 //! back lists every resource again and publishes what they give, at once.
 
+mod authorizations;
 pub mod ca;
 mod index;
 mod mapping;
@@ -43,6 +45,7 @@ use tracing::{info, warn};
 use crate::mesh::provider::Report as _;
 use crate::mesh::{AddressError, MeshSnapshot, PathError, ProviderTx};
 
+pub use authorizations::MeshAuthorization;
 pub use index::{MeshIndex, Ownership};
 pub use mapping::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
 pub use ownership::{PathClaims, PathGrants};
@@ -130,8 +133,8 @@ pub async fn run(
     namespaces.dedup();
     info!(
         namespaces = ?config.namespaces,
-        "watching Kubernetes services, endpointslices, httproutes, grpcroutes and \
-         referencegrants{}",
+        "watching Kubernetes services, endpointslices, httproutes, grpcroutes, \
+         referencegrants and meshauthorizations{}",
         if config.namespaces.is_empty() { " cluster-wide" } else { "" }
     );
     let grants = (config.path_claims == PathClaims::Granted).then_some(&config.path_grants);
@@ -360,7 +363,7 @@ impl WatchSet {
                 if self.missing[watch] {
                     info!(
                         resource = scope.resource.as_str(),
-                        "Gateway API resource found; its objects are read from now on"
+                        "resource found; its objects are read from now on"
                     );
                     self.missing[watch] = false;
                 }
@@ -432,6 +435,13 @@ impl WatchSet {
                     "the path grants ConfigMap may not be read (403): each namespace claims \
                      paths under its own prefix only, until the agent's role grants get, list \
                      and watch on configmaps in its namespace (deploy/rbac.yaml)"
+                );
+            } else if scope.resource == Resource::MeshAuthorizations {
+                warn!(
+                    resource = scope.resource.as_str(),
+                    namespace = scope.namespace.as_deref().unwrap_or("*"),
+                    "MeshAuthorization not installed (404): no Service has authorization rules \
+                     from Kubernetes until its CRD (deploy/crds) appears"
                 );
             } else {
                 warn!(
@@ -514,6 +524,16 @@ impl WatchSet {
                     .collect();
                 self.index.replace_meshed_pods(namespace, pods);
             }
+            Resource::MeshAuthorizations => {
+                let listed = listed
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Object::Authorization(key, entry) => Some((key, entry)),
+                        _ => None,
+                    })
+                    .collect();
+                self.index.replace_authorizations(namespace, listed);
+            }
         }
     }
 
@@ -525,6 +545,7 @@ impl WatchSet {
             Object::Grant(key, entry) => self.index.apply_grant(key, entry),
             Object::PathGrants(grants) => self.index.set_grants(grants),
             Object::MeshedPod(key, account) => self.index.set_meshed_pod(&key, account.as_deref()),
+            Object::Authorization(key, entry) => self.index.set_authorization(key, Some(entry)),
         }
     }
 
@@ -536,6 +557,7 @@ impl WatchSet {
             Object::Grant(key, _) => self.index.delete_grant(key),
             Object::PathGrants(_) => self.index.set_grants(PathGrants::default()),
             Object::MeshedPod(key, _) => self.index.set_meshed_pod(&key, None),
+            Object::Authorization(key, _) => self.index.set_authorization(key, None),
         }
     }
 

@@ -11,6 +11,7 @@ use lattice_contract::TrapCidrs;
 use tracing::{debug, info, warn};
 
 use super::KubeSourceError;
+use super::authorizations::{AuthorizationEntry, AuthorizationIndex};
 use super::mapping::{MappedService, MappedSlice, ObjectKey, ServiceEntry, SliceEntry, SliceSkip};
 use super::meshed::MeshedPods;
 use super::ownership::{self, PathClaims, PathGrants};
@@ -58,6 +59,8 @@ pub struct MeshIndex {
     /// The pods that take mesh mTLS, when the agent serves certificates: a Service all of
     /// whose endpoints are such pods is called over mTLS.
     meshed: Option<MeshedPods>,
+    /// The `MeshAuthorization`s, by the Service each attaches to.
+    authorizations: AuthorizationIndex,
 }
 
 impl MeshIndex {
@@ -77,6 +80,35 @@ impl MeshIndex {
             mesh: MeshState::new(trap),
             changed: true,
             meshed: None,
+            authorizations: AuthorizationIndex::default(),
+        }
+    }
+
+    /// A `MeshAuthorization` came or changed, or (`None`) went.
+    pub fn set_authorization(&mut self, key: ObjectKey, entry: Option<AuthorizationEntry>) {
+        let affected = self.authorizations.set(key, entry);
+        self.refresh_services(affected.into_iter().collect());
+    }
+
+    /// Makes the `MeshAuthorization`s in `scope` exactly `listed`: a re-list, or (empty) the
+    /// CRD going away.
+    pub fn replace_authorizations(
+        &mut self,
+        scope: Option<&str>,
+        listed: Vec<(ObjectKey, AuthorizationEntry)>,
+    ) {
+        let keep: HashSet<&ObjectKey> = listed.iter().map(|(k, _)| k).collect();
+        let gone: Vec<ObjectKey> = self
+            .authorizations
+            .keys(scope)
+            .into_iter()
+            .filter(|k| !keep.contains(k))
+            .collect();
+        for key in gone {
+            self.set_authorization(key, None);
+        }
+        for (key, entry) in listed {
+            self.set_authorization(key, Some(entry));
         }
     }
 
@@ -609,8 +641,15 @@ impl MeshIndex {
             }
             _ => Vec::new(),
         };
+        let port_numbers: Vec<u16> = entry.ports.iter().map(|p| p.port).collect();
+        let authorization = match entry.external {
+            // An ExternalName Service runs no mesh proxy to enforce rules.
+            Some(_) => Vec::new(),
+            None => self.authorizations.rules_for(key, &port_numbers),
+        };
         let mut spec = ServiceSpec::new(entry.path.clone(), ports)
             .with_identities(identities)
+            .with_authorization(authorization)
             .with_health(entry.health.clone())
             .with_traffic_distribution(entry.traffic_distribution)
             .with_host_header(entry.host_header);

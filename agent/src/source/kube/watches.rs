@@ -13,6 +13,7 @@ use kube::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 
+use super::authorizations::{self, AuthorizationEntry, MeshAuthorization};
 use super::mapping::{self, MappedService, MappedSlice, ObjectKey};
 use super::meshed;
 use super::ownership::PathGrants;
@@ -28,6 +29,7 @@ pub(super) enum Resource {
     ReferenceGrants,
     PathGrants,
     MeshedPods,
+    MeshAuthorizations,
 }
 
 impl Resource {
@@ -40,6 +42,7 @@ impl Resource {
             Resource::ReferenceGrants => "referencegrants.gateway.networking.k8s.io",
             Resource::PathGrants => "configmaps (path grants)",
             Resource::MeshedPods => "pods (meshed, metadata only)",
+            Resource::MeshAuthorizations => "meshauthorizations.lattice.mlab.com",
         }
     }
 
@@ -66,6 +69,7 @@ pub(super) enum Object {
     Grant(ObjectKey, GrantEntry),
     PathGrants(PathGrants),
     MeshedPod(ObjectKey, Option<std::sync::Arc<str>>),
+    Authorization(ObjectKey, AuthorizationEntry),
 }
 
 impl Object {
@@ -96,6 +100,11 @@ impl Object {
 
     pub(super) fn path_grants(config_map: &ConfigMap) -> Object {
         Object::PathGrants(PathGrants::from_config_map(config_map))
+    }
+
+    pub(super) fn authorization(object: &MeshAuthorization) -> Object {
+        let (key, entry) = authorizations::authorization_entry(object);
+        Object::Authorization(key, entry)
     }
 
     pub(super) fn meshed_pod(pod: &PartialObjectMeta<Pod>) -> Object {
@@ -182,6 +191,13 @@ impl Watches {
                 namespace,
                 Resource::ReferenceGrants,
                 Object::grant,
+                &all,
+            );
+            watches.add(
+                client,
+                namespace,
+                Resource::MeshAuthorizations,
+                Object::authorization,
                 &all,
             );
         }
