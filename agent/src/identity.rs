@@ -106,6 +106,19 @@ pub struct PodEntry {
     /// Whether the pod's inbound TCP is captured to its proxy, and in which mode: then its
     /// proxy gets an inbound listener.
     pub inbound: Option<InboundMode>,
+    /// The kubelet's probes of its containers, sorted: what the inbound listener lets through
+    /// without an identity when the pod is strict or its port has authorization rules.
+    pub probes: Vec<InboundProbe>,
+}
+
+/// A kubelet probe that reaches the pod's inbound listener: its port, and for an HTTP
+/// `httpGet` its path without the query (the kubelet sends a GET); none for a probe read as a
+/// connection (`tcpSocket`, `grpc`, an HTTPS `httpGet`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct InboundProbe {
+    pub port: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<Arc<str>>,
 }
 
 /// What a pod's inbound listener does with a connection that is not mesh mTLS.
@@ -431,6 +444,7 @@ mod tests {
             uses: Vec::new(),
             service_account: Arc::from("default"),
             inbound: None,
+            probes: Vec::new(),
         }
     }
 

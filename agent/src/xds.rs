@@ -26,8 +26,8 @@ mod testing;
 mod view;
 mod wire;
 
-/// The mode [`InboundListeners`] builds a listener for.
-pub use crate::identity::InboundMode;
+/// The mode and the probes [`InboundListeners`] builds a listener for.
+pub use crate::identity::{InboundMode, InboundProbe};
 pub use admission::Caps;
 pub use delta::DeltaStream;
 pub use grpc::AdsService;

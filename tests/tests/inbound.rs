@@ -601,3 +601,94 @@ fn a_root_rotated_in_three_steps_fails_no_mtls_connection() {
     let (_, mesh_state) = agent.get("/debug/identity").unwrap();
     assert!(!mesh_state.contains("PRIVATE KEY"));
 }
+
+/// What `curl` gets from `url` in `netns` with `stdin` sent: (HTTP status, body), status 0
+/// when no HTTP answer came (a `telnet://` URL reads whatever comes back).
+fn curl(netns: &Netns, url: &str, stdin: &str) -> (u16, String) {
+    use std::io::Write as _;
+    let mut child = netns
+        .command("curl")
+        .args(["-s", "--max-time", "3", "-w", "\n%{http_code}", url])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The kubelet's probes of a strict pod, from the node in plaintext as the kubelet sends them:
+/// the HTTP readiness probe's GET of its path reaches the app, anything else in plaintext at
+/// that port gets 403; the TCP liveness probe's port takes plaintext as it comes; a port no
+/// probe names stays closed to plaintext; mesh mTLS reaches every port.
+#[test]
+fn the_kubelets_probes_pass_a_strict_pod() {
+    let ip = Ipv4Addr::new(10, 200, 0, 2);
+    let mut object = captured("web", "web", ip, Some("strict"));
+    object["spec"]["containers"] = json!([{
+        "name": "app", "image": "app",
+        "ports": [{"name": "http", "containerPort": APP_PORT}],
+        "readinessProbe": {"httpGet": {"port": "http", "path": "/healthz"}},
+        "livenessProbe": {"tcpSocket": {"port": 7000}},
+    }]);
+    let trusted = TrustedNode::start("probes", vec![object], None).unwrap();
+    let (node, agent, chain) = (&trusted.node, &trusted.agent, &trusted.chain);
+    let web = trusted.pod("web", 2, &["--inbound-capture"]).unwrap();
+    let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let _echo = Server::echo(&web.pod, 7000).unwrap();
+    let _unprobed = Server::http(&web.pod, "unprobed", 9000).unwrap();
+    wait::until("web's inbound listener", WITHIN, || inbound_listening(&web))
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+
+    let probe = format!("http://{ip}:{APP_PORT}/healthz");
+    wait::until("the readiness probe", WITHIN, || {
+        match curl(&node.netns, &probe, "") {
+            (200, body) if body.trim() == "web" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), web.envoy_log()));
+    let served = app.stats.served();
+    let (status, _) = curl(&node.netns, &format!("http://{ip}:{APP_PORT}/admin"), "");
+    assert_eq!(status, 403, "plaintext other than the probe's GET");
+    assert_eq!(
+        app.stats.served(),
+        served,
+        "a refused request reached the app"
+    );
+    let (_, echoed) = curl(&node.netns, &format!("telnet://{ip}:7000"), "alive\n");
+    assert_eq!(
+        echoed.trim(),
+        "alive",
+        "the TCP probe's port takes plaintext"
+    );
+    let (status, body) = curl(&node.netns, &format!("http://{ip}:9000/"), "");
+    assert!(
+        status == 0 && body.is_empty(),
+        "an unprobed port took plaintext: {status} {body}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    std::fs::write(&bundle, &chain.ca_cert).unwrap();
+    let bundle = bundle.display().to_string();
+    let caller = caller_cert(
+        dir.path(),
+        "caller",
+        chain,
+        "spiffe://cluster.local/ns/default/sa/caller",
+    );
+    for (port, name) in [(APP_PORT, "web"), (9000, "unprobed")] {
+        let answer = mtls_request(
+            &node.netns,
+            SocketAddr::from((ip, port)),
+            Some(&caller),
+            &bundle,
+        )
+        .unwrap_or_else(|e| panic!("mTLS to {port}: {e}"));
+        assert!(answer.trim_end().ends_with(name), "{answer}");
+    }
+}

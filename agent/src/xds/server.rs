@@ -33,7 +33,9 @@ use super::secrets;
 use super::snapshot::{ResourceMap, XdsRx, XdsSnapshot};
 use super::stream::{Ads, Event, Push};
 use super::view::View;
-use crate::identity::{IdentityCheck, InboundMode, PodKey, PodsRx, RateLimitedLog, Refusal, shown};
+use crate::identity::{
+    IdentityCheck, InboundMode, InboundProbe, PodKey, PodsRx, RateLimitedLog, Refusal, shown,
+};
 use crate::scope::{ScopeRegistry, ScopeWatch, ScopedPod};
 use crate::trust::{NodeSecrets, SecretsWatch, SpiffeId};
 
@@ -296,7 +298,7 @@ impl XdsServer {
             scoped: None,
             node_secrets: self.secrets.clone(),
             secrets: None,
-            inbound_mode: None,
+            captured: None,
             authorization_rules: 0,
         };
         tokio::spawn(stream.run(guard));
@@ -419,9 +421,9 @@ struct StreamTask<A: Ads> {
     node_secrets: Option<NodeSecrets>,
     /// The verified pod's identity's secrets, and their resources as its view holds them.
     secrets: Option<Held>,
-    /// The verified pod's inbound mode, when it captures inbound: its view then holds the
-    /// inbound listener of that mode beside its secrets.
-    inbound_mode: Option<InboundMode>,
+    /// The verified pod's inbound mode and probes, when it captures inbound: its view then
+    /// holds the inbound listener of that mode beside its secrets.
+    captured: Option<(InboundMode, Vec<InboundProbe>)>,
     /// What `/debug/xds` shows of its inbound listener's rules.
     authorization_rules: usize,
 }
@@ -732,26 +734,28 @@ impl<A: Ads> StreamTask<A> {
         }
     }
 
-    /// Follows the verified pod's inbound mode (its annotations may change while its proxy
-    /// runs); whether it changed. Only a proxy given secrets gets an inbound listener: the
-    /// listener's mTLS names them.
+    /// Follows the verified pod's inbound mode and probes (its annotations and spec may change
+    /// while its proxy runs); whether they changed. Only a proxy given secrets gets an inbound
+    /// listener: the listener's mTLS names them.
     fn inbound_changed(&mut self) -> bool {
         let wanted = match (&self.secrets, self.peer, &self.pods) {
             (Some(_), Some(peer), Some(pods)) => {
                 let pod = self.verified.as_ref().and_then(Option::as_ref);
                 pod.and_then(|pod| {
-                    pods.borrow()
-                        .as_ref()
-                        .and_then(|d| d.entry(pod, peer).and_then(|entry| entry.inbound))
+                    let pods = pods.borrow();
+                    let entry = pods.as_ref()?.entry(pod, peer)?;
+                    let mode = entry.inbound?;
+                    Some((mode, entry.probes.clone()))
                 })
             }
             _ => None,
         };
-        if wanted == self.inbound_mode {
+        if wanted == self.captured {
             return false;
         }
-        self.inbound_mode = wanted;
-        self.proxies.update(self.id, |p| p.inbound = wanted);
+        let mode = wanted.as_ref().map(|(mode, _)| *mode);
+        self.captured = wanted;
+        self.proxies.update(self.id, |p| p.inbound = mode);
         true
     }
 
@@ -761,15 +765,15 @@ impl<A: Ads> StreamTask<A> {
         let view = self.scoped_view_of(snapshot);
         match &self.secrets {
             Some(held) if !held.resources.is_empty() => {
-                let listener = match (self.inbound_mode, &snapshot.inbound, self.peer) {
-                    (Some(mode), Some(listeners), Some(peer)) => {
+                let listener = match (&self.captured, &snapshot.inbound, self.peer) {
+                    (Some((mode, probes)), Some(listeners), Some(peer)) => {
                         let rules = listeners.rules(peer);
                         if rules != self.authorization_rules {
                             self.authorization_rules = rules;
                             self.proxies
                                 .update(self.id, |p| p.authorization_rules = rules);
                         }
-                        Some(listeners.listener(peer, mode))
+                        Some(listeners.listener(peer, *mode, probes))
                     }
                     _ => None,
                 };

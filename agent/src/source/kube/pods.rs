@@ -12,7 +12,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::identity::{InboundMode, PodDirectory, PodEntry, PodKey, PodsTx};
+use crate::identity::{InboundMode, InboundProbe, PodDirectory, PodEntry, PodKey, PodsTx};
 use crate::mesh::MeshPath;
 
 /// The services a pod declares it uses, for a workload that connects without resolving their
@@ -61,6 +61,11 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
     }
     let (scoped, uses) = scoping(pod, &key);
     let inbound = inbound_mode(pod, &key);
+    let probes = if inbound.is_some() {
+        probes(pod, &key)
+    } else {
+        Vec::new()
+    };
     let service_account: std::sync::Arc<str> = pod
         .spec
         .as_ref()
@@ -78,6 +83,7 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
             uses: uses.clone(),
             service_account: service_account.clone(),
             inbound,
+            probes: probes.clone(),
         })
         .collect()
 }
@@ -104,6 +110,85 @@ fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
             }
         },
     )
+}
+
+/// At most this many probes of a pod are kept: each is a filter chain or a rule of its
+/// inbound listener.
+const MAX_PROBES: usize = 16;
+/// The longest probe path let through.
+const MAX_PROBE_PATH: usize = 1024;
+
+/// The kubelet's probes of the pod's containers (liveness, readiness, startup, of app and
+/// sidecar containers), as its inbound listener must let them through. A named port is
+/// looked up among its container's ports; a probe of another host than the pod's, or whose
+/// port does not resolve, is not the listener's.
+fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
+    let mut found = Vec::new();
+    for container in containers {
+        let port_of = |port: &IntOrString| -> Option<u16> {
+            match port {
+                IntOrString::Int(n) => u16::try_from(*n).ok().filter(|n| *n != 0),
+                IntOrString::String(name) => container
+                    .ports
+                    .iter()
+                    .flatten()
+                    .find(|p| p.name.as_deref() == Some(name.as_str()))
+                    .and_then(|p| u16::try_from(p.container_port).ok()),
+            }
+        };
+        let probes = [
+            &container.liveness_probe,
+            &container.readiness_probe,
+            &container.startup_probe,
+        ];
+        for probe in probes.into_iter().flatten() {
+            if let Some(get) = &probe.http_get {
+                if get.host.as_deref().is_some_and(|h| !h.is_empty()) {
+                    continue;
+                }
+                let https = get
+                    .scheme
+                    .as_deref()
+                    .is_some_and(|s| s.eq_ignore_ascii_case("https"));
+                let path = get.path.as_deref().unwrap_or("/");
+                let path = path.split(['?', '#']).next().unwrap_or("/");
+                let path = if path.starts_with('/') { path } else { "/" };
+                if path.len() > MAX_PROBE_PATH {
+                    warn!(pod = %key, bytes = path.len(), "a probe's path is longer than {MAX_PROBE_PATH} bytes: its inbound listener does not let it through");
+                    continue;
+                }
+                if let Some(port) = port_of(&get.port) {
+                    found.push(InboundProbe {
+                        port,
+                        path: (!https).then(|| std::sync::Arc::from(path)),
+                    });
+                }
+            } else if let Some(tcp) = &probe.tcp_socket {
+                if tcp.host.as_deref().is_some_and(|h| !h.is_empty()) {
+                    continue;
+                }
+                if let Some(port) = port_of(&tcp.port) {
+                    found.push(InboundProbe { port, path: None });
+                }
+            } else if let Some(grpc) = &probe.grpc
+                && let Ok(port) = u16::try_from(grpc.port)
+            {
+                found.push(InboundProbe { port, path: None });
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found.truncate(MAX_PROBES);
+    found
 }
 
 /// Whether the pod's proxy is scoped, and the services (DNS names) it declares. A value the
@@ -306,5 +391,44 @@ mod tests {
             Some(InboundMode::Strict),
             "a typo closes, never opens"
         );
+    }
+
+    /// The probes its inbound listener lets through: by number or by the container's port
+    /// name; an HTTP path without its query; HTTPS, TCP and gRPC as connections; none of
+    /// another host's, and none of a pod that does not capture its inbound TCP.
+    #[test]
+    fn a_captured_pods_probes_are_read_off_its_containers() {
+        let probed = |annotations: serde_json::Value| {
+            pod_entries(&pod(json!({
+                "metadata": {"namespace": "shop", "name": "web", "annotations": annotations},
+                "spec": {"containers": [
+                    {"name": "app", "ports": [{"name": "http", "containerPort": 8080}],
+                     "readinessProbe": {"httpGet": {"port": "http", "path": "/ready?full=1"}},
+                     "livenessProbe": {"httpGet": {"port": 8443, "scheme": "HTTPS"}},
+                     "startupProbe": {"tcpSocket": {"port": 7000}}},
+                    {"name": "other",
+                     "readinessProbe": {"grpc": {"port": 9090}},
+                     "livenessProbe": {"httpGet": {"port": 8081, "host": "10.9.9.9"}},
+                     "startupProbe": {"httpGet": {"port": "nope"}}},
+                ]},
+                "status": {"phase": "Running", "podIP": "10.0.0.2"},
+            })))
+            .remove(0)
+            .probes
+        };
+        let probe = |port: u16, path: Option<&str>| InboundProbe {
+            port,
+            path: path.map(std::sync::Arc::from),
+        };
+        assert_eq!(
+            probed(json!({INBOUND_CAPTURE_ANNOTATION: "enabled"})),
+            [
+                probe(7000, None),
+                probe(8080, Some("/ready")),
+                probe(8443, None),
+                probe(9090, None),
+            ]
+        );
+        assert!(probed(json!({})).is_empty());
     }
 }

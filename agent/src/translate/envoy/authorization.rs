@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -41,7 +41,7 @@ use lattice_contract::CapturePort;
 use super::typed;
 use crate::mesh::{Action, AuthorizationRule, Caller, PathMatch, Service};
 use crate::xds::snapshot::XdsResource;
-use crate::xds::{InboundListeners, InboundMode};
+use crate::xds::{InboundListeners, InboundMode, InboundProbe};
 
 /// What holds at one port of a pod (the port the endpoint serves).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -277,25 +277,29 @@ fn method(method: &str) -> Principal {
     }))
 }
 
-/// The inbound listeners of one translation: shared ones for pods without rules, and one per
-/// policed pod and mode, built when a proxy of that pod first asks (a node runs a few of the
-/// mesh's pods; the policies cover them all).
+/// The inbound listeners of one translation: one per mode shared by every pod without rules
+/// or probes to let through, and one per pod, mode and probes otherwise, built when a proxy of
+/// that pod first asks (a node runs a few of the mesh's pods; the policies cover them all).
 #[derive(Debug)]
 pub struct Inbound {
     trust_domain: Arc<str>,
     capture: CapturePort,
     permissive: Arc<XdsResource>,
     strict: Arc<XdsResource>,
-    pods: HashMap<IpAddr, Arc<PodInbound>>,
+    /// The policed pods' policies.
+    pods: HashMap<IpAddr, Arc<PodPolicy>>,
+    /// The listeners built for pods of their own, kept across translations while the pod's
+    /// policy stands.
+    built: Mutex<HashMap<ListenerKey, Arc<XdsResource>>>,
 }
 
-#[derive(Debug)]
-struct PodInbound {
-    policy: PodPolicy,
-    rules: usize,
-    /// Permissive, strict.
-    built: [OnceLock<Arc<XdsResource>>; 2],
-}
+/// A pod's listener is its policy's (by its address), its mode's (strict or not) and its
+/// probes'.
+type ListenerKey = (IpAddr, bool, Vec<InboundProbe>);
+
+/// Listeners kept at most: several times a node's pods; past it, they are built again as
+/// their proxies ask (addresses are reused, so old entries would otherwise pile up).
+const MAX_BUILT: usize = 2048;
 
 impl Inbound {
     /// For `policies` (see [`pod_policies`]). What `previous` built for a pod whose policy
@@ -312,35 +316,43 @@ impl Inbound {
                 let build = |strict| {
                     XdsResource::new(
                         super::INBOUND_LISTENER,
-                        super::inbound::listener(strict, &trust_domain, capture, None),
+                        super::inbound::listener(strict, &trust_domain, capture, None, &[]),
                     )
                 };
                 (build(false), build(true))
             }
         };
-        let pods = policies
+        let pods: HashMap<IpAddr, Arc<PodPolicy>> = policies
             .into_iter()
             .map(|(ip, policy)| {
                 let kept = previous
                     .and_then(|p| p.pods.get(&ip))
-                    .filter(|pod| pod.policy == policy)
+                    .filter(|kept| ***kept == policy)
                     .cloned();
-                let pod = kept.unwrap_or_else(|| {
-                    Arc::new(PodInbound {
-                        rules: policy.values().map(|p| p.rules.len()).sum(),
-                        policy,
-                        built: Default::default(),
-                    })
-                });
-                (ip, pod)
+                (ip, kept.unwrap_or_else(|| Arc::new(policy)))
             })
             .collect();
+        let built = match previous {
+            Some(previous) => {
+                let mut built = lock(&previous.built).clone();
+                built.retain(
+                    |(ip, _, _), _| match (previous.pods.get(ip), pods.get(ip)) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    },
+                );
+                built
+            }
+            None => HashMap::new(),
+        };
         Inbound {
             trust_domain,
             capture,
             permissive,
             strict,
             pods,
+            built: Mutex::new(built),
         }
     }
 
@@ -350,33 +362,53 @@ impl Inbound {
     }
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
 impl InboundListeners for Inbound {
-    fn listener(&self, pod: IpAddr, mode: InboundMode) -> Arc<XdsResource> {
+    fn listener(
+        &self,
+        pod: IpAddr,
+        mode: InboundMode,
+        probes: &[InboundProbe],
+    ) -> Arc<XdsResource> {
         let strict = mode == InboundMode::Strict;
-        let Some(policed) = self.pods.get(&pod) else {
+        let policy = self.pods.get(&pod);
+        // Probes need chains of their own only where plaintext is refused.
+        if policy.is_none() && (!strict || probes.is_empty()) {
             return if strict {
                 self.strict.clone()
             } else {
                 self.permissive.clone()
             };
-        };
-        policed.built[usize::from(strict)]
-            .get_or_init(|| {
-                XdsResource::new(
-                    super::INBOUND_LISTENER,
-                    super::inbound::listener(
-                        strict,
-                        &self.trust_domain,
-                        self.capture,
-                        Some(&policed.policy),
-                    ),
-                )
-            })
-            .clone()
+        }
+        let key = (pod, strict, probes.to_vec());
+        let mut built = lock(&self.built);
+        if let Some(listener) = built.get(&key) {
+            return listener.clone();
+        }
+        let listener = XdsResource::new(
+            super::INBOUND_LISTENER,
+            super::inbound::listener(
+                strict,
+                &self.trust_domain,
+                self.capture,
+                policy.map(|p| &**p),
+                probes,
+            ),
+        );
+        if built.len() >= MAX_BUILT {
+            built.clear();
+        }
+        built.insert(key, listener.clone());
+        listener
     }
 
     fn rules(&self, pod: IpAddr) -> usize {
-        self.pods.get(&pod).map_or(0, |p| p.rules)
+        self.pods
+            .get(&pod)
+            .map_or(0, |p| p.values().map(|port| port.rules.len()).sum())
     }
 }
 
@@ -537,18 +569,21 @@ mod tests {
         };
         let capture = CapturePort::default();
         let first = Inbound::new("cluster.local".into(), capture, policy("a"), None);
-        let built = first.listener(ip, InboundMode::Strict);
+        let built = first.listener(ip, InboundMode::Strict, &[]);
         assert_eq!(first.rules(ip), 1);
         let same = Inbound::new("cluster.local".into(), capture, policy("a"), Some(&first));
-        assert!(Arc::ptr_eq(&built, &same.listener(ip, InboundMode::Strict)));
+        assert!(Arc::ptr_eq(
+            &built,
+            &same.listener(ip, InboundMode::Strict, &[])
+        ));
         let changed = Inbound::new("cluster.local".into(), capture, policy("b"), Some(&same));
         assert_ne!(
-            changed.listener(ip, InboundMode::Strict).version,
+            changed.listener(ip, InboundMode::Strict, &[]).version,
             built.version
         );
         let other: IpAddr = "10.0.0.9".parse().unwrap();
         assert!(Arc::ptr_eq(
-            &changed.listener(other, InboundMode::Strict),
+            &changed.listener(other, InboundMode::Strict, &[]),
             &first.strict
         ));
         assert_eq!(changed.rules(other), 0);

@@ -18,6 +18,9 @@
 //! SPIFFE ID (`-` for plaintext) when the app's side is connected, and another when the
 //! connection ends.
 
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
 use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
 use envoy_types::pb::envoy::config::core::v3::{
     DataSource, SubstitutionFormatString, TrafficDirection, TransportSocket, data_source,
@@ -50,6 +53,8 @@ use lattice_contract::{
 
 use super::authorization::{self, PodPolicy, PortPolicy};
 use super::{mtls, socket_address, typed};
+use crate::mesh::{Action, AuthorizationRule, PathMatch};
+use crate::xds::InboundProbe;
 
 /// The inbound listener's name in every proxy.
 pub const INBOUND_LISTENER: &str = "lattice-inbound";
@@ -62,7 +67,7 @@ const FIRST_BYTES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The inbound listener of a pod in `strict` mode or not, for proxies whose peers' SPIFFE IDs
 /// are in `trust_domain`, in pods whose capture port is `capture`, with `policy` at its policed
-/// ports (see [`super::authorization`]).
+/// ports (see [`super::authorization`]) and the kubelet's `probes` let through.
 ///
 /// `strict`: what is not mesh mTLS is refused; else it is handed on as it came.
 pub(super) fn listener(
@@ -70,6 +75,7 @@ pub(super) fn listener(
     trust_domain: &str,
     capture: CapturePort,
     policy: Option<&PodPolicy>,
+    probes: &[InboundProbe],
 ) -> Listener {
     let own_ports = [
         ENVOY_ADMIN_PORT,
@@ -94,11 +100,19 @@ pub(super) fn listener(
         filters: vec![tcp_proxy(Handoff::Mtls)],
         ..FilterChain::default()
     });
-    for (&port, policy) in policy.into_iter().flatten() {
+    // Ports with chains of their own: those with rules, and, in strict mode, those the
+    // kubelet probes (in permissive mode its plaintext passes the default chain).
+    let mut ports: BTreeSet<u16> = policy.into_iter().flatten().map(|(p, _)| *p).collect();
+    if strict {
+        ports.extend(probes.iter().map(|p| p.port));
+    }
+    for port in ports {
         if own_ports.contains(&port) {
             continue;
         }
-        filter_chains.extend(policed_chains(strict, trust_domain, port, policy));
+        let at: Vec<&InboundProbe> = probes.iter().filter(|p| p.port == port).collect();
+        let policy = policy.and_then(|p| p.get(&port));
+        filter_chains.extend(port_chains(strict, trust_domain, port, policy, &at));
     }
     // Strict: no default chain, so Envoy closes the connection (`no_filter_chain_match` in
     // its listener statistics).
@@ -132,19 +146,26 @@ pub(super) fn listener(
     }
 }
 
-/// The chains of a policed port. Envoy picks a chain by destination port first and never
-/// goes back to a less specific one: once a port has chains of its own, every kind of
-/// connection to it needs one, or it falls to the listener's default chain, past the rules.
-/// So, in permissive mode, beside mesh mTLS: plaintext, and TLS that is not the mesh's (read
-/// as a connection). In strict mode only mesh mTLS has a chain; the rest finds none and is
-/// closed, as at every other port.
-fn policed_chains(
+/// The chains of a port with rules or probes to let through. Envoy picks a chain by
+/// destination port first and never goes back to a less specific one: once a port has chains
+/// of its own, every kind of connection to it needs one, or it falls to the listener's default
+/// chain, past the rules. So, beside mesh mTLS: in permissive mode, plaintext and TLS that is
+/// not the mesh's (read as a connection); in strict mode, only what the kubelet's probes need,
+/// and what finds no chain is closed, as at every other port.
+///
+/// The kubelet calls without an identity, from the node. An HTTP probe's GETs of its path are
+/// let through (on an HTTP chain; whatever else comes in plaintext gets 403 in strict mode, or
+/// what the rules say in permissive mode). A probe read as a connection (TCP, gRPC, HTTPS)
+/// cannot be told from any other connection: its port takes plaintext and other TLS as it
+/// comes.
+fn port_chains(
     strict: bool,
     trust_domain: &str,
     port: u16,
-    policy: &PortPolicy,
+    policy: Option<&PortPolicy>,
+    probes: &[&InboundProbe],
 ) -> Vec<FilterChain> {
-    let reads = |handoff: Handoff| -> Vec<Filter> {
+    let reads = |handoff: Handoff, policy: &PortPolicy| -> Vec<Filter> {
         if policy.http && handoff != Handoff::OtherTls {
             return vec![http_manager(handoff, port, policy, trust_domain)];
         }
@@ -156,27 +177,77 @@ fn policed_chains(
         filters.push(tcp_proxy(handoff));
         filters
     };
+    let connection_probe = probes.iter().any(|p| p.path.is_none());
+    let probe_paths: Vec<PathMatch> = probes
+        .iter()
+        .filter_map(|p| p.path.clone())
+        .map(PathMatch::Exact)
+        .collect();
     let mut chains = vec![FilterChain {
         name: format!("mtls-{port}"),
         filter_chain_match: Some(mesh_match(Some(port))),
         transport_socket: Some(mtls_socket(trust_domain)),
-        filters: reads(Handoff::Mtls),
+        filters: match policy {
+            Some(policy) => reads(Handoff::Mtls, policy),
+            None => vec![tcp_proxy(Handoff::Mtls)],
+        },
         ..FilterChain::default()
     }];
-    if !strict {
+    let other_tls = if connection_probe {
+        Some(vec![tcp_proxy(Handoff::OtherTls)])
+    } else if strict {
+        None
+    } else {
+        policy.map(|policy| reads(Handoff::OtherTls, policy))
+    };
+    let plaintext = if connection_probe {
+        Some(vec![tcp_proxy(Handoff::Plaintext)])
+    } else if !probe_paths.is_empty() {
+        // The probes prove the port speaks HTTP, whatever its services say.
+        let probed = AuthorizationRule {
+            action: Action::Allow,
+            from: Vec::new(),
+            ports: Vec::new(),
+            paths: probe_paths,
+            methods: vec![Arc::from("GET")],
+        };
+        let mut rules = match policy {
+            Some(policy) if !strict => policy.rules.clone(),
+            _ => Vec::new(),
+        };
+        // Only where calls are refused unless allowed: beside deny rules alone, an allow rule
+        // would refuse everything else.
+        if strict || rules.iter().any(|r| r.action == Action::Allow) {
+            rules.push(probed);
+        }
+        let policy = PortPolicy { http: true, rules };
+        Some(vec![http_manager(
+            Handoff::Plaintext,
+            port,
+            &policy,
+            trust_domain,
+        )])
+    } else if strict {
+        None
+    } else {
+        policy.map(|policy| reads(Handoff::Plaintext, policy))
+    };
+    if let Some(filters) = other_tls {
         chains.push(FilterChain {
             name: format!("other-tls-{port}"),
             filter_chain_match: Some(FilterChainMatch {
                 transport_protocol: "tls".to_string(),
                 ..port_match(port)
             }),
-            filters: reads(Handoff::OtherTls),
+            filters,
             ..FilterChain::default()
         });
+    }
+    if let Some(filters) = plaintext {
         chains.push(FilterChain {
             name: format!("plaintext-{port}"),
             filter_chain_match: Some(port_match(port)),
-            filters: reads(Handoff::Plaintext),
+            filters,
             ..FilterChain::default()
         });
     }
@@ -395,6 +466,7 @@ mod tests {
             "cluster.local",
             CapturePort::default(),
             None,
+            &[],
         )
     }
 
@@ -462,12 +534,13 @@ mod tests {
             ),
         ]
         .into();
-        let chains = |strict| {
+        let chains = |strict, probes: &[InboundProbe]| {
             let listener = listener(
                 strict,
                 "cluster.local",
                 CapturePort::default(),
                 Some(&policy),
+                probes,
             );
             listener
                 .filter_chains
@@ -487,7 +560,7 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            chains(false),
+            chains(false, &[]),
             pairs(&[
                 ("mtls-5432", tcp),
                 ("other-tls-5432", tcp),
@@ -498,8 +571,38 @@ mod tests {
             ])
         );
         assert_eq!(
-            chains(true),
+            chains(true, &[]),
             pairs(&[("mtls-5432", tcp), ("mtls-8080", hcm)])
+        );
+
+        // The kubelet's probes: an HTTP one's GETs pass a strict pod's plaintext chain, a
+        // connection probe opens its port; a permissive pod's unpoliced ports need nothing.
+        let probes = [
+            InboundProbe {
+                port: 8080,
+                path: Some(Arc::from("/healthz")),
+            },
+            InboundProbe {
+                port: 9000,
+                path: None,
+            },
+        ];
+        let proxy = "envoy.filters.network.tcp_proxy";
+        assert_eq!(
+            chains(true, &probes),
+            pairs(&[
+                ("mtls-5432", tcp),
+                ("mtls-8080", hcm),
+                ("plaintext-8080", hcm),
+                ("mtls-9000", proxy),
+                ("other-tls-9000", proxy),
+                ("plaintext-9000", proxy),
+            ])
+        );
+        assert_eq!(
+            chains(false, &probes).len(),
+            6,
+            "permissive: the policed ports only"
         );
     }
 }
