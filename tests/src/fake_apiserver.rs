@@ -73,6 +73,7 @@ pub static KINDS: &[Kind] = &[
     Kind::namespaced("", "v1", "ConfigMap", "configmaps"),
     Kind::namespaced("", "v1", "Secret", "secrets"),
     Kind::cluster_scoped("", "v1", "Node", "nodes"),
+    Kind::cluster_scoped("", "v1", "Namespace", "namespaces"),
     Kind::cluster_scoped(
         "admissionregistration.k8s.io",
         "v1",

@@ -692,3 +692,61 @@ fn the_kubelets_probes_pass_a_strict_pod() {
         assert!(answer.trim_end().ends_with(name), "{answer}");
     }
 }
+
+/// The namespace `default` labelled with the mTLS mode `mode`.
+fn namespace(mode: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Namespace",
+           "metadata": {"name": "default", "labels": {"lattice.mlab.com/mtls-mode": mode}}})
+}
+
+/// A namespace's label sets the mode of its captured pods that name none, live; a pod's own
+/// annotation wins over it.
+#[test]
+fn a_namespace_label_sets_the_mode_of_its_pods() {
+    let (web_ip, vault_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let objects = vec![
+        namespace("strict"),
+        captured("web", "web", web_ip, None),
+        captured("vault", "vault", vault_ip, Some("permissive")),
+    ];
+    let trusted = TrustedNode::start("nsmode", objects, None).unwrap();
+    let (node, server, agent) = (&trusted.node, &trusted.server, &trusted.agent);
+    let web = trusted.pod("web", 2, &["--inbound-capture"]).unwrap();
+    let vault = trusted.pod("vault", 3, &["--inbound-capture"]).unwrap();
+    let _web_app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let _vault_app = Server::http(&vault.pod, "vault", APP_PORT).unwrap();
+    for pod in [&web, &vault] {
+        wait::until("the inbound listener", WITHIN, || inbound_listening(pod))
+            .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    }
+    let outsider = node.pod("outsider", 4).unwrap();
+    let (web_at, vault_at) = (
+        SocketAddr::from((web_ip, APP_PORT)),
+        SocketAddr::from((vault_ip, APP_PORT)),
+    );
+    assert_eq!(
+        wait::until("vault permissive", WITHIN, || plaintext(
+            &outsider.netns,
+            vault_at
+        ))
+        .unwrap(),
+        "vault",
+        "the pod's own mode wins"
+    );
+    assert!(
+        plaintext(&outsider.netns, web_at).is_err(),
+        "web takes its namespace's strict mode"
+    );
+    let (_, proxies) = agent.get("/debug/xds").unwrap();
+    assert!(proxies.contains("\"inbound\":\"strict\""), "{proxies}");
+
+    server.apply_json(namespace("permissive")).unwrap();
+    assert_eq!(
+        wait::until("web permissive", WITHIN, || plaintext(
+            &outsider.netns,
+            web_at
+        ))
+        .unwrap(),
+        "web"
+    );
+}

@@ -605,7 +605,7 @@ fn is_not_found(err: &watcher::Error) -> bool {
 }
 
 /// The HTTP status the API server answered with, if it did.
-fn status_code(err: &watcher::Error) -> Option<u16> {
+pub(super) fn status_code(err: &watcher::Error) -> Option<u16> {
     match err {
         watcher::Error::InitialListFailed(kube::Error::Api(status))
         | watcher::Error::WatchStartFailed(kube::Error::Api(status))

@@ -3,11 +3,12 @@
 //! whatever the cluster's size), folded into the [`PodDirectory`] the xDS server checks
 //! streams against. Nothing is published before the first complete list.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Api;
+use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -88,8 +89,8 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
         .collect()
 }
 
-/// The pod's inbound mode when it asks for inbound capture. An unknown mode is taken as
-/// `strict`: a typo must not open the pod to plaintext it meant to refuse.
+/// The pod's inbound mode when it asks for inbound capture, as its own annotation says it
+/// (`permissive` without one; see [`explicit_mode`] for its namespace's say).
 fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
     let annotations = pod.metadata.annotations.as_ref()?;
     if annotations
@@ -99,17 +100,34 @@ fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
     {
         return None;
     }
-    Some(
-        match annotations.get(MTLS_MODE_ANNOTATION).map(|v| v.trim()) {
-            None | Some("permissive") => InboundMode::Permissive,
-            Some("strict") => InboundMode::Strict,
-            Some(other) => {
-                let shown: String = other.chars().take(64).collect();
-                warn!(pod = %key, value = shown, "unknown {MTLS_MODE_ANNOTATION} (permissive or strict): the pod's inbound listener is strict");
-                InboundMode::Strict
-            }
-        },
-    )
+    Some(explicit_mode(pod, key).unwrap_or(InboundMode::Permissive))
+}
+
+/// The mode the pod's annotation names, if it names one.
+fn explicit_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
+    let value = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(MTLS_MODE_ANNOTATION)?;
+    Some(read_mode(value, &format!("pod {key}")))
+}
+
+/// `permissive` or `strict`. An unknown mode is taken as `strict`: a typo must not open pods
+/// to plaintext they meant to refuse.
+fn read_mode(value: &str, whose: &str) -> InboundMode {
+    match value.trim() {
+        "permissive" => InboundMode::Permissive,
+        "strict" => InboundMode::Strict,
+        other => {
+            let shown: String = other.chars().take(64).collect();
+            warn!(
+                value = shown,
+                "{whose}: unknown {MTLS_MODE_ANNOTATION} (permissive or strict): taken as strict"
+            );
+            InboundMode::Strict
+        }
+    }
 }
 
 /// At most this many probes of a pod are kept: each is a filter chain or a rule of its
@@ -223,9 +241,65 @@ fn scoping(pod: &Pod, key: &PodKey) -> (bool, Vec<std::sync::Arc<str>>) {
     (scoped, uses)
 }
 
-/// Follows this node's pods until shutdown, publishing the directory after the first
-/// complete list and after every change. Watch failures are retried with backoff; the last
-/// published directory keeps serving meanwhile.
+/// A pod as the directory is made of: its entries, and whether its own annotation names its
+/// mode (else its namespace's label does, or `permissive`).
+struct FollowedPod {
+    entries: Vec<PodEntry>,
+    explicit: bool,
+}
+
+impl FollowedPod {
+    fn of(pod: &Pod) -> Option<(PodKey, FollowedPod)> {
+        let entries = pod_entries(pod);
+        let key = entries.first()?.key.clone();
+        let explicit = explicit_mode(pod, &key).is_some();
+        Some((key, FollowedPod { entries, explicit }))
+    }
+}
+
+fn pod_key(pod: &Pod) -> PodKey {
+    PodKey {
+        namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+        name: pod.metadata.name.clone().unwrap_or_default(),
+    }
+}
+
+/// The directory of `pods`, each captured pod without a mode of its own in its namespace's.
+fn directory(
+    pods: &BTreeMap<PodKey, FollowedPod>,
+    namespaces: &HashMap<String, InboundMode>,
+) -> PodDirectory {
+    PodDirectory::new(pods.iter().flat_map(|(key, pod)| {
+        let default = (!pod.explicit)
+            .then(|| namespaces.get(&key.namespace).copied())
+            .flatten();
+        pod.entries.iter().map(move |entry| {
+            let mut entry = entry.clone();
+            if let (Some(mode), Some(_)) = (default, entry.inbound) {
+                entry.inbound = Some(mode);
+            }
+            entry
+        })
+    }))
+}
+
+/// The namespaces whose label names a mode: the default of their captured pods.
+fn namespace_mode(namespace: &PartialObjectMeta<Namespace>) -> (String, Option<InboundMode>) {
+    let name = namespace.metadata.name.clone().unwrap_or_default();
+    let mode = namespace
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(MTLS_MODE_ANNOTATION))
+        .map(|value| read_mode(value, &format!("namespace {name}")));
+    (name, mode)
+}
+
+/// Follows this node's pods, and the namespaces' modes, until shutdown, publishing the
+/// directory once both are first listed and after every change. Watch failures are retried
+/// with backoff; the last published directory keeps serving meanwhile. An agent that may not
+/// read namespaces (a role that predates it) says so once and takes every namespace as
+/// naming no mode.
 pub async fn watch_pods(
     client: kube::Client,
     node: String,
@@ -233,70 +307,120 @@ pub async fn watch_pods(
     shutdown: CancellationToken,
 ) {
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = watcher(Api::<Pod>::all(client), config)
+    let mut events = watcher(Api::<Pod>::all(client.clone()), config)
         .default_backoff()
         .boxed();
-    let mut pods: BTreeMap<PodKey, Vec<PodEntry>> = BTreeMap::new();
+    // Metadata only: `Api<PartialObjectMeta<_>>` asks for PartialObjectMetadata.
+    let mut namespace_events = watcher(
+        Api::<PartialObjectMeta<Namespace>>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .boxed();
+    let mut pods: BTreeMap<PodKey, FollowedPod> = BTreeMap::new();
     // The pods of a re-list in progress: they replace `pods` whole when it completes.
-    let mut relist: Option<BTreeMap<PodKey, Vec<PodEntry>>> = None;
-    let mut synced = false;
+    let mut relist: Option<BTreeMap<PodKey, FollowedPod>> = None;
+    let mut namespaces: HashMap<String, InboundMode> = HashMap::new();
+    let mut namespace_relist: Option<HashMap<String, InboundMode>> = None;
+    let (mut synced, mut namespaces_synced) = (false, false);
     loop {
-        let event = tokio::select! {
+        let publish = tokio::select! {
             () = shutdown.cancelled() => return,
             event = events.next() => match event {
-                Some(event) => event,
+                Some(event) => {
+                    let changed = match event {
+                        Ok(watcher::Event::Init) => {
+                            relist = Some(BTreeMap::new());
+                            false
+                        }
+                        Ok(watcher::Event::InitApply(pod)) => {
+                            if let (Some(relist), Some((key, followed))) =
+                                (&mut relist, FollowedPod::of(&pod))
+                            {
+                                relist.insert(key, followed);
+                            }
+                            false
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            pods = relist.take().unwrap_or_default();
+                            if !synced {
+                                info!(node = %node, pods = pods.len(), "this node's pods listed: proxy identity checking is on");
+                            }
+                            synced = true;
+                            true
+                        }
+                        Ok(watcher::Event::Apply(pod)) => {
+                            match FollowedPod::of(&pod) {
+                                Some((key, followed)) => pods.insert(key, followed),
+                                None => pods.remove(&pod_key(&pod)),
+                            };
+                            true
+                        }
+                        Ok(watcher::Event::Delete(pod)) => {
+                            pods.remove(&pod_key(&pod));
+                            true
+                        }
+                        Err(error) => {
+                            warn!(%error, "watching this node's pods failed; retrying, proxies are checked against the last list");
+                            false
+                        }
+                    };
+                    changed && synced
+                }
+                None => return,
+            },
+            event = namespace_events.next() => match event {
+                Some(event) => {
+                    let changed = match event {
+                        Ok(watcher::Event::Init) => {
+                            namespace_relist = Some(HashMap::new());
+                            false
+                        }
+                        Ok(watcher::Event::InitApply(namespace)) => {
+                            if let (Some(relist), (name, Some(mode))) =
+                                (&mut namespace_relist, namespace_mode(&namespace))
+                            {
+                                relist.insert(name, mode);
+                            }
+                            false
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            namespaces = namespace_relist.take().unwrap_or_default();
+                            namespaces_synced = true;
+                            true
+                        }
+                        Ok(watcher::Event::Apply(namespace)) => {
+                            let (name, mode) = namespace_mode(&namespace);
+                            match mode {
+                                Some(mode) => namespaces.insert(name, mode) != Some(mode),
+                                None => namespaces.remove(&name).is_some(),
+                            }
+                        }
+                        Ok(watcher::Event::Delete(namespace)) => {
+                            let (name, _) = namespace_mode(&namespace);
+                            namespaces.remove(&name).is_some()
+                        }
+                        Err(error) if super::status_code(&error) == Some(403) => {
+                            if !namespaces_synced {
+                                warn!("namespaces may not be read (403): no namespace's {MTLS_MODE_ANNOTATION} label is followed, until the agent's role grants list and watch on namespaces (deploy/rbac.yaml)");
+                                namespaces_synced = true;
+                                true
+                            } else {
+                                false
+                            }
+                        }
+                        Err(error) => {
+                            warn!(%error, "watching namespaces failed; retrying, their last modes stand");
+                            false
+                        }
+                    };
+                    changed && synced
+                }
                 None => return,
             },
         };
-        let publish = match event {
-            Ok(watcher::Event::Init) => {
-                relist = Some(BTreeMap::new());
-                false
-            }
-            Ok(watcher::Event::InitApply(pod)) => {
-                if let Some(relist) = &mut relist {
-                    let entries = pod_entries(&pod);
-                    if let Some(first) = entries.first() {
-                        relist.insert(first.key.clone(), entries);
-                    }
-                }
-                false
-            }
-            Ok(watcher::Event::InitDone) => {
-                pods = relist.take().unwrap_or_default();
-                if !synced {
-                    info!(node = %node, pods = pods.len(), "this node's pods listed: proxy identity checking is on");
-                }
-                synced = true;
-                true
-            }
-            Ok(watcher::Event::Apply(pod)) => {
-                let entries = pod_entries(&pod);
-                let key = PodKey {
-                    namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-                    name: pod.metadata.name.clone().unwrap_or_default(),
-                };
-                if entries.is_empty() {
-                    pods.remove(&key);
-                } else {
-                    pods.insert(key, entries);
-                }
-                synced
-            }
-            Ok(watcher::Event::Delete(pod)) => {
-                pods.remove(&PodKey {
-                    namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-                    name: pod.metadata.name.clone().unwrap_or_default(),
-                });
-                synced
-            }
-            Err(error) => {
-                warn!(%error, "watching this node's pods failed; retrying, proxies are checked against the last list");
-                false
-            }
-        };
-        if publish {
-            let directory = PodDirectory::new(pods.values().flatten().cloned());
+        if publish && namespaces_synced {
+            let directory = directory(&pods, &namespaces);
             tx.send_replace(Some(std::sync::Arc::new(directory)));
         }
     }
@@ -430,5 +554,46 @@ mod tests {
             ]
         );
         assert!(probed(json!({})).is_empty());
+    }
+
+    /// A captured pod without a mode of its own takes its namespace's; one with its own keeps
+    /// it; a pod that does not capture has none whatever its namespace says.
+    #[test]
+    fn a_namespace_label_sets_the_mode_of_its_pods_without_one() {
+        let followed = |name: &str, annotations: serde_json::Value| {
+            FollowedPod::of(&pod(json!({
+                "metadata": {"namespace": "shop", "name": name, "annotations": annotations},
+                "spec": {"containers": []},
+                "status": {"phase": "Running", "podIP": format!("10.0.0.{}", name.len())},
+            })))
+            .unwrap()
+        };
+        let pods: BTreeMap<PodKey, FollowedPod> = [
+            followed("a", json!({INBOUND_CAPTURE_ANNOTATION: "enabled"})),
+            followed(
+                "bb",
+                json!({INBOUND_CAPTURE_ANNOTATION: "enabled", MTLS_MODE_ANNOTATION: "permissive"}),
+            ),
+            followed("ccc", json!({})),
+        ]
+        .into_iter()
+        .collect();
+        let mode = |namespaces: &HashMap<String, InboundMode>, name: &str, ip: &str| {
+            let directory = directory(&pods, namespaces);
+            let key = PodKey {
+                namespace: "shop".to_string(),
+                name: name.to_string(),
+            };
+            directory.entry(&key, ip.parse().unwrap()).unwrap().inbound
+        };
+        let none = HashMap::new();
+        let strict = HashMap::from([("shop".to_string(), InboundMode::Strict)]);
+        assert_eq!(mode(&none, "a", "10.0.0.1"), Some(InboundMode::Permissive));
+        assert_eq!(mode(&strict, "a", "10.0.0.1"), Some(InboundMode::Strict));
+        assert_eq!(
+            mode(&strict, "bb", "10.0.0.2"),
+            Some(InboundMode::Permissive)
+        );
+        assert_eq!(mode(&strict, "ccc", "10.0.0.3"), None);
     }
 }
