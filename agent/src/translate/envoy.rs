@@ -116,7 +116,7 @@ pub struct EnvoyTranslator {
     /// The trust domain of the mesh's SPIFFE IDs, which authorization rules name.
     trust_domain: Arc<str>,
     /// The proxies' inbound listeners, with mesh mTLS on.
-    inbound: Option<Arc<authorization::Inbound>>,
+    inbound: Option<Arc<inbound::Inbound>>,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -292,7 +292,7 @@ impl EnvoyTranslator {
             return;
         }
         let policies = authorization::pod_policies(mesh.services.values().map(|s| &**s));
-        self.inbound = Some(Arc::new(authorization::Inbound::new(
+        self.inbound = Some(Arc::new(inbound::Inbound::new(
             self.trust_domain.clone(),
             self.capture_port,
             policies,

@@ -21,7 +21,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
 
 use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -36,12 +35,9 @@ use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as Netw
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     PathMatcher, StringMatcher, path_matcher, string_matcher,
 };
-use lattice_contract::CapturePort;
 
 use super::typed;
 use crate::mesh::{Action, AuthorizationRule, Caller, PathMatch, Service};
-use crate::xds::snapshot::XdsResource;
-use crate::xds::{InboundListeners, InboundMode, InboundProbe};
 
 /// What holds at one port of a pod (the port the endpoint serves).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -277,144 +273,10 @@ fn method(method: &str) -> Principal {
     }))
 }
 
-/// The inbound listeners of one translation: one per mode shared by every pod without rules
-/// or probes to let through, and one per pod, mode and probes otherwise, built when a proxy of
-/// that pod first asks (a node runs a few of the mesh's pods; the policies cover them all).
-#[derive(Debug)]
-pub struct Inbound {
-    trust_domain: Arc<str>,
-    capture: CapturePort,
-    permissive: Arc<XdsResource>,
-    strict: Arc<XdsResource>,
-    /// The policed pods' policies.
-    pods: HashMap<IpAddr, Arc<PodPolicy>>,
-    /// The listeners built for pods of their own, kept across translations while the pod's
-    /// policy stands.
-    built: Mutex<HashMap<ListenerKey, Arc<XdsResource>>>,
-}
-
-/// A pod's listener is its policy's (by its address), its mode's (strict or not) and its
-/// probes'.
-type ListenerKey = (IpAddr, bool, Vec<InboundProbe>);
-
-/// Listeners kept at most: several times a node's pods; past it, they are built again as
-/// their proxies ask (addresses are reused, so old entries would otherwise pile up).
-const MAX_BUILT: usize = 2048;
-
-impl Inbound {
-    /// For `policies` (see [`pod_policies`]). What `previous` built for a pod whose policy
-    /// did not change is kept, so its proxies see no change.
-    pub fn new(
-        trust_domain: Arc<str>,
-        capture: CapturePort,
-        policies: HashMap<IpAddr, PodPolicy>,
-        previous: Option<&Inbound>,
-    ) -> Inbound {
-        let (permissive, strict) = match previous {
-            Some(previous) => (previous.permissive.clone(), previous.strict.clone()),
-            None => {
-                let build = |strict| {
-                    XdsResource::new(
-                        super::INBOUND_LISTENER,
-                        super::inbound::listener(strict, &trust_domain, capture, None, &[]),
-                    )
-                };
-                (build(false), build(true))
-            }
-        };
-        let pods: HashMap<IpAddr, Arc<PodPolicy>> = policies
-            .into_iter()
-            .map(|(ip, policy)| {
-                let kept = previous
-                    .and_then(|p| p.pods.get(&ip))
-                    .filter(|kept| ***kept == policy)
-                    .cloned();
-                (ip, kept.unwrap_or_else(|| Arc::new(policy)))
-            })
-            .collect();
-        let built = match previous {
-            Some(previous) => {
-                let mut built = lock(&previous.built).clone();
-                built.retain(
-                    |(ip, _, _), _| match (previous.pods.get(ip), pods.get(ip)) {
-                        (None, None) => true,
-                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                        _ => false,
-                    },
-                );
-                built
-            }
-            None => HashMap::new(),
-        };
-        Inbound {
-            trust_domain,
-            capture,
-            permissive,
-            strict,
-            pods,
-            built: Mutex::new(built),
-        }
-    }
-
-    /// Whether it was built for this trust domain and capture port.
-    pub fn serves(&self, trust_domain: &str, capture: CapturePort) -> bool {
-        &*self.trust_domain == trust_domain && self.capture == capture
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
-}
-
-impl InboundListeners for Inbound {
-    fn listener(
-        &self,
-        pod: IpAddr,
-        mode: InboundMode,
-        probes: &[InboundProbe],
-    ) -> Arc<XdsResource> {
-        let strict = mode == InboundMode::Strict;
-        let policy = self.pods.get(&pod);
-        // Probes need chains of their own only where plaintext is refused.
-        if policy.is_none() && (!strict || probes.is_empty()) {
-            return if strict {
-                self.strict.clone()
-            } else {
-                self.permissive.clone()
-            };
-        }
-        let key = (pod, strict, probes.to_vec());
-        let mut built = lock(&self.built);
-        if let Some(listener) = built.get(&key) {
-            return listener.clone();
-        }
-        let listener = XdsResource::new(
-            super::INBOUND_LISTENER,
-            super::inbound::listener(
-                strict,
-                &self.trust_domain,
-                self.capture,
-                policy.map(|p| &**p),
-                probes,
-            ),
-        );
-        if built.len() >= MAX_BUILT {
-            built.clear();
-        }
-        built.insert(key, listener.clone());
-        listener
-    }
-
-    fn rules(&self, pod: IpAddr) -> usize {
-        self.pods
-            .get(&pod)
-            .map_or(0, |p| p.values().map(|port| port.rules.len()).sum())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
+    use std::sync::Arc;
 
     use prost::Message;
 
@@ -554,38 +416,5 @@ mod tests {
         for _ in 0..20 {
             assert_eq!(compiled_bytes(&policy), first);
         }
-    }
-
-    /// A pod whose policy did not change keeps the listener built for it.
-    #[test]
-    fn an_unchanged_pod_keeps_its_listener() {
-        let ip: IpAddr = "10.0.0.1".parse().unwrap();
-        let policy = |ns: &str| -> HashMap<IpAddr, PodPolicy> {
-            let port = PortPolicy {
-                http: true,
-                rules: vec![rule(Action::Allow, &[ns], &[], &[])],
-            };
-            HashMap::from([(ip, PodPolicy::from([(8080, port)]))])
-        };
-        let capture = CapturePort::default();
-        let first = Inbound::new("cluster.local".into(), capture, policy("a"), None);
-        let built = first.listener(ip, InboundMode::Strict, &[]);
-        assert_eq!(first.rules(ip), 1);
-        let same = Inbound::new("cluster.local".into(), capture, policy("a"), Some(&first));
-        assert!(Arc::ptr_eq(
-            &built,
-            &same.listener(ip, InboundMode::Strict, &[])
-        ));
-        let changed = Inbound::new("cluster.local".into(), capture, policy("b"), Some(&same));
-        assert_ne!(
-            changed.listener(ip, InboundMode::Strict, &[]).version,
-            built.version
-        );
-        let other: IpAddr = "10.0.0.9".parse().unwrap();
-        assert!(Arc::ptr_eq(
-            &changed.listener(other, InboundMode::Strict, &[]),
-            &first.strict
-        ));
-        assert_eq!(changed.rules(other), 0);
     }
 }

@@ -1,7 +1,9 @@
 //! A proxy's inbound listener: where `lattice-init --inbound-capture` sends the TCP that
-//! arrives for its pod, on [`ENVOY_INBOUND_PORT`]. It is not part of the mesh snapshot: a
-//! proxy gets it in its own view, beside its secrets, when its pod asks for inbound capture,
-//! in the pod's mode (`identity::InboundMode`).
+//! arrives for its pod, on [`ENVOY_INBOUND_PORT`]. It is not one of the mesh's resources:
+//! each Envoy snapshot carries an [`Inbound`], from which a proxy gets its pod's listener in
+//! its own view, beside its secrets, when its pod asks for inbound capture: for the pod's mode
+//! (`identity::InboundMode`), its address's authorization rules ([`super::authorization`]),
+//! and its kubelet probes.
 //!
 //! A connection keeps its original destination (the original_dst listener filter) and picks a
 //! chain by what it starts with (the tls_inspector):
@@ -18,8 +20,9 @@
 //! SPIFFE ID (`-` for plaintext) when the app's side is connected, and another when the
 //! connection ends.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 
 use envoy_types::pb::envoy::config::accesslog::v3::{AccessLog, access_log};
 use envoy_types::pb::envoy::config::core::v3::{
@@ -54,7 +57,8 @@ use lattice_contract::{
 use super::authorization::{self, PodPolicy, PortPolicy};
 use super::{mtls, socket_address, typed};
 use crate::mesh::{Action, AuthorizationRule, PathMatch};
-use crate::xds::InboundProbe;
+use crate::xds::snapshot::XdsResource;
+use crate::xds::{InboundListeners, InboundMode, InboundProbe};
 
 /// The inbound listener's name in every proxy.
 pub const INBOUND_LISTENER: &str = "lattice-inbound";
@@ -428,6 +432,141 @@ fn tcp_proxy(handoff: Handoff) -> Filter {
     }
 }
 
+/// The inbound listeners of one translation: one per mode shared by every pod without rules
+/// or probes to let through, and one per pod, mode and probes otherwise, built when a proxy of
+/// that pod first asks (a node runs a few of the mesh's pods; the policies cover them all).
+#[derive(Debug)]
+pub struct Inbound {
+    trust_domain: Arc<str>,
+    capture: CapturePort,
+    permissive: Arc<XdsResource>,
+    strict: Arc<XdsResource>,
+    /// The policed pods' policies.
+    pods: HashMap<IpAddr, Arc<PodPolicy>>,
+    /// The listeners built for pods of their own, kept across translations while the pod's
+    /// policy stands.
+    built: Mutex<HashMap<ListenerKey, Arc<XdsResource>>>,
+}
+
+/// A pod's listener is its policy's (by its address), its mode's (strict or not) and its
+/// probes'.
+type ListenerKey = (IpAddr, bool, Vec<InboundProbe>);
+
+/// Listeners kept at most: several times a node's pods; past it, they are built again as
+/// their proxies ask (addresses are reused, so old entries would otherwise pile up).
+const MAX_BUILT: usize = 2048;
+
+impl Inbound {
+    /// For `policies` (see [`pod_policies`]). What `previous` built for a pod whose policy
+    /// did not change is kept, so its proxies see no change.
+    pub fn new(
+        trust_domain: Arc<str>,
+        capture: CapturePort,
+        policies: HashMap<IpAddr, PodPolicy>,
+        previous: Option<&Inbound>,
+    ) -> Inbound {
+        let (permissive, strict) = match previous {
+            Some(previous) => (previous.permissive.clone(), previous.strict.clone()),
+            None => {
+                let build = |strict| {
+                    XdsResource::new(
+                        INBOUND_LISTENER,
+                        listener(strict, &trust_domain, capture, None, &[]),
+                    )
+                };
+                (build(false), build(true))
+            }
+        };
+        let pods: HashMap<IpAddr, Arc<PodPolicy>> = policies
+            .into_iter()
+            .map(|(ip, policy)| {
+                let kept = previous
+                    .and_then(|p| p.pods.get(&ip))
+                    .filter(|kept| ***kept == policy)
+                    .cloned();
+                (ip, kept.unwrap_or_else(|| Arc::new(policy)))
+            })
+            .collect();
+        let built = match previous {
+            Some(previous) => {
+                let mut built = lock(&previous.built).clone();
+                built.retain(
+                    |(ip, _, _), _| match (previous.pods.get(ip), pods.get(ip)) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    },
+                );
+                built
+            }
+            None => HashMap::new(),
+        };
+        Inbound {
+            trust_domain,
+            capture,
+            permissive,
+            strict,
+            pods,
+            built: Mutex::new(built),
+        }
+    }
+
+    /// Whether it was built for this trust domain and capture port.
+    pub fn serves(&self, trust_domain: &str, capture: CapturePort) -> bool {
+        &*self.trust_domain == trust_domain && self.capture == capture
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+impl InboundListeners for Inbound {
+    fn listener(
+        &self,
+        pod: IpAddr,
+        mode: InboundMode,
+        probes: &[InboundProbe],
+    ) -> Arc<XdsResource> {
+        let strict = mode == InboundMode::Strict;
+        let policy = self.pods.get(&pod);
+        // Probes need chains of their own only where plaintext is refused.
+        if policy.is_none() && (!strict || probes.is_empty()) {
+            return if strict {
+                self.strict.clone()
+            } else {
+                self.permissive.clone()
+            };
+        }
+        let key = (pod, strict, probes.to_vec());
+        let mut built = lock(&self.built);
+        if let Some(listener) = built.get(&key) {
+            return listener.clone();
+        }
+        let listener = XdsResource::new(
+            INBOUND_LISTENER,
+            listener(
+                strict,
+                &self.trust_domain,
+                self.capture,
+                policy.map(|p| &**p),
+                probes,
+            ),
+        );
+        if built.len() >= MAX_BUILT {
+            built.clear();
+        }
+        built.insert(key, listener.clone());
+        listener
+    }
+
+    fn rules(&self, pod: IpAddr) -> usize {
+        self.pods
+            .get(&pod)
+            .map_or(0, |p| p.values().map(|port| port.rules.len()).sum())
+    }
+}
+
 /// A line to Envoy's stderr per connection or request, in `format`.
 fn access_log(format: &str) -> Vec<AccessLog> {
     vec![AccessLog {
@@ -604,5 +743,44 @@ mod tests {
             6,
             "permissive: the policed ports only"
         );
+    }
+
+    /// A pod whose policy did not change keeps the listener built for it.
+    #[test]
+    fn an_unchanged_pod_keeps_its_listener() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let policy = |ns: &str| -> HashMap<IpAddr, PodPolicy> {
+            let port = PortPolicy {
+                http: true,
+                rules: vec![AuthorizationRule {
+                    action: Action::Allow,
+                    from: vec![crate::mesh::Caller::Namespace(ns.into())],
+                    ports: Vec::new(),
+                    paths: Vec::new(),
+                    methods: Vec::new(),
+                }],
+            };
+            HashMap::from([(ip, PodPolicy::from([(8080, port)]))])
+        };
+        let capture = CapturePort::default();
+        let first = Inbound::new("cluster.local".into(), capture, policy("a"), None);
+        let built = first.listener(ip, InboundMode::Strict, &[]);
+        assert_eq!(first.rules(ip), 1);
+        let same = Inbound::new("cluster.local".into(), capture, policy("a"), Some(&first));
+        assert!(Arc::ptr_eq(
+            &built,
+            &same.listener(ip, InboundMode::Strict, &[])
+        ));
+        let changed = Inbound::new("cluster.local".into(), capture, policy("b"), Some(&same));
+        assert_ne!(
+            changed.listener(ip, InboundMode::Strict, &[]).version,
+            built.version
+        );
+        let other: IpAddr = "10.0.0.9".parse().unwrap();
+        assert!(Arc::ptr_eq(
+            &changed.listener(other, InboundMode::Strict, &[]),
+            &first.strict
+        ));
+        assert_eq!(changed.rules(other), 0);
     }
 }
