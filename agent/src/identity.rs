@@ -111,14 +111,23 @@ pub struct PodEntry {
     pub probes: Vec<InboundProbe>,
 }
 
-/// A kubelet probe that reaches the pod's inbound listener: its port, and for an HTTP
-/// `httpGet` its path without the query (the kubelet sends a GET); none for a probe read as a
-/// connection (`tcpSocket`, `grpc`, an HTTPS `httpGet`).
+/// A kubelet probe that the pod's inbound listener must let through without an identity.
+/// (A `tcpSocket` probe is none: Envoy takes every captured connection, so the kubelet's
+/// connect succeeds whatever follows.)
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct InboundProbe {
     pub port: u16,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<Arc<str>>,
+    pub kind: ProbeKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum ProbeKind {
+    /// An HTTP `httpGet`: a GET of this path (without its query).
+    Http(Arc<str>),
+    /// A `grpc` probe: the health service's Check, over HTTP/2 in plaintext.
+    Grpc,
+    /// An HTTPS `httpGet`: TLS that is not the mesh's.
+    Https,
 }
 
 /// What a pod's inbound listener does with a connection that is not mesh mTLS.

@@ -27,7 +27,7 @@ mod view;
 mod wire;
 
 /// The mode and the probes [`InboundListeners`] builds a listener for.
-pub use crate::identity::{InboundMode, InboundProbe};
+pub use crate::identity::{InboundMode, InboundProbe, ProbeKind};
 pub use admission::Caps;
 pub use delta::DeltaStream;
 pub use grpc::AdsService;

@@ -660,10 +660,9 @@ fn the_kubelets_probes_pass_a_strict_pod() {
         "a refused request reached the app"
     );
     let (_, echoed) = curl(&node.netns, &format!("telnet://{ip}:7000"), "alive\n");
-    assert_eq!(
-        echoed.trim(),
-        "alive",
-        "the TCP probe's port takes plaintext"
+    assert!(
+        echoed.is_empty(),
+        "the TCP probe's port took plaintext: {echoed}"
     );
     let (status, body) = curl(&node.netns, &format!("http://{ip}:9000/"), "");
     assert!(

@@ -330,8 +330,14 @@ impl WatchSet {
         if result.is_ok() {
             self.failing[watch] = None;
         }
+        // Rules once read are not dropped on a 404: an API server that has just restarted
+        // answers so for custom resources for a moment, and every Service would open. They
+        // stand, reported stale, until the resource lists again.
+        let rules_kept = scope.resource == Resource::MeshAuthorizations
+            && self.listed[watch]
+            && !self.missing[watch];
         match result {
-            Err(err) if scope.resource.is_optional() && is_not_found(&err) => {
+            Err(err) if scope.resource.is_optional() && is_not_found(&err) && !rules_kept => {
                 self.absent(watch, &scope)
             }
             Err(err)

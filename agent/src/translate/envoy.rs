@@ -117,6 +117,8 @@ pub struct EnvoyTranslator {
     trust_domain: Arc<str>,
     /// The proxies' inbound listeners, with mesh mTLS on.
     inbound: Option<Arc<inbound::Inbound>>,
+    /// Whether it said that rules are enforced nowhere (mesh mTLS off).
+    warned_unenforced: bool,
     mesh: Option<ServiceMap>,
     /// The mesh shape the listener and the routes were built for.
     shape_version: Option<u64>,
@@ -146,6 +148,7 @@ impl EnvoyTranslator {
             // `--trust-domain`'s default.
             trust_domain: Arc::from("cluster.local"),
             inbound: None,
+            warned_unenforced: false,
             mesh: None,
             shape_version: None,
             resources: Default::default(),
@@ -267,6 +270,14 @@ impl EnvoyTranslator {
         self.mesh = Some(mesh.services.clone());
         if self.mesh_mtls {
             self.follow_authorization(mesh, authorization_changed);
+        } else if authorization_changed
+            && !self.warned_unenforced
+            && mesh.services.values().any(|s| !s.authorization.is_empty())
+        {
+            self.warned_unenforced = true;
+            tracing::warn!(
+                "services have authorization rules, but no proxy is served secrets (Kubernetes and --node-name): no inbound listener enforces them"
+            );
         }
         XdsSnapshot {
             version: mesh.version,

@@ -13,7 +13,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::identity::{InboundMode, InboundProbe, PodDirectory, PodEntry, PodKey, PodsTx};
+use crate::identity::{
+    InboundMode, InboundProbe, PodDirectory, PodEntry, PodKey, PodsTx, ProbeKind,
+};
 use crate::mesh::MeshPath;
 
 /// The services a pod declares it uses, for a workload that connects without resolving their
@@ -137,11 +139,14 @@ const MAX_PROBES: usize = 16;
 const MAX_PROBE_PATH: usize = 1024;
 
 /// The kubelet's probes of the pod's containers (liveness, readiness, startup, of app and
-/// sidecar containers), as its inbound listener must let them through. A named port is
-/// looked up among its container's ports; a probe of another host than the pod's, or whose
-/// port does not resolve, is not the listener's.
+/// sidecar containers) that its inbound listener must let through: HTTP, HTTPS and gRPC ones
+/// at the pod's own address (a TCP probe passes anyway, see [`InboundProbe`]). A named port is
+/// looked up among its container's ports; a probe of Envoy's own ports (the sidecar's
+/// readiness) is Envoy's, and one whose port does not resolve, or of another host, is none
+/// of the listener's.
 fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use lattice_contract::{ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT};
     let Some(spec) = pod.spec.as_ref() else {
         return Vec::new();
     };
@@ -152,15 +157,17 @@ fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
     let mut found = Vec::new();
     for container in containers {
         let port_of = |port: &IntOrString| -> Option<u16> {
-            match port {
-                IntOrString::Int(n) => u16::try_from(*n).ok().filter(|n| *n != 0),
+            let port = match port {
+                IntOrString::Int(n) => u16::try_from(*n).ok(),
                 IntOrString::String(name) => container
                     .ports
                     .iter()
                     .flatten()
                     .find(|p| p.name.as_deref() == Some(name.as_str()))
                     .and_then(|p| u16::try_from(p.container_port).ok()),
-            }
+            }?;
+            let envoys = [ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT];
+            (port != 0 && !envoys.contains(&port)).then_some(port)
         };
         let probes = [
             &container.liveness_probe,
@@ -168,7 +175,7 @@ fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
             &container.startup_probe,
         ];
         for probe in probes.into_iter().flatten() {
-            if let Some(get) = &probe.http_get {
+            let (port, kind) = if let Some(get) = &probe.http_get {
                 if get.host.as_deref().is_some_and(|h| !h.is_empty()) {
                     continue;
                 }
@@ -176,30 +183,27 @@ fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
                     .scheme
                     .as_deref()
                     .is_some_and(|s| s.eq_ignore_ascii_case("https"));
-                let path = get.path.as_deref().unwrap_or("/");
-                let path = path.split(['?', '#']).next().unwrap_or("/");
-                let path = if path.starts_with('/') { path } else { "/" };
-                if path.len() > MAX_PROBE_PATH {
-                    warn!(pod = %key, bytes = path.len(), "a probe's path is longer than {MAX_PROBE_PATH} bytes: its inbound listener does not let it through");
-                    continue;
-                }
-                if let Some(port) = port_of(&get.port) {
-                    found.push(InboundProbe {
-                        port,
-                        path: (!https).then(|| std::sync::Arc::from(path)),
-                    });
-                }
-            } else if let Some(tcp) = &probe.tcp_socket {
-                if tcp.host.as_deref().is_some_and(|h| !h.is_empty()) {
-                    continue;
-                }
-                if let Some(port) = port_of(&tcp.port) {
-                    found.push(InboundProbe { port, path: None });
-                }
-            } else if let Some(grpc) = &probe.grpc
-                && let Ok(port) = u16::try_from(grpc.port)
-            {
-                found.push(InboundProbe { port, path: None });
+                let kind = if https {
+                    ProbeKind::Https
+                } else {
+                    // As the kubelet forms its URL: the path from `/`, the query apart.
+                    let path = get.path.as_deref().unwrap_or("");
+                    let path = path.split(['?', '#']).next().unwrap_or("");
+                    let path = format!("/{}", path.trim_start_matches('/'));
+                    if path.len() > MAX_PROBE_PATH {
+                        warn!(pod = %key, bytes = path.len(), "a probe's path is longer than {MAX_PROBE_PATH} bytes: its inbound listener does not let it through");
+                        continue;
+                    }
+                    ProbeKind::Http(path.into())
+                };
+                (port_of(&get.port), kind)
+            } else if let Some(grpc) = &probe.grpc {
+                (port_of(&IntOrString::Int(grpc.port)), ProbeKind::Grpc)
+            } else {
+                continue;
+            };
+            if let Some(port) = port {
+                found.push(InboundProbe { port, kind });
             }
         }
     }
@@ -518,8 +522,9 @@ mod tests {
     }
 
     /// The probes its inbound listener lets through: by number or by the container's port
-    /// name; an HTTP path without its query; HTTPS, TCP and gRPC as connections; none of
-    /// another host's, and none of a pod that does not capture its inbound TCP.
+    /// name; an HTTP path from `/`, without its query; HTTPS and gRPC; no TCP one (it passes
+    /// anyway), none of another host's or of Envoy's own port, and none of a pod that does not
+    /// capture its inbound TCP.
     #[test]
     fn a_captured_pods_probes_are_read_off_its_containers() {
         let probed = |annotations: serde_json::Value| {
@@ -534,23 +539,23 @@ mod tests {
                      "readinessProbe": {"grpc": {"port": 9090}},
                      "livenessProbe": {"httpGet": {"port": 8081, "host": "10.9.9.9"}},
                      "startupProbe": {"httpGet": {"port": "nope"}}},
+                    {"name": "lattice-proxy", "restartPolicy": "Always",
+                     "readinessProbe": {"httpGet": {"port": 15021, "path": "/ready"}},
+                     "livenessProbe": {"httpGet": {"port": 8082, "path": "live"}}},
                 ]},
                 "status": {"phase": "Running", "podIP": "10.0.0.2"},
             })))
             .remove(0)
             .probes
         };
-        let probe = |port: u16, path: Option<&str>| InboundProbe {
-            port,
-            path: path.map(std::sync::Arc::from),
-        };
+        let probe = |port: u16, kind: ProbeKind| InboundProbe { port, kind };
         assert_eq!(
             probed(json!({INBOUND_CAPTURE_ANNOTATION: "enabled"})),
             [
-                probe(7000, None),
-                probe(8080, Some("/ready")),
-                probe(8443, None),
-                probe(9090, None),
+                probe(8080, ProbeKind::Http("/ready".into())),
+                probe(8082, ProbeKind::Http("/live".into())),
+                probe(8443, ProbeKind::Https),
+                probe(9090, ProbeKind::Grpc),
             ]
         );
         assert!(probed(json!({})).is_empty());

@@ -1036,3 +1036,79 @@ fn a_service_whose_every_endpoint_is_a_meshed_pod_names_their_identities() {
     );
     assert!(identities(&mut index).is_empty());
 }
+
+/// MeshAuthorization rules once listed stand through a 404 (an API server that has just
+/// restarted answers so for custom resources a moment), reported stale; a kind that was never
+/// there is an empty list.
+#[test]
+fn authorization_rules_stand_through_a_passing_404() {
+    use super::authorizations::MeshAuthorization;
+    let mut scopes = scopes(&[None]);
+    scopes.push(WatchScope {
+        resource: Resource::MeshAuthorizations,
+        namespace: None,
+    });
+    let mut watches = WatchSet::new(trap(), Ownership::default(), scopes);
+    let ports = json!([{"name": "http", "port": 80}]);
+    watches.handle(0, svc_change(watcher::Event::Init));
+    watches.handle(
+        0,
+        svc_change(watcher::Event::InitApply(service(
+            "a",
+            "web",
+            ports.clone(),
+        ))),
+    );
+    watches.handle(0, svc_change(watcher::Event::InitDone));
+    watches.handle(1, slice_change(watcher::Event::Init));
+    watches.handle(
+        1,
+        slice_change(watcher::Event::InitApply(slice(
+            "a",
+            "web-1",
+            "web",
+            ports,
+            ready(&["10.0.0.1"]),
+        ))),
+    );
+    watches.handle(1, slice_change(watcher::Event::InitDone));
+    let policy: MeshAuthorization = serde_json::from_value(json!({
+        "apiVersion": "lattice.mlab.com/v1alpha1", "kind": "MeshAuthorization",
+        "metadata": {"namespace": "a", "name": "callers"},
+        "spec": {"targetRef": {"kind": "Service", "name": "web"},
+                 "rules": [{"from": [{"namespace": "a"}]}]},
+    }))
+    .unwrap();
+    let change = |event| Ok(Change::of(event, Object::authorization));
+    watches.handle(2, change(watcher::Event::Init));
+    watches.handle(2, change(watcher::Event::InitApply(policy)));
+    watches.handle(2, change(watcher::Event::InitDone));
+    let rules = |snapshot: &MeshSnapshot| {
+        snapshot
+            .services
+            .values()
+            .map(|s| s.authorization.len())
+            .sum::<usize>()
+    };
+    let first = watches.publishable().expect("every list done");
+    assert_eq!(rules(&first), 1);
+
+    let not_found = kube::core::Status {
+        code: 404,
+        ..kube::core::Status::default()
+    };
+    watches.handle(
+        2,
+        Err(watcher::Error::WatchFailed(kube::Error::Api(Box::new(
+            not_found,
+        )))),
+    );
+    assert!(
+        watches.publishable().is_none_or(|s| rules(&s) == 1),
+        "the rules stand"
+    );
+    assert!(
+        watches.failing().is_some(),
+        "and the view is reported stale"
+    );
+}

@@ -47,7 +47,14 @@ pub struct PortPolicy {
     pub http: bool,
     /// The rules of every service that reaches the pod at this port and covers it, each once.
     pub rules: Vec<AuthorizationRule>,
+    /// Whether a service that reaches the pod at this port has an allow rule (at this port or
+    /// another): then what no allow rule here matches is refused.
+    pub allow_list: bool,
 }
+
+/// Rules a service may have once its providers' add up: past it the service refuses every
+/// call (the listener of each of its pods would carry them all).
+pub const MAX_SERVICE_RULES: usize = 256;
 
 /// What holds at a pod's policed ports, by port.
 pub type PodPolicy = BTreeMap<u16, PortPolicy>;
@@ -56,14 +63,25 @@ pub type PodPolicy = BTreeMap<u16, PortPolicy>;
 /// from the services with rules only: a mesh without rules costs nothing here.
 pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<IpAddr, PodPolicy> {
     let mut pods: HashMap<IpAddr, PodPolicy> = HashMap::new();
+    let refuse_all = [AuthorizationRule {
+        action: Action::Deny,
+        from: Vec::new(),
+        ports: Vec::new(),
+        paths: Vec::new(),
+        methods: Vec::new(),
+    }];
     for service in services.filter(|s| !s.authorization.is_empty()) {
+        let all: &[AuthorizationRule] = if service.authorization.len() > MAX_SERVICE_RULES {
+            &refuse_all
+        } else {
+            &service.authorization
+        };
+        let allow_list = all.iter().any(|rule| rule.action == Action::Allow);
         for port in &service.ports {
-            let rules: Vec<&AuthorizationRule> = service
-                .authorization
-                .iter()
-                .filter(|rule| rule.covers(port.port))
-                .collect();
-            if rules.is_empty() {
+            let rules: Vec<&AuthorizationRule> =
+                all.iter().filter(|rule| rule.covers(port.port)).collect();
+            // A port no rule covers is closed all the same when the service allows by list.
+            if rules.is_empty() && !allow_list {
                 continue;
             }
             let http = port.protocol.is_http();
@@ -83,8 +101,10 @@ pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<
                     .or_insert_with(|| PortPolicy {
                         http,
                         rules: Vec::new(),
+                        allow_list: false,
                     });
                 policy.http &= http;
+                policy.allow_list |= allow_list;
                 for rule in &rules {
                     if !policy.rules.contains(rule) {
                         policy.rules.push((*rule).clone());
@@ -149,7 +169,13 @@ fn compiled(policy: &PortPolicy, trust_domain: &str, http: bool) -> Vec<(&'stati
             .iter()
             .filter(|rule| rule.action == action)
             .collect();
-        if rules.is_empty() {
+        // No deny rule, no deny filter; no allow list, no allow filter (an allow list whose
+        // rules do not cover this port, or all fail closed here, refuses everything).
+        let wanted = match action {
+            Action::Deny => !rules.is_empty(),
+            Action::Allow => policy.allow_list || !rules.is_empty(),
+        };
+        if !wanted {
             continue;
         }
         let principals: Vec<Principal> = rules
@@ -358,6 +384,15 @@ mod tests {
         );
         assert!(!first[&9000].http);
         assert_eq!(first[&9000].rules, [every_port]);
+        // The service allows by list, at 80 only: at 9000 every call is refused but denials.
+        assert!(first[&9000].allow_list);
+        let compiled = compiled(&first[&9000], "cluster.local", false);
+        assert_eq!(compiled.len(), 2);
+        assert_eq!(compiled[1].0, "allow");
+        assert!(
+            compiled[1].1.policies.is_empty(),
+            "no allow rule covers 9000"
+        );
         let second = &pods[&ip("10.0.0.2")][&8080];
         assert!(!second.http, "TCP for one service: read as connections");
         assert_eq!(second.rules.len(), 3);
@@ -374,6 +409,7 @@ mod tests {
     fn rules_about_requests_fail_closed_on_connections() {
         let policy = PortPolicy {
             http: false,
+            allow_list: true,
             rules: vec![
                 rule(Action::Allow, &["shop"], &[], &["GET"]),
                 rule(Action::Deny, &["guests"], &[], &["POST"]),
@@ -408,6 +444,7 @@ mod tests {
     fn the_same_rules_make_the_same_bytes() {
         let policy = PortPolicy {
             http: true,
+            allow_list: true,
             rules: (0..20)
                 .map(|i| rule(Action::Allow, &[&format!("ns{i}")], &[], &["GET"]))
                 .collect(),

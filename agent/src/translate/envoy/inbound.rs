@@ -48,7 +48,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{
     TcpProxy, UpstreamConnectMode, tcp_proxy,
 };
-use envoy_types::pb::google::protobuf::{Duration, UInt32Value};
+use envoy_types::pb::google::protobuf::{BoolValue, Duration, UInt32Value};
 use lattice_contract::{
     CapturePort, ENVOY_ADMIN_PORT, ENVOY_INBOUND_PORT, ENVOY_READINESS_PORT,
     INBOUND_PASSTHROUGH_CLUSTER,
@@ -58,7 +58,7 @@ use super::authorization::{self, PodPolicy, PortPolicy};
 use super::{mtls, socket_address, typed};
 use crate::mesh::{Action, AuthorizationRule, PathMatch};
 use crate::xds::snapshot::XdsResource;
-use crate::xds::{InboundListeners, InboundMode, InboundProbe};
+use crate::xds::{InboundListeners, InboundMode, InboundProbe, ProbeKind};
 
 /// The inbound listener's name in every proxy.
 pub const INBOUND_LISTENER: &str = "lattice-inbound";
@@ -157,11 +157,10 @@ pub(super) fn listener(
 /// not the mesh's (read as a connection); in strict mode, only what the kubelet's probes need,
 /// and what finds no chain is closed, as at every other port.
 ///
-/// The kubelet calls without an identity, from the node. An HTTP probe's GETs of its path are
-/// let through (on an HTTP chain; whatever else comes in plaintext gets 403 in strict mode, or
-/// what the rules say in permissive mode). A probe read as a connection (TCP, gRPC, HTTPS)
-/// cannot be told from any other connection: its port takes plaintext and other TLS as it
-/// comes.
+/// The kubelet calls without an identity, from the node. An HTTP probe's GET of its path, and
+/// a gRPC probe's health Check, pass an HTTP chain of the port (whatever else comes in
+/// plaintext gets 403 in strict mode, or what the rules say); an HTTPS probe cannot be told
+/// from any other TLS that is not the mesh's, so its port takes such TLS as it comes.
 fn port_chains(
     strict: bool,
     trust_domain: &str,
@@ -181,12 +180,30 @@ fn port_chains(
         filters.push(tcp_proxy(handoff));
         filters
     };
-    let connection_probe = probes.iter().any(|p| p.path.is_none());
-    let probe_paths: Vec<PathMatch> = probes
+    let https_probe = probes.iter().any(|p| p.kind == ProbeKind::Https);
+    // What the kubelet sends in plaintext, as rules any caller passes.
+    let mut probed = Vec::new();
+    let paths: Vec<PathMatch> = probes
         .iter()
-        .filter_map(|p| p.path.clone())
-        .map(PathMatch::Exact)
+        .filter_map(|p| match &p.kind {
+            ProbeKind::Http(path) => Some(PathMatch::Exact(path.clone())),
+            _ => None,
+        })
         .collect();
+    let allowing = |paths: Vec<PathMatch>, method: &str| AuthorizationRule {
+        action: Action::Allow,
+        from: Vec::new(),
+        ports: Vec::new(),
+        paths,
+        methods: vec![Arc::from(method)],
+    };
+    if !paths.is_empty() {
+        probed.push(allowing(paths, "GET"));
+    }
+    if probes.iter().any(|p| p.kind == ProbeKind::Grpc) {
+        let check = PathMatch::Exact(Arc::from(GRPC_HEALTH_CHECK));
+        probed.push(allowing(vec![check], "POST"));
+    }
     let mut chains = vec![FilterChain {
         name: format!("mtls-{port}"),
         filter_chain_match: Some(mesh_match(Some(port))),
@@ -197,34 +214,29 @@ fn port_chains(
         },
         ..FilterChain::default()
     }];
-    let other_tls = if connection_probe {
+    let other_tls = if https_probe {
         Some(vec![tcp_proxy(Handoff::OtherTls)])
     } else if strict {
         None
     } else {
         policy.map(|policy| reads(Handoff::OtherTls, policy))
     };
-    let plaintext = if connection_probe {
-        Some(vec![tcp_proxy(Handoff::Plaintext)])
-    } else if !probe_paths.is_empty() {
-        // The probes prove the port speaks HTTP, whatever its services say.
-        let probed = AuthorizationRule {
-            action: Action::Allow,
-            from: Vec::new(),
-            ports: Vec::new(),
-            paths: probe_paths,
-            methods: vec![Arc::from("GET")],
+    let plaintext = if !probed.is_empty() {
+        // The probes prove the port speaks HTTP, whatever its services say. In strict mode
+        // they are all plaintext may do; otherwise they join the rules, where the rules refuse
+        // what they do not allow (beside deny rules alone, any call passes anyway).
+        let (mut rules, allow_list) = match policy {
+            Some(policy) if !strict => (policy.rules.clone(), policy.allow_list),
+            _ => (Vec::new(), true),
         };
-        let mut rules = match policy {
-            Some(policy) if !strict => policy.rules.clone(),
-            _ => Vec::new(),
-        };
-        // Only where calls are refused unless allowed: beside deny rules alone, an allow rule
-        // would refuse everything else.
-        if strict || rules.iter().any(|r| r.action == Action::Allow) {
-            rules.push(probed);
+        if allow_list {
+            rules.extend(probed);
         }
-        let policy = PortPolicy { http: true, rules };
+        let policy = PortPolicy {
+            http: true,
+            rules,
+            allow_list,
+        };
         Some(vec![http_manager(
             Handoff::Plaintext,
             port,
@@ -257,6 +269,9 @@ fn port_chains(
     }
     chains
 }
+
+/// The path of the gRPC health service's Check, which a `grpc` probe calls.
+const GRPC_HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
 
 fn port_match(port: u16) -> FilterChainMatch {
     FilterChainMatch {
@@ -340,6 +355,20 @@ fn http_manager(handoff: Handoff, port: u16, policy: &PortPolicy, trust_domain: 
                 ..Default::default()
             }
         }),
+        // Rules read the path as the app will: `/a/../b`, `//b` and `%2F` must not reach
+        // the app past a rule about `/b` (RFC 3986 normalisation, merged slashes, escaped
+        // slashes refused), as Istio's and Linkerd's inbound proxies do.
+        normalize_path: Some(BoolValue { value: true }),
+        merge_slashes: true,
+        path_with_escaped_slashes_action:
+            http_connection_manager::PathWithEscapedSlashesAction::RejectRequest as i32,
+        // A passthrough in all but the rules: WebSocket upgrades go on, and a quiet stream is
+        // the app's to time out, as with the TCP handoff.
+        upgrade_configs: vec![http_connection_manager::UpgradeConfig {
+            upgrade_type: "websocket".to_string(),
+            ..Default::default()
+        }],
+        stream_idle_timeout: Some(Duration::default()),
         access_log: access_log(&format!(
             "[{INBOUND_LISTENER}] {} peer=%DOWNSTREAM_PEER_URI_SAN% from=%DOWNSTREAM_REMOTE_ADDRESS% to=%UPSTREAM_HOST% request=%REQ(:METHOD)% %REQ(:PATH)% code=%RESPONSE_CODE% flags=%RESPONSE_FLAGS%\n",
             handoff.name()
@@ -662,6 +691,7 @@ mod tests {
                 PortPolicy {
                     http: true,
                     rules: vec![rule.clone()],
+                    allow_list: true,
                 },
             ),
             (
@@ -669,6 +699,7 @@ mod tests {
                 PortPolicy {
                     http: false,
                     rules: vec![rule],
+                    allow_list: true,
                 },
             ),
         ]
@@ -714,16 +745,16 @@ mod tests {
             pairs(&[("mtls-5432", tcp), ("mtls-8080", hcm)])
         );
 
-        // The kubelet's probes: an HTTP one's GETs pass a strict pod's plaintext chain, a
-        // connection probe opens its port; a permissive pod's unpoliced ports need nothing.
+        // The kubelet's probes: an HTTP one's GETs pass a strict pod's plaintext chain, an
+        // HTTPS one's port takes other TLS; a permissive pod's unpoliced ports need nothing.
         let probes = [
             InboundProbe {
                 port: 8080,
-                path: Some(Arc::from("/healthz")),
+                kind: ProbeKind::Http(Arc::from("/healthz")),
             },
             InboundProbe {
                 port: 9000,
-                path: None,
+                kind: ProbeKind::Https,
             },
         ];
         let proxy = "envoy.filters.network.tcp_proxy";
@@ -735,7 +766,6 @@ mod tests {
                 ("plaintext-8080", hcm),
                 ("mtls-9000", proxy),
                 ("other-tls-9000", proxy),
-                ("plaintext-9000", proxy),
             ])
         );
         assert_eq!(
@@ -752,6 +782,7 @@ mod tests {
         let policy = |ns: &str| -> HashMap<IpAddr, PodPolicy> {
             let port = PortPolicy {
                 http: true,
+                allow_list: true,
                 rules: vec![AuthorizationRule {
                     action: Action::Allow,
                     from: vec![crate::mesh::Caller::Namespace(ns.into())],
