@@ -402,6 +402,12 @@ pub struct ServiceSpec {
     /// Who may call its endpoints, in canonical order (see [`authorization`]); none: anyone.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub authorization: Vec<AuthorizationRule>,
+    /// Endpoints that serve it but are not ready (starting, failing readiness, terminating),
+    /// as (service port, endpoint), sorted: sent no traffic, but covered by its
+    /// authorization, since their pods take calls dialled to them. Only for a service with
+    /// rules.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unready: Vec<(u16, SocketAddr)>,
 }
 
 impl ServiceSpec {
@@ -419,7 +425,16 @@ impl ServiceSpec {
             clients: Vec::new(),
             identities: Vec::new(),
             authorization: Vec::new(),
+            unready: Vec::new(),
         }
+    }
+
+    /// Endpoints that are not ready, which its rules cover all the same.
+    pub fn with_unready(mut self, mut unready: Vec<(u16, SocketAddr)>) -> Self {
+        unready.sort_unstable();
+        unready.dedup();
+        self.unready = unready;
+        self
     }
 
     /// Who may call its endpoints.
@@ -571,6 +586,9 @@ pub struct Service {
     /// Who may call its endpoints; none: anyone.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub authorization: Vec<AuthorizationRule>,
+    /// Endpoints not ready, which its rules cover (see [`ServiceSpec::unready`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unready: Vec<(u16, SocketAddr)>,
 }
 
 impl Service {
@@ -596,6 +614,7 @@ impl Service {
             clients: self.clients.clone(),
             identities: self.identities.clone(),
             authorization: self.authorization.clone(),
+            unready: self.unready.clone(),
         }
     }
 
@@ -840,6 +859,7 @@ impl MeshState {
             && existing.clients == spec.clients
             && existing.identities == spec.identities
             && existing.authorization == spec.authorization
+            && existing.unready == spec.unready
             && existing.instances == instances
         {
             return Ok(false);
@@ -857,6 +877,7 @@ impl MeshState {
             clients: spec.clients,
             identities: spec.identities,
             authorization: spec.authorization,
+            unready: spec.unready,
         };
         if let Some(existing) = &existing {
             self.totals.subtract(existing);

@@ -259,18 +259,26 @@ fn meshed_pod(name: &str, ip: Ipv4Addr) -> serde_json::Value {
 #[test]
 fn a_mesh_authorization_resource_protects_its_service() {
     use lattice_e2e::k8s_objects::{self, MeshAuthorization, mesh_authorization};
-    let (front_ip, guest_ip, web_ip) = (
+    let (front_ip, guest_ip, web_ip, starting_ip) = (
         Ipv4Addr::new(10, 200, 0, 2),
         Ipv4Addr::new(10, 200, 0, 3),
         Ipv4Addr::new(10, 200, 0, 4),
+        Ipv4Addr::new(10, 200, 0, 6),
     );
     let ports = json!([{"name": "http", "port": WEB_PORT, "appProtocol": "http"}]);
-    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
-                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    // `web-starting` serves the Service but is not ready yet: sent no traffic, but dialled
+    // directly it must be as closed as its ready sibling.
+    let endpoints = json!([
+        {"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+         "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}},
+        {"addresses": [starting_ip.to_string()], "conditions": {"ready": false},
+         "targetRef": {"kind": "Pod", "namespace": "default", "name": "web-starting"}},
+    ]);
     let objects = vec![
         pod("front", "front", front_ip, json!({})),
         pod("guest", "guest", guest_ip, json!({})),
         meshed_pod("web", web_ip),
+        meshed_pod("web-starting", starting_ip),
         k8s_objects::service("default", "web", ports),
         k8s_objects::slice(
             "default",
@@ -304,6 +312,21 @@ fn a_mesh_authorization_resource_protects_its_service() {
     };
     becomes("front let through", &front, 200);
     becomes("guest refused", &guest, 403);
+    let starting = trusted
+        .pod("web-starting", 6, &["--inbound-capture"])
+        .unwrap();
+    let _starting_app = Server::http(&starting.pod, "web-starting", WEB_PORT).unwrap();
+    wait::until("web-starting's inbound listener", WITHIN, || {
+        inbound_listening(&starting)
+    })
+    .unwrap();
+    let outsider = trusted.node.pod("outsider", 5).unwrap();
+    let direct = format!("http://{starting_ip}:{WEB_PORT}/");
+    assert_eq!(
+        status(&outsider.netns, "GET", &direct),
+        403,
+        "a pod not ready yet is covered by its Service's rules"
+    );
 
     server
         .apply_json(mesh_authorization(

@@ -540,10 +540,15 @@ fn merged_spec(
         .values()
         .flat_map(|c| c.authorization.iter().cloned())
         .collect();
+    let unready = contributions
+        .values()
+        .flat_map(|c| c.unready.iter().copied())
+        .collect();
     let mut spec = ServiceSpec::new(path.clone(), ports)
         .with_clients(clients)
         .with_identities(identities)
         .with_authorization(authorization)
+        .with_unready(unready)
         .with_health(health)
         .with_traffic_distribution(traffic_distribution)
         .with_instances(instances)

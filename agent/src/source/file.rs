@@ -177,6 +177,8 @@ fn read_service(
     let mut endpoints = Vec::with_capacity(service.endpoints.len());
     let mut hosts: Vec<HostName> = Vec::new();
     let mut instances: Vec<(String, IpAddr, bool)> = Vec::new();
+    // Not ready: sent no traffic, but covered by the service's authorization.
+    let mut unready: Vec<IpAddr> = Vec::new();
     let named = service
         .endpoints
         .iter()
@@ -236,6 +238,8 @@ fn read_service(
         let node = place("node", &endpoint.node)?;
         if endpoint.ready {
             endpoints.push((ip, zone, node));
+        } else {
+            unready.push(ip);
         }
     }
     let ip_count = service.endpoints.len()
@@ -342,6 +346,23 @@ fn read_service(
     let service_ports: Vec<u16> = ports.iter().map(|p| p.port).collect();
     let authorization = super::authorization::check(&service.authorization, &service_ports)
         .map_err(|e| format!("{at}.authorization{e}"))?;
+    let unready = if authorization.is_empty() {
+        Vec::new()
+    } else {
+        ports
+            .iter()
+            .zip(&service.ports)
+            .flat_map(|(port, file_port)| {
+                let target = file_port
+                    .target_port
+                    .and_then(port_number)
+                    .unwrap_or(port.port);
+                unready
+                    .iter()
+                    .map(move |ip| (port.port, SocketAddr::new(*ip, target)))
+            })
+            .collect()
+    };
     let instances = instances
         .into_iter()
         .map(|(name, ip, ready)| InstanceSpec {
@@ -368,7 +389,8 @@ fn read_service(
             .with_host_header(host_header)
             .with_clients(clients)
             .with_identities(identities)
-            .with_authorization(authorization),
+            .with_authorization(authorization)
+            .with_unready(unready),
         routes: service.routes,
     })
 }
@@ -710,6 +732,7 @@ services:
     endpoints:
       - {address: 10.200.0.3, zone: zone-b}
       - {address: 10.200.0.4, zone: zone-c, node: node-7}
+      - {address: 10.200.0.9, ready: false}
     health:
       check:
         http: {path: /healthz, statuses: ["200-299"]}
@@ -755,6 +778,12 @@ services:
         let read: Vec<ServiceSpec> = serde_json::from_str(&text).unwrap();
         assert_eq!(read, specs);
         assert_eq!(read[0].authorization.len(), 2);
+        // Not ready: no traffic, but its rules cover it, at the port it serves.
+        assert_eq!(
+            read[0].unready,
+            [(8080, "10.200.0.9:9090".parse().unwrap())]
+        );
+        assert_eq!(read[0].ports[0].endpoints.len(), 2);
         assert!(
             serde_json::from_str::<Vec<ServiceSpec>>(&text.replace("billing.example", "-x"))
                 .is_err(),

@@ -197,7 +197,8 @@ impl EnvoyTranslator {
                 new: (_, new),
             } => {
                 old.authorization != new.authorization
-                    || ((policed(old) || policed(new)) && !old.same_endpoints(new))
+                    || ((policed(old) || policed(new))
+                        && (!old.same_endpoints(new) || old.unready != new.unready))
             }
         });
         // The clusters and assignments of every added or changed service, built first: on

@@ -94,6 +94,10 @@ pub struct SliceEntry {
     /// Endpoints with a `hostname` that are not terminating, ready or not: the instances of a
     /// headless Service. Empty for the slices of most Services.
     pub named: Box<[NamedEndpoint]>,
+    /// The addresses of its endpoints that are not ready or are terminating, sorted: sent no
+    /// traffic, but their pods still take it dialled directly, so a Service's authorization
+    /// rules cover them too. Empty for most slices most of the time.
+    pub unready: Box<[Ipv4Addr]>,
 }
 
 /// An endpoint that serves, and where it runs (`zone`, `nodeName`, `hints`) where the slice
@@ -379,6 +383,15 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
     // Stable: of two entries for one address, the first in the slice is kept.
     endpoints.sort_by_key(|e| e.ip);
     endpoints.dedup_by_key(|e| e.ip);
+    let mut unready: Vec<Ipv4Addr> = slice
+        .endpoints
+        .iter()
+        .filter(|e| !ready(e) || terminating(e))
+        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
+        .filter(|ip| endpoints.binary_search_by_key(ip, |e| e.ip).is_err())
+        .collect();
+    unready.sort_unstable();
+    unready.dedup();
     // A terminating pod is on its way out; its successor (same hostname) takes over the name.
     let named = slice
         .endpoints
@@ -397,6 +410,7 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
         service: service.clone(),
         ports,
         endpoints: endpoints.into(),
+        unready: unready.into(),
         named,
     })
 }

@@ -85,14 +85,20 @@ pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<
                 continue;
             }
             let http = port.protocol.is_http();
-            let endpoints = port.endpoints.iter().map(|e| e.address).chain(
-                service
-                    .instances
-                    .iter()
-                    .flat_map(|i| &i.endpoints)
-                    .filter(|(p, _)| *p == port.port)
-                    .map(|(_, address)| *address),
-            );
+            let of_port = |(p, _): &&(u16, std::net::SocketAddr)| *p == port.port;
+            let endpoints = port
+                .endpoints
+                .iter()
+                .map(|e| e.address)
+                .chain(
+                    service
+                        .instances
+                        .iter()
+                        .flat_map(|i| &i.endpoints)
+                        .filter(of_port)
+                        .map(|(_, address)| *address),
+                )
+                .chain(service.unready.iter().filter(of_port).map(|(_, a)| *a));
             for endpoint in endpoints {
                 let policy = pods
                     .entry(endpoint.ip())
