@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
 use envoy_types::pb::envoy::config::rbac::v3::{
@@ -45,8 +46,10 @@ pub struct PortPolicy {
     /// Whether every service that reaches the pod at this port speaks HTTP there: then the
     /// port's chains read requests.
     pub http: bool,
-    /// The rules of every service that reaches the pod at this port and covers it, each once.
-    pub rules: Vec<AuthorizationRule>,
+    /// The rules of every service that reaches the pod at this port and covers it, each once,
+    /// sorted. Shared by every endpoint of a service that is alone at its port (the usual
+    /// case), so a service of many pods holds its rules once.
+    pub rules: Arc<[AuthorizationRule]>,
     /// Whether a service that reaches the pod at this port has an allow rule (at this port or
     /// another): then what no allow rule here matches is refused.
     pub allow_list: bool,
@@ -78,8 +81,12 @@ pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<
         };
         let allow_list = all.iter().any(|rule| rule.action == Action::Allow);
         for port in &service.ports {
-            let rules: Vec<&AuthorizationRule> =
-                all.iter().filter(|rule| rule.covers(port.port)).collect();
+            // In canonical order, as the service's rules are.
+            let rules: Arc<[AuthorizationRule]> = all
+                .iter()
+                .filter(|rule| rule.covers(port.port))
+                .cloned()
+                .collect();
             // A port no rule covers is closed all the same when the service allows by list.
             if rules.is_empty() && !allow_list {
                 continue;
@@ -100,27 +107,34 @@ pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<
                 )
                 .chain(service.unready.iter().filter(of_port).map(|(_, a)| *a));
             for endpoint in endpoints {
-                let policy = pods
+                match pods
                     .entry(endpoint.ip())
                     .or_default()
                     .entry(endpoint.port())
-                    .or_insert_with(|| PortPolicy {
-                        http,
-                        rules: Vec::new(),
-                        allow_list: false,
-                    });
-                policy.http &= http;
-                policy.allow_list |= allow_list;
-                for rule in &rules {
-                    if !policy.rules.contains(rule) {
-                        policy.rules.push((*rule).clone());
+                {
+                    std::collections::btree_map::Entry::Vacant(vacant) => {
+                        vacant.insert(PortPolicy {
+                            http,
+                            rules: rules.clone(),
+                            allow_list,
+                        });
+                    }
+                    // Another service at the same pod port: their rules add up.
+                    std::collections::btree_map::Entry::Occupied(mut occupied) => {
+                        let policy = occupied.get_mut();
+                        policy.http &= http;
+                        policy.allow_list |= allow_list;
+                        if !Arc::ptr_eq(&policy.rules, &rules) {
+                            let mut merged: Vec<AuthorizationRule> =
+                                policy.rules.iter().chain(rules.iter()).cloned().collect();
+                            merged.sort();
+                            merged.dedup();
+                            policy.rules = merged.into();
+                        }
                     }
                 }
             }
         }
-    }
-    for policy in pods.values_mut().flat_map(|p| p.values_mut()) {
-        policy.rules.sort();
     }
     pods
 }
@@ -385,11 +399,11 @@ mod tests {
         assert_eq!(first.keys().copied().collect::<Vec<_>>(), [8080, 9000]);
         assert!(first[&8080].http);
         assert_eq!(
-            first[&8080].rules,
+            *first[&8080].rules,
             canonical(vec![web_only, every_port.clone()])
         );
         assert!(!first[&9000].http);
-        assert_eq!(first[&9000].rules, [every_port]);
+        assert_eq!(*first[&9000].rules, [every_port]);
         // The service allows by list, at 80 only: at 9000 every call is refused but denials.
         assert!(first[&9000].allow_list);
         let compiled = compiled(&first[&9000], "cluster.local", false);
@@ -419,7 +433,8 @@ mod tests {
             rules: vec![
                 rule(Action::Allow, &["shop"], &[], &["GET"]),
                 rule(Action::Deny, &["guests"], &[], &["POST"]),
-            ],
+            ]
+            .into(),
         };
         let compiled = compiled(&policy, "cluster.local", false);
         let actions: Vec<&str> = compiled.iter().map(|(a, _)| *a).collect();

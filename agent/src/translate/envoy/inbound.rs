@@ -226,7 +226,7 @@ fn port_chains(
         // they are all plaintext may do; otherwise they join the rules, where the rules refuse
         // what they do not allow (beside deny rules alone, any call passes anyway).
         let (mut rules, allow_list) = match policy {
-            Some(policy) if !strict => (policy.rules.clone(), policy.allow_list),
+            Some(policy) if !strict => (policy.rules.to_vec(), policy.allow_list),
             _ => (Vec::new(), true),
         };
         if allow_list {
@@ -234,7 +234,7 @@ fn port_chains(
         }
         let policy = PortPolicy {
             http: true,
-            rules,
+            rules: rules.into(),
             allow_list,
         };
         Some(vec![http_manager(
@@ -690,7 +690,7 @@ mod tests {
                 8080,
                 PortPolicy {
                     http: true,
-                    rules: vec![rule.clone()],
+                    rules: vec![rule.clone()].into(),
                     allow_list: true,
                 },
             ),
@@ -698,7 +698,7 @@ mod tests {
                 5432,
                 PortPolicy {
                     http: false,
-                    rules: vec![rule],
+                    rules: vec![rule].into(),
                     allow_list: true,
                 },
             ),
@@ -789,7 +789,8 @@ mod tests {
                     ports: Vec::new(),
                     paths: Vec::new(),
                     methods: Vec::new(),
-                }],
+                }]
+                .into(),
             };
             HashMap::from([(ip, PodPolicy::from([(8080, port)]))])
         };
