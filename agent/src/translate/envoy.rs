@@ -117,6 +117,8 @@ pub struct EnvoyTranslator {
     trust_domain: Arc<str>,
     /// The proxies' inbound listeners, with mesh mTLS on.
     inbound: Option<Arc<inbound::Inbound>>,
+    /// The pods' policies, followed by the services with rules that change.
+    policies: authorization::PolicyIndex,
     /// Whether it said that rules are enforced nowhere (mesh mTLS off).
     warned_unenforced: bool,
     mesh: Option<ServiceMap>,
@@ -148,6 +150,7 @@ impl EnvoyTranslator {
             // `--trust-domain`'s default.
             trust_domain: Arc::from("cluster.local"),
             inbound: None,
+            policies: authorization::PolicyIndex::default(),
             warned_unenforced: false,
             mesh: None,
             shape_version: None,
@@ -189,18 +192,33 @@ impl EnvoyTranslator {
         // service's routing rules changed, which is no more than an endpoint change elsewhere.
         let mut rerouted: BTreeSet<Arc<str>> = BTreeSet::new();
         let changes: Vec<_> = previous.diff(&mesh.services).collect();
+        // The pods' policies follow the services with rules that changed, one by one.
         let policed = |s: &Service| !s.authorization.is_empty();
-        let authorization_changed = changes.iter().any(|change| match change {
-            DiffItem::Add(_, service) | DiffItem::Remove(_, service) => policed(service),
-            DiffItem::Update {
-                old: (_, old),
-                new: (_, new),
-            } => {
-                old.authorization != new.authorization
-                    || ((policed(old) || policed(new))
-                        && (!old.same_endpoints(new) || old.unready != new.unready))
+        let mut authorization_changed = false;
+        for change in &changes {
+            let (old, new) = match change {
+                DiffItem::Add(_, service) => (None, Some(&***service)),
+                DiffItem::Remove(_, service) => (Some(&***service), None),
+                DiffItem::Update {
+                    old: (_, old),
+                    new: (_, new),
+                } => {
+                    let moved = old.authorization != new.authorization
+                        || ((policed(old) || policed(new))
+                            && (!old.same_endpoints(new) || old.unready != new.unready));
+                    if !moved {
+                        continue;
+                    }
+                    (Some(&***old), Some(&***new))
+                }
+            };
+            if old.is_some_and(policed) || new.is_some_and(policed) {
+                authorization_changed = true;
+                if self.mesh_mtls {
+                    self.policies.update(old, new);
+                }
             }
-        });
+        }
         // The clusters and assignments of every added or changed service, built first: on
         // every core when there are many (the first snapshot builds 10k services' worth).
         let (dns, node, mtls) = (&self.dns, &self.node, self.mesh_mtls);
@@ -270,7 +288,7 @@ impl EnvoyTranslator {
         }
         self.mesh = Some(mesh.services.clone());
         if self.mesh_mtls {
-            self.follow_authorization(mesh, authorization_changed);
+            self.follow_authorization(authorization_changed);
         } else if authorization_changed
             && !self.warned_unenforced
             && mesh.services.values().any(|s| !s.authorization.is_empty())
@@ -295,7 +313,7 @@ impl EnvoyTranslator {
 
     /// Rebuilds the pods' policies when a rule, or where a policed service runs, changed: from
     /// the services with rules (a walk over the mesh that reads a length per service).
-    fn follow_authorization(&mut self, mesh: &MeshSnapshot, changed: bool) {
+    fn follow_authorization(&mut self, changed: bool) {
         let current = self
             .inbound
             .as_deref()
@@ -303,11 +321,10 @@ impl EnvoyTranslator {
         if current.is_some() && !changed {
             return;
         }
-        let policies = authorization::pod_policies(mesh.services.values().map(|s| &**s));
         self.inbound = Some(Arc::new(inbound::Inbound::new(
             self.trust_domain.clone(),
             self.capture_port,
-            policies,
+            self.policies.policies(),
             current,
         )));
     }

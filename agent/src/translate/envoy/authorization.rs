@@ -19,7 +19,7 @@
 //! filter here holds one policy, so a listener's bytes, hence its version, depend only on the
 //! rules.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -62,10 +62,133 @@ pub const MAX_SERVICE_RULES: usize = 256;
 /// What holds at a pod's policed ports, by port.
 pub type PodPolicy = BTreeMap<u16, PortPolicy>;
 
-/// The policies of every pod that is an endpoint of a service with rules, by address. Built
-/// from the services with rules only: a mesh without rules costs nothing here.
+/// The policies of every pod that is an endpoint of a service with rules, by address, from
+/// all of `services` at once (see [`PolicyIndex`] for following them change by change).
 pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<IpAddr, PodPolicy> {
-    let mut pods: HashMap<IpAddr, PodPolicy> = HashMap::new();
+    let mut index = PolicyIndex::default();
+    for service in services {
+        index.update(None, Some(service));
+    }
+    index
+        .policies
+        .iter()
+        .map(|(ip, policy)| (*ip, (**policy).clone()))
+        .collect()
+}
+
+/// Which service port says something: the service's DNS name and the port.
+type Speaker = (Arc<str>, u16);
+
+/// What the service ports that reach a pod port say there.
+type Said = BTreeMap<Speaker, Contribution>;
+
+/// What one port of one service says at one pod port.
+#[derive(Clone, Debug, PartialEq)]
+struct Contribution {
+    http: bool,
+    allow_list: bool,
+    rules: Arc<[AuthorizationRule]>,
+}
+
+/// The pods' policies, followed service by service: a change costs the changed service's
+/// endpoints, not every policed endpoint of the mesh (a full rebuild at 10k policed services of
+/// 10 endpoints took 23-60 ms, plus 13-15 ms to hand on, per change).
+#[derive(Clone, Debug, Default)]
+pub struct PolicyIndex {
+    /// What each service port says at each pod port: by pod address, pod port, then (service
+    /// name, service port).
+    contributions: HashMap<IpAddr, BTreeMap<u16, Said>>,
+    /// Each pod's merged policy, persistent so that each snapshot's listeners share it; a
+    /// pod whose policy did not change keeps its `Arc` (and its built listeners).
+    policies: imbl::HashMap<IpAddr, Arc<PodPolicy>>,
+}
+
+impl PolicyIndex {
+    /// A service changed from `old` to `new` (either absent: added or removed).
+    pub fn update(&mut self, old: Option<&Service>, new: Option<&Service>) {
+        let mut dirty = BTreeSet::new();
+        if let Some(old) = old {
+            for (ip, pod_port, key, _) in contributions_of(old) {
+                if let Some(ports) = self.contributions.get_mut(&ip)
+                    && let Some(at) = ports.get_mut(&pod_port)
+                {
+                    at.remove(&key);
+                    if at.is_empty() {
+                        ports.remove(&pod_port);
+                    }
+                }
+                dirty.insert(ip);
+            }
+        }
+        if let Some(new) = new {
+            for (ip, pod_port, key, contribution) in contributions_of(new) {
+                self.contributions
+                    .entry(ip)
+                    .or_default()
+                    .entry(pod_port)
+                    .or_default()
+                    .insert(key, contribution);
+                dirty.insert(ip);
+            }
+        }
+        for ip in dirty {
+            self.recompute(ip);
+        }
+    }
+
+    /// Every pod's policy now.
+    pub fn policies(&self) -> imbl::HashMap<IpAddr, Arc<PodPolicy>> {
+        self.policies.clone()
+    }
+
+    fn recompute(&mut self, ip: IpAddr) {
+        let ports = match self.contributions.get(&ip) {
+            Some(ports) if !ports.is_empty() => ports,
+            _ => {
+                self.contributions.remove(&ip);
+                self.policies.remove(&ip);
+                return;
+            }
+        };
+        let policy: PodPolicy = ports
+            .iter()
+            .map(|(port, said)| (*port, merged(said.values())))
+            .collect();
+        if self.policies.get(&ip).is_none_or(|held| **held != policy) {
+            self.policies.insert(ip, Arc::new(policy));
+        }
+    }
+}
+
+/// What several service ports say at one pod port, together: HTTP only if all speak it, an
+/// allow list if any has one, their rules added up (shared when there is one).
+fn merged<'a>(said: impl Iterator<Item = &'a Contribution>) -> PortPolicy {
+    let said: Vec<&Contribution> = said.collect();
+    if let [one] = said[..] {
+        return PortPolicy {
+            http: one.http,
+            rules: one.rules.clone(),
+            allow_list: one.allow_list,
+        };
+    }
+    let mut rules: Vec<AuthorizationRule> =
+        said.iter().flat_map(|c| c.rules.iter().cloned()).collect();
+    rules.sort();
+    rules.dedup();
+    PortPolicy {
+        http: said.iter().all(|c| c.http),
+        rules: rules.into(),
+        allow_list: said.iter().any(|c| c.allow_list),
+    }
+}
+
+/// What `service` says at each pod port it reaches: (pod address, pod port, (service name,
+/// service port), what). Nothing for a service without rules.
+fn contributions_of(service: &Service) -> Vec<(IpAddr, u16, Speaker, Contribution)> {
+    let mut out = Vec::new();
+    if service.authorization.is_empty() {
+        return out;
+    }
     let refuse_all = [AuthorizationRule {
         action: Action::Deny,
         from: Vec::new(),
@@ -73,70 +196,53 @@ pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<
         paths: Vec::new(),
         methods: Vec::new(),
     }];
-    for service in services.filter(|s| !s.authorization.is_empty()) {
-        let all: &[AuthorizationRule] = if service.authorization.len() > MAX_SERVICE_RULES {
-            &refuse_all
-        } else {
-            &service.authorization
+    let all: &[AuthorizationRule] = if service.authorization.len() > MAX_SERVICE_RULES {
+        &refuse_all
+    } else {
+        &service.authorization
+    };
+    let allow_list = all.iter().any(|rule| rule.action == Action::Allow);
+    let name: Arc<str> = Arc::from(service.dns_name.as_str());
+    for port in &service.ports {
+        // In canonical order, as the service's rules are.
+        let rules: Arc<[AuthorizationRule]> = all
+            .iter()
+            .filter(|rule| rule.covers(port.port))
+            .cloned()
+            .collect();
+        // A port no rule covers is closed all the same when the service allows by list.
+        if rules.is_empty() && !allow_list {
+            continue;
+        }
+        let contribution = Contribution {
+            http: port.protocol.is_http(),
+            allow_list,
+            rules,
         };
-        let allow_list = all.iter().any(|rule| rule.action == Action::Allow);
-        for port in &service.ports {
-            // In canonical order, as the service's rules are.
-            let rules: Arc<[AuthorizationRule]> = all
-                .iter()
-                .filter(|rule| rule.covers(port.port))
-                .cloned()
-                .collect();
-            // A port no rule covers is closed all the same when the service allows by list.
-            if rules.is_empty() && !allow_list {
-                continue;
-            }
-            let http = port.protocol.is_http();
-            let of_port = |(p, _): &&(u16, std::net::SocketAddr)| *p == port.port;
-            let endpoints = port
-                .endpoints
-                .iter()
-                .map(|e| e.address)
-                .chain(
-                    service
-                        .instances
-                        .iter()
-                        .flat_map(|i| &i.endpoints)
-                        .filter(of_port)
-                        .map(|(_, address)| *address),
-                )
-                .chain(service.unready.iter().filter(of_port).map(|(_, a)| *a));
-            for endpoint in endpoints {
-                match pods
-                    .entry(endpoint.ip())
-                    .or_default()
-                    .entry(endpoint.port())
-                {
-                    std::collections::btree_map::Entry::Vacant(vacant) => {
-                        vacant.insert(PortPolicy {
-                            http,
-                            rules: rules.clone(),
-                            allow_list,
-                        });
-                    }
-                    // Another service at the same pod port: their rules add up.
-                    std::collections::btree_map::Entry::Occupied(mut occupied) => {
-                        let policy = occupied.get_mut();
-                        policy.http &= http;
-                        policy.allow_list |= allow_list;
-                        if !Arc::ptr_eq(&policy.rules, &rules) {
-                            let mut merged: Vec<AuthorizationRule> =
-                                policy.rules.iter().chain(rules.iter()).cloned().collect();
-                            merged.sort();
-                            merged.dedup();
-                            policy.rules = merged.into();
-                        }
-                    }
-                }
-            }
+        let of_port = |(p, _): &&(u16, std::net::SocketAddr)| *p == port.port;
+        let endpoints = port
+            .endpoints
+            .iter()
+            .map(|e| e.address)
+            .chain(
+                service
+                    .instances
+                    .iter()
+                    .flat_map(|i| &i.endpoints)
+                    .filter(of_port)
+                    .map(|(_, address)| *address),
+            )
+            .chain(service.unready.iter().filter(of_port).map(|(_, a)| *a));
+        for endpoint in endpoints {
+            out.push((
+                endpoint.ip(),
+                endpoint.port(),
+                (name.clone(), port.port),
+                contribution.clone(),
+            ));
         }
     }
-    pods
+    out
 }
 
 /// The RBAC filters of a chain that reads connections (see the module's documentation).
@@ -473,6 +579,120 @@ mod tests {
         let first = compiled_bytes(&policy);
         for _ in 0..20 {
             assert_eq!(compiled_bytes(&policy), first);
+        }
+    }
+
+    /// One service of the model: which of three rule sets, which endpoints (of four pods, two
+    /// ports each), which of them not ready, and its protocol.
+    #[derive(Clone, Debug)]
+    struct ModelService {
+        rules: u8,
+        endpoints: Vec<(u8, bool)>,
+        http: bool,
+        target: u16,
+    }
+
+    fn model_service() -> impl proptest::strategy::Strategy<Value = ModelService> {
+        use proptest::prelude::*;
+        (
+            0u8..3,
+            proptest::collection::vec((0u8..4, any::<bool>()), 0..4),
+            any::<bool>(),
+            prop_oneof![Just(8080u16), Just(9090u16)],
+        )
+            .prop_map(|(rules, endpoints, http, target)| ModelService {
+                rules,
+                endpoints,
+                http,
+                target,
+            })
+    }
+
+    fn spec_of(i: usize, model: &ModelService) -> ServiceSpec {
+        let address = |pod: u8| SocketAddr::from(([10, 0, 0, pod + 1], model.target));
+        let ready: Vec<String> = model
+            .endpoints
+            .iter()
+            .filter(|(_, ready)| *ready)
+            .map(|(pod, _)| address(*pod).to_string())
+            .collect();
+        let ready: Vec<&str> = ready.iter().map(String::as_str).collect();
+        let protocol = if model.http {
+            Protocol::Http
+        } else {
+            Protocol::Tcp
+        };
+        let mut ports = vec![port(80, protocol, &ready)];
+        ports[0].endpoints = EndpointSet::new(
+            ports[0]
+                .endpoints
+                .iter()
+                .map(|e| Endpoint::new(e.address, Provider::new("test")))
+                .collect(),
+        );
+        let rules = match model.rules {
+            0 => Vec::new(),
+            1 => vec![rule(Action::Allow, &["a"], &[], &[])],
+            _ => vec![
+                rule(Action::Deny, &["b"], &[80], &["POST"]),
+                rule(Action::Allow, &[], &[], &["GET"]),
+            ],
+        };
+        let unready = model
+            .endpoints
+            .iter()
+            .filter(|(_, ready)| !*ready)
+            .map(|(pod, _)| (80, address(*pod)))
+            .collect();
+        ServiceSpec::new(format!("/m/s{i}").parse().unwrap(), ports)
+            .with_authorization(rules)
+            .with_unready(unready)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+        /// The index followed change by change holds what a rebuild from every service holds,
+        /// whatever the changes (services sharing pods and ports, rules coming and going,
+        /// endpoints becoming ready or not).
+        #[test]
+        fn the_index_followed_by_changes_is_the_index_built_anew(
+            ops in proptest::collection::vec(
+                (0usize..4, proptest::option::of(model_service())),
+                1..40,
+            )
+        ) {
+            let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+            let mut index = PolicyIndex::default();
+            let mut previous = state.snapshot();
+            for (i, op) in ops {
+                match op {
+                    Some(model) => {
+                        state.upsert(spec_of(i, &model)).unwrap();
+                    }
+                    None => {
+                        state.remove(&format!("/m/s{i}").parse().unwrap());
+                    }
+                }
+                let current = state.snapshot();
+                for change in previous.services.diff(&current.services) {
+                    match change {
+                        imbl::ordmap::DiffItem::Add(_, new) => index.update(None, Some(new)),
+                        imbl::ordmap::DiffItem::Remove(_, old) => index.update(Some(old), None),
+                        imbl::ordmap::DiffItem::Update { old: (_, old), new: (_, new) } => {
+                            index.update(Some(old), Some(new))
+                        }
+                    }
+                }
+                let followed: HashMap<IpAddr, PodPolicy> = index
+                    .policies()
+                    .iter()
+                    .map(|(ip, p)| (*ip, (**p).clone()))
+                    .collect();
+                let anew = pod_policies(current.services.values().map(|s| &**s));
+                proptest::prop_assert_eq!(followed, anew);
+                previous = current;
+            }
         }
     }
 }

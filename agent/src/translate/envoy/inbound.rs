@@ -470,8 +470,8 @@ pub struct Inbound {
     capture: CapturePort,
     permissive: Arc<XdsResource>,
     strict: Arc<XdsResource>,
-    /// The policed pods' policies.
-    pods: HashMap<IpAddr, Arc<PodPolicy>>,
+    /// The policed pods' policies (shared with the translator's index).
+    pods: imbl::HashMap<IpAddr, Arc<PodPolicy>>,
     /// The listeners built for pods of their own, kept across translations while the pod's
     /// policy stands.
     built: Mutex<HashMap<ListenerKey, Arc<XdsResource>>>,
@@ -486,12 +486,12 @@ type ListenerKey = (IpAddr, bool, Vec<InboundProbe>);
 const MAX_BUILT: usize = 2048;
 
 impl Inbound {
-    /// For `policies` (see [`pod_policies`]). What `previous` built for a pod whose policy
-    /// did not change is kept, so its proxies see no change.
+    /// For `pods`' policies (see [`authorization::PolicyIndex`]). What `previous` built for a
+    /// pod whose policy did not change (the same `Arc`) is kept, so its proxies see no change.
     pub fn new(
         trust_domain: Arc<str>,
         capture: CapturePort,
-        policies: HashMap<IpAddr, PodPolicy>,
+        pods: imbl::HashMap<IpAddr, Arc<PodPolicy>>,
         previous: Option<&Inbound>,
     ) -> Inbound {
         let (permissive, strict) = match previous {
@@ -506,16 +506,6 @@ impl Inbound {
                 (build(false), build(true))
             }
         };
-        let pods: HashMap<IpAddr, Arc<PodPolicy>> = policies
-            .into_iter()
-            .map(|(ip, policy)| {
-                let kept = previous
-                    .and_then(|p| p.pods.get(&ip))
-                    .filter(|kept| ***kept == policy)
-                    .cloned();
-                (ip, kept.unwrap_or_else(|| Arc::new(policy)))
-            })
-            .collect();
         let built = match previous {
             Some(previous) => {
                 let mut built = lock(&previous.built).clone();
@@ -775,11 +765,11 @@ mod tests {
         );
     }
 
-    /// A pod whose policy did not change keeps the listener built for it.
+    /// A pod whose policy did not change (the same `Arc`) keeps the listener built for it.
     #[test]
     fn an_unchanged_pod_keeps_its_listener() {
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
-        let policy = |ns: &str| -> HashMap<IpAddr, PodPolicy> {
+        let policy = |ns: &str| -> Arc<PodPolicy> {
             let port = PortPolicy {
                 http: true,
                 allow_list: true,
@@ -792,18 +782,25 @@ mod tests {
                 }]
                 .into(),
             };
-            HashMap::from([(ip, PodPolicy::from([(8080, port)]))])
+            Arc::new(PodPolicy::from([(8080, port)]))
         };
+        let pods = |policy: &Arc<PodPolicy>| imbl::HashMap::from(vec![(ip, policy.clone())]);
         let capture = CapturePort::default();
-        let first = Inbound::new("cluster.local".into(), capture, policy("a"), None);
+        let a = policy("a");
+        let first = Inbound::new("cluster.local".into(), capture, pods(&a), None);
         let built = first.listener(ip, InboundMode::Strict, &[]);
         assert_eq!(first.rules(ip), 1);
-        let same = Inbound::new("cluster.local".into(), capture, policy("a"), Some(&first));
+        let same = Inbound::new("cluster.local".into(), capture, pods(&a), Some(&first));
         assert!(Arc::ptr_eq(
             &built,
             &same.listener(ip, InboundMode::Strict, &[])
         ));
-        let changed = Inbound::new("cluster.local".into(), capture, policy("b"), Some(&same));
+        let changed = Inbound::new(
+            "cluster.local".into(),
+            capture,
+            pods(&policy("b")),
+            Some(&same),
+        );
         assert_ne!(
             changed.listener(ip, InboundMode::Strict, &[]).version,
             built.version
