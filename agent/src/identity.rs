@@ -113,7 +113,8 @@ pub struct PodEntry {
 
 /// A kubelet probe that the pod's inbound listener must let through without an identity.
 /// (A `tcpSocket` probe is none: Envoy takes every captured connection, so the kubelet's
-/// connect succeeds whatever follows.)
+/// connect succeeds whatever follows. An HTTPS `httpGet` is none either: it cannot be told
+/// from any other TLS that is not the mesh's, so it is not let through.)
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct InboundProbe {
     pub port: u16,
@@ -126,8 +127,6 @@ pub enum ProbeKind {
     Http(Arc<str>),
     /// A `grpc` probe: the health service's Check, over HTTP/2 in plaintext.
     Grpc,
-    /// An HTTPS `httpGet`: TLS that is not the mesh's.
-    Https,
 }
 
 /// What a pod's inbound listener does with a connection that is not mesh mTLS.

@@ -404,8 +404,7 @@ pub struct ServiceSpec {
     pub authorization: Vec<AuthorizationRule>,
     /// Endpoints that serve it but are not ready (starting, failing readiness, terminating),
     /// as (service port, endpoint), sorted: sent no traffic, but covered by its
-    /// authorization, since their pods take calls dialled to them. Only for a service with
-    /// rules.
+    /// authorization, since their pods take calls dialled to them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unready: Vec<(u16, SocketAddr)>,
 }

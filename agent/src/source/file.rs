@@ -346,23 +346,20 @@ fn read_service(
     let service_ports: Vec<u16> = ports.iter().map(|p| p.port).collect();
     let authorization = super::authorization::check(&service.authorization, &service_ports)
         .map_err(|e| format!("{at}.authorization{e}"))?;
-    let unready = if authorization.is_empty() {
-        Vec::new()
-    } else {
-        ports
-            .iter()
-            .zip(&service.ports)
-            .flat_map(|(port, file_port)| {
-                let target = file_port
-                    .target_port
-                    .and_then(port_number)
-                    .unwrap_or(port.port);
-                unready
-                    .iter()
-                    .map(move |ip| (port.port, SocketAddr::new(*ip, target)))
-            })
-            .collect()
-    };
+    // Covered by the service's rules, whichever provider gives them.
+    let unready = ports
+        .iter()
+        .zip(&service.ports)
+        .flat_map(|(port, file_port)| {
+            let target = file_port
+                .target_port
+                .and_then(port_number)
+                .unwrap_or(port.port);
+            unready
+                .iter()
+                .map(move |ip| (port.port, SocketAddr::new(*ip, target)))
+        })
+        .collect();
     let instances = instances
         .into_iter()
         .map(|(name, ip, ready)| InstanceSpec {

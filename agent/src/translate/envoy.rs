@@ -214,9 +214,7 @@ impl EnvoyTranslator {
             };
             if old.is_some_and(policed) || new.is_some_and(policed) {
                 authorization_changed = true;
-                if self.mesh_mtls {
-                    self.policies.update(old, new);
-                }
+                self.policies.update(old, new);
             }
         }
         // The clusters and assignments of every added or changed service, built first: on

@@ -647,23 +647,20 @@ impl MeshIndex {
             Some(_) => Vec::new(),
             None => self.authorizations.rules_for(key, &port_numbers),
         };
-        // Not ready, so sent nothing, but dialled directly all the same: the rules cover them.
-        let unready = if authorization.is_empty() {
-            Vec::new()
-        } else {
-            entry
-                .ports
-                .iter()
-                .flat_map(|port| {
-                    slices.iter().flat_map(move |slice| {
-                        let target = slice.port_for(port.name.as_deref());
-                        slice.unready.iter().filter_map(move |ip| {
-                            Some((port.port, SocketAddr::new((*ip).into(), target?)))
-                        })
+        // Not ready, so sent nothing, but dialled directly all the same: the service's rules
+        // cover them, whichever provider gives the rules.
+        let unready = entry
+            .ports
+            .iter()
+            .flat_map(|port| {
+                slices.iter().flat_map(move |slice| {
+                    let target = slice.port_for(port.name.as_deref());
+                    slice.unready.iter().filter_map(move |ip| {
+                        Some((port.port, SocketAddr::new((*ip).into(), target?)))
                     })
                 })
-                .collect()
-        };
+            })
+            .collect();
         let mut spec = ServiceSpec::new(entry.path.clone(), ports)
             .with_identities(identities)
             .with_authorization(authorization)

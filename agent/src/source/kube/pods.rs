@@ -183,19 +183,18 @@ fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
                     .scheme
                     .as_deref()
                     .is_some_and(|s| s.eq_ignore_ascii_case("https"));
-                let kind = if https {
-                    ProbeKind::Https
-                } else {
-                    // As the kubelet forms its URL: the path from `/`, the query apart.
-                    let path = get.path.as_deref().unwrap_or("");
-                    let path = path.split(['?', '#']).next().unwrap_or("");
-                    let path = format!("/{}", path.trim_start_matches('/'));
-                    if path.len() > MAX_PROBE_PATH {
-                        warn!(pod = %key, bytes = path.len(), "a probe's path is longer than {MAX_PROBE_PATH} bytes: its inbound listener does not let it through");
-                        continue;
-                    }
-                    ProbeKind::Http(path.into())
-                };
+                if https {
+                    // Not to be told from any other TLS that is not the mesh's: letting it
+                    // through would let that through. Its port must be excluded from capture.
+                    warn!(pod = %key, "an HTTPS probe is not let through the pod's inbound listener where plaintext is refused: probe over HTTP, or exclude its port from capture");
+                    continue;
+                }
+                let path = get.path.as_deref().unwrap_or("");
+                if path.len() > MAX_PROBE_PATH {
+                    warn!(pod = %key, bytes = path.len(), "a probe's path is longer than {MAX_PROBE_PATH} bytes: its inbound listener does not let it through");
+                    continue;
+                }
+                let kind = ProbeKind::Http(probe_path(path).into());
                 (port_of(&get.port), kind)
             } else if let Some(grpc) = &probe.grpc {
                 (port_of(&IntOrString::Int(grpc.port)), ProbeKind::Grpc)
@@ -211,6 +210,29 @@ fn probes(pod: &Pod, key: &PodKey) -> Vec<InboundProbe> {
     found.dedup();
     found.truncate(MAX_PROBES);
     found
+}
+
+/// A probe's path as the inbound listener reads the kubelet's request: from `/`, without its
+/// query, with slashes merged and `.` and `..` segments resolved (the listener normalises
+/// request paths before its rules see them).
+fn probe_path(path: &str) -> String {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in path.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            other => segments.push(other),
+        }
+    }
+    let trailing = path.ends_with('/') && !segments.is_empty();
+    let mut out = format!("/{}", segments.join("/"));
+    if trailing {
+        out.push('/');
+    }
+    out
 }
 
 /// Whether the pod's proxy is scoped, and the services (DNS names) it declares. A value the
@@ -522,9 +544,9 @@ mod tests {
     }
 
     /// The probes its inbound listener lets through: by number or by the container's port
-    /// name; an HTTP path from `/`, without its query; HTTPS and gRPC; no TCP one (it passes
-    /// anyway), none of another host's or of Envoy's own port, and none of a pod that does not
-    /// capture its inbound TCP.
+    /// name; an HTTP path from `/`, without its query, normalised; gRPC; no TCP one (it passes
+    /// anyway), no HTTPS one (not to be told from other TLS), none of another host's or of
+    /// Envoy's own port, and none of a pod that does not capture its inbound TCP.
     #[test]
     fn a_captured_pods_probes_are_read_off_its_containers() {
         let probed = |annotations: serde_json::Value| {
@@ -532,7 +554,7 @@ mod tests {
                 "metadata": {"namespace": "shop", "name": "web", "annotations": annotations},
                 "spec": {"containers": [
                     {"name": "app", "ports": [{"name": "http", "containerPort": 8080}],
-                     "readinessProbe": {"httpGet": {"port": "http", "path": "/ready?full=1"}},
+                     "readinessProbe": {"httpGet": {"port": "http", "path": "/./ready?full=1"}},
                      "livenessProbe": {"httpGet": {"port": 8443, "scheme": "HTTPS"}},
                      "startupProbe": {"tcpSocket": {"port": 7000}}},
                     {"name": "other",
@@ -541,7 +563,7 @@ mod tests {
                      "startupProbe": {"httpGet": {"port": "nope"}}},
                     {"name": "lattice-proxy", "restartPolicy": "Always",
                      "readinessProbe": {"httpGet": {"port": 15021, "path": "/ready"}},
-                     "livenessProbe": {"httpGet": {"port": 8082, "path": "live"}}},
+                     "livenessProbe": {"httpGet": {"port": 8082, "path": "live//now/../"}}},
                 ]},
                 "status": {"phase": "Running", "podIP": "10.0.0.2"},
             })))
@@ -553,8 +575,7 @@ mod tests {
             probed(json!({INBOUND_CAPTURE_ANNOTATION: "enabled"})),
             [
                 probe(8080, ProbeKind::Http("/ready".into())),
-                probe(8082, ProbeKind::Http("/live".into())),
-                probe(8443, ProbeKind::Https),
+                probe(8082, ProbeKind::Http("/live/".into())),
                 probe(9090, ProbeKind::Grpc),
             ]
         );

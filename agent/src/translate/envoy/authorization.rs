@@ -107,12 +107,18 @@ impl PolicyIndex {
     /// A service changed from `old` to `new` (either absent: added or removed).
     pub fn update(&mut self, old: Option<&Service>, new: Option<&Service>) {
         let mut dirty = BTreeSet::new();
+        // The rules each service port held: its new contributions share them where they did
+        // not change, so the pods of a service keep one copy through its pods' comings and
+        // goings.
+        let mut held: HashMap<Speaker, Arc<[AuthorizationRule]>> = HashMap::new();
         if let Some(old) = old {
             for (ip, pod_port, key, _) in contributions_of(old) {
                 if let Some(ports) = self.contributions.get_mut(&ip)
                     && let Some(at) = ports.get_mut(&pod_port)
                 {
-                    at.remove(&key);
+                    if let Some(removed) = at.remove(&key) {
+                        held.entry(key).or_insert(removed.rules);
+                    }
                     if at.is_empty() {
                         ports.remove(&pod_port);
                     }
@@ -121,7 +127,12 @@ impl PolicyIndex {
             }
         }
         if let Some(new) = new {
-            for (ip, pod_port, key, contribution) in contributions_of(new) {
+            for (ip, pod_port, key, mut contribution) in contributions_of(new) {
+                if let Some(rules) = held.get(&key)
+                    && *rules == contribution.rules
+                {
+                    contribution.rules = rules.clone();
+                }
                 self.contributions
                     .entry(ip)
                     .or_default()
@@ -622,7 +633,14 @@ mod tests {
         } else {
             Protocol::Tcp
         };
-        let mut ports = vec![port(80, protocol, &ready)];
+        let second: Vec<String> = model
+            .endpoints
+            .iter()
+            .filter(|(_, ready)| *ready)
+            .map(|(pod, _)| SocketAddr::from(([10, 0, 0, pod + 1], 7000)).to_string())
+            .collect();
+        let second: Vec<&str> = second.iter().map(String::as_str).collect();
+        let mut ports = vec![port(80, protocol, &ready), port(81, Protocol::Tcp, &second)];
         ports[0].endpoints = EndpointSet::new(
             ports[0]
                 .endpoints
@@ -642,11 +660,86 @@ mod tests {
             .endpoints
             .iter()
             .filter(|(_, ready)| !*ready)
-            .map(|(pod, _)| (80, address(*pod)))
+            .flat_map(|(pod, _)| {
+                [
+                    (80, address(*pod)),
+                    (81, SocketAddr::from(([10, 0, 0, pod + 1], 7000))),
+                ]
+            })
             .collect();
         ServiceSpec::new(format!("/m/s{i}").parse().unwrap(), ports)
             .with_authorization(rules)
             .with_unready(unready)
+    }
+
+    /// The reference the index is checked against: every service's rules laid on its pods
+    /// anew, the plainest way (a list per pod port, rules added when not there yet).
+    fn reference(services: &[Arc<Service>]) -> HashMap<IpAddr, PodPolicy> {
+        // By pod port: (HTTP, allow list, rules).
+        type Laid = BTreeMap<u16, (bool, bool, Vec<AuthorizationRule>)>;
+        let mut pods: HashMap<IpAddr, Laid> = HashMap::new();
+        for service in services.iter().filter(|s| !s.authorization.is_empty()) {
+            let allow_list = service
+                .authorization
+                .iter()
+                .any(|r| r.action == Action::Allow);
+            for port in &service.ports {
+                let rules: Vec<&AuthorizationRule> = service
+                    .authorization
+                    .iter()
+                    .filter(|r| r.covers(port.port))
+                    .collect();
+                if rules.is_empty() && !allow_list {
+                    continue;
+                }
+                let mut endpoints: Vec<SocketAddr> =
+                    port.endpoints.iter().map(|e| e.address).collect();
+                for (p, address) in service
+                    .instances
+                    .iter()
+                    .flat_map(|i| &i.endpoints)
+                    .chain(&service.unready)
+                {
+                    if *p == port.port {
+                        endpoints.push(*address);
+                    }
+                }
+                for endpoint in endpoints {
+                    let at = pods
+                        .entry(endpoint.ip())
+                        .or_default()
+                        .entry(endpoint.port())
+                        .or_insert((true, false, Vec::new()));
+                    at.0 &= port.protocol.is_http();
+                    at.1 |= allow_list;
+                    for rule in &rules {
+                        if !at.2.contains(rule) {
+                            at.2.push((*rule).clone());
+                        }
+                    }
+                }
+            }
+        }
+        pods.into_iter()
+            .map(|(ip, ports)| {
+                let policy = ports
+                    .into_iter()
+                    .map(|(port, (http, allow_list, mut rules))| {
+                        rules.sort();
+                        let rules = rules.into();
+                        (
+                            port,
+                            PortPolicy {
+                                http,
+                                rules,
+                                allow_list,
+                            },
+                        )
+                    })
+                    .collect();
+                (ip, policy)
+            })
+            .collect()
     }
 
     proptest::proptest! {
@@ -689,6 +782,8 @@ mod tests {
                     .iter()
                     .map(|(ip, p)| (*ip, (**p).clone()))
                     .collect();
+                let all: Vec<Arc<Service>> = current.services.values().cloned().collect();
+                proptest::prop_assert_eq!(&followed, &reference(&all));
                 let anew = pod_policies(current.services.values().map(|s| &**s));
                 proptest::prop_assert_eq!(followed, anew);
                 previous = current;

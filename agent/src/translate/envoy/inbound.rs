@@ -159,8 +159,7 @@ pub(super) fn listener(
 ///
 /// The kubelet calls without an identity, from the node. An HTTP probe's GET of its path, and
 /// a gRPC probe's health Check, pass an HTTP chain of the port (whatever else comes in
-/// plaintext gets 403 in strict mode, or what the rules say); an HTTPS probe cannot be told
-/// from any other TLS that is not the mesh's, so its port takes such TLS as it comes.
+/// plaintext gets 403 in strict mode, or what the rules say).
 fn port_chains(
     strict: bool,
     trust_domain: &str,
@@ -180,7 +179,6 @@ fn port_chains(
         filters.push(tcp_proxy(handoff));
         filters
     };
-    let https_probe = probes.iter().any(|p| p.kind == ProbeKind::Https);
     // What the kubelet sends in plaintext, as rules any caller passes.
     let mut probed = Vec::new();
     let paths: Vec<PathMatch> = probes
@@ -214,9 +212,7 @@ fn port_chains(
         },
         ..FilterChain::default()
     }];
-    let other_tls = if https_probe {
-        Some(vec![tcp_proxy(Handoff::OtherTls)])
-    } else if strict {
+    let other_tls = if strict {
         None
     } else {
         policy.map(|policy| reads(Handoff::OtherTls, policy))
@@ -735,8 +731,8 @@ mod tests {
             pairs(&[("mtls-5432", tcp), ("mtls-8080", hcm)])
         );
 
-        // The kubelet's probes: an HTTP one's GETs pass a strict pod's plaintext chain, an
-        // HTTPS one's port takes other TLS; a permissive pod's unpoliced ports need nothing.
+        // The kubelet's probes: an HTTP one's GET and a gRPC one's Check pass a strict pod's
+        // plaintext chain; a permissive pod's unpoliced ports need nothing.
         let probes = [
             InboundProbe {
                 port: 8080,
@@ -744,7 +740,7 @@ mod tests {
             },
             InboundProbe {
                 port: 9000,
-                kind: ProbeKind::Https,
+                kind: ProbeKind::Grpc,
             },
         ];
         let proxy = "envoy.filters.network.tcp_proxy";
@@ -755,7 +751,7 @@ mod tests {
                 ("mtls-8080", hcm),
                 ("plaintext-8080", hcm),
                 ("mtls-9000", proxy),
-                ("other-tls-9000", proxy),
+                ("plaintext-9000", hcm),
             ])
         );
         assert_eq!(
