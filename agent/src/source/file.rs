@@ -346,36 +346,28 @@ fn read_service(
     let service_ports: Vec<u16> = ports.iter().map(|p| p.port).collect();
     let authorization = super::authorization::check(&service.authorization, &service_ports)
         .map_err(|e| format!("{at}.authorization{e}"))?;
-    // Covered by the service's rules, whichever provider gives them.
-    let unready = ports
+    // Each service port and the port its endpoints serve it on.
+    let targets: Vec<(u16, u16)> = ports
         .iter()
         .zip(&service.ports)
-        .flat_map(|(port, file_port)| {
-            let target = file_port
-                .target_port
-                .and_then(port_number)
-                .unwrap_or(port.port);
-            unready
-                .iter()
-                .map(move |ip| (port.port, SocketAddr::new(*ip, target)))
+        .map(|(port, file_port)| {
+            let target = file_port.target_port.and_then(port_number);
+            (port.port, target.unwrap_or(port.port))
         })
         .collect();
+    let at_targets = |ip: IpAddr| {
+        targets
+            .iter()
+            .map(move |(port, target)| (*port, SocketAddr::new(ip, *target)))
+    };
+    // Covered by the service's rules, whichever provider gives them.
+    let unready = unready.iter().flat_map(|ip| at_targets(*ip)).collect();
     let instances = instances
         .into_iter()
         .map(|(name, ip, ready)| InstanceSpec {
             name,
             ready,
-            endpoints: ports
-                .iter()
-                .zip(&service.ports)
-                .map(|(port, file_port)| {
-                    let target = file_port
-                        .target_port
-                        .and_then(port_number)
-                        .unwrap_or(port.port);
-                    (port.port, SocketAddr::new(ip, target))
-                })
-                .collect(),
+            endpoints: at_targets(ip).collect(),
         })
         .collect();
     Ok(ReadService {
