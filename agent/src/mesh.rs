@@ -113,6 +113,19 @@ pub struct ServicePort {
 }
 
 impl ServicePort {
+    /// Test fixture: `port` of `protocol` with endpoints at these addresses (`"10.0.0.1:80"`,
+    /// see [`EndpointSet::parsed`]), no name and no host names.
+    #[cfg(test)]
+    pub fn parsed(port: u16, protocol: Protocol, endpoints: &[&str]) -> Self {
+        ServicePort {
+            port,
+            name: None,
+            protocol,
+            endpoints: EndpointSet::parsed(endpoints),
+            hosts: HostEndpoints::default(),
+        }
+    }
+
     /// Whether its endpoints are host names, resolved by Envoy: an external service's port.
     pub fn is_external(&self) -> bool {
         !self.hosts.is_empty()

@@ -101,6 +101,20 @@ fn caller_cert(dir: &Path, name: &str, ca: &Chain, uri: &str) -> Caller {
     Caller { cert, key }
 }
 
+/// The mesh's trust bundle as a file, and a caller of the mesh (the service account `caller`
+/// of `default`), in `dir`.
+fn mesh_caller(dir: &Path, chain: &Chain) -> (String, Caller) {
+    let bundle = dir.join("bundle.pem");
+    std::fs::write(&bundle, &chain.ca_cert).unwrap();
+    let caller = caller_cert(
+        dir,
+        "caller",
+        chain,
+        "spiffe://cluster.local/ns/default/sa/caller",
+    );
+    (bundle.display().to_string(), caller)
+}
+
 /// One HTTP request over mesh mTLS from `netns` to `target`, presenting `caller` (or no
 /// certificate), checking the server's leaf against `bundle`: the response, or why not.
 fn mtls_request(
@@ -202,15 +216,7 @@ fn mesh_mtls_reaches_the_app_and_plaintext_follows_the_pods_mode() {
     }
     let outsider = node.pod("outsider", 4).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let bundle = dir.path().join("bundle.pem");
-    std::fs::write(&bundle, &chain.ca_cert).unwrap();
-    let bundle = bundle.display().to_string();
-    let caller = caller_cert(
-        dir.path(),
-        "caller",
-        chain,
-        "spiffe://cluster.local/ns/default/sa/caller",
-    );
+    let (bundle, caller) = mesh_caller(dir.path(), chain);
     let (web_at, vault_at) = (
         SocketAddr::from((web_ip, APP_PORT)),
         SocketAddr::from((vault_ip, APP_PORT)),
@@ -671,15 +677,7 @@ fn the_kubelets_probes_pass_a_strict_pod() {
     );
 
     let dir = tempfile::tempdir().unwrap();
-    let bundle = dir.path().join("bundle.pem");
-    std::fs::write(&bundle, &chain.ca_cert).unwrap();
-    let bundle = bundle.display().to_string();
-    let caller = caller_cert(
-        dir.path(),
-        "caller",
-        chain,
-        "spiffe://cluster.local/ns/default/sa/caller",
-    );
+    let (bundle, caller) = mesh_caller(dir.path(), chain);
     for (port, name) in [(APP_PORT, "web"), (9000, "unprobed")] {
         let answer = mtls_request(
             &node.netns,

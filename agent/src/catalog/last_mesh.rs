@@ -199,20 +199,10 @@ fn write(path: &Path, snapshot: &Arc<MeshSnapshot>) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mesh::{EndpointSet, InstanceSpec, MeshState, Protocol, ServicePort};
+    use crate::mesh::{InstanceSpec, MeshState, Protocol, ServicePort};
 
     fn trap() -> TrapCidrs {
         "240.240.0.0/16".parse().unwrap()
-    }
-
-    fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
-        ServicePort {
-            name: None,
-            port,
-            protocol,
-            endpoints: EndpointSet::parsed(endpoints),
-            hosts: Default::default(),
-        }
     }
 
     /// An HTTP service, a TCP one (an address of its own) and a stateful one: every spec
@@ -220,7 +210,7 @@ mod tests {
     fn snapshot() -> Arc<MeshSnapshot> {
         let web = ServiceSpec::new(
             "/shop/web".parse().unwrap(),
-            vec![port(
+            vec![ServicePort::parsed(
                 8080,
                 Protocol::Http,
                 &["10.0.0.1:9090", "10.0.0.2:9090"],
@@ -229,11 +219,11 @@ mod tests {
         .with_identities(vec!["spiffe://cluster.local/ns/shop/sa/web".into()]);
         let db = ServiceSpec::new(
             "/shop/db".parse().unwrap(),
-            vec![port(5432, Protocol::Tcp, &["10.0.0.3:5432"])],
+            vec![ServicePort::parsed(5432, Protocol::Tcp, &["10.0.0.3:5432"])],
         );
         let cache = ServiceSpec::new(
             "/data/cache".parse().unwrap(),
-            vec![port(6379, Protocol::Tcp, &[])],
+            vec![ServicePort::parsed(6379, Protocol::Tcp, &[])],
         )
         .with_instances(vec![InstanceSpec {
             name: "cache-0".into(),

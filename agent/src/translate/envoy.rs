@@ -309,13 +309,10 @@ impl EnvoyTranslator {
         }
     }
 
-    /// Rebuilds the pods' policies when a rule, or where a policed service runs, changed: from
-    /// the services with rules (a walk over the mesh that reads a length per service).
+    /// Hands the pods' policies on to a new [`inbound::Inbound`] when they changed (or on the
+    /// first snapshot), keeping what the last one built for pods whose policy stands.
     fn follow_authorization(&mut self, changed: bool) {
-        let current = self
-            .inbound
-            .as_deref()
-            .filter(|i| i.serves(&self.trust_domain, self.capture_port));
+        let current = self.inbound.as_deref();
         if current.is_some() && !changed {
             return;
         }
@@ -966,16 +963,6 @@ mod tests {
     use super::*;
     use crate::mesh::{EndpointSet, MeshState, Protocol, Provider, ServiceSpec};
 
-    fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
-        ServicePort {
-            name: None,
-            port,
-            protocol,
-            endpoints: EndpointSet::parsed(endpoints),
-            hosts: Default::default(),
-        }
-    }
-
     fn mesh(state: &mut MeshState, services: Vec<(&str, Vec<ServicePort>)>) -> Arc<MeshSnapshot> {
         let specs = services
             .into_iter()
@@ -995,7 +982,7 @@ mod tests {
             vec![
                 (
                     "/foo/bar/buzz",
-                    vec![port(
+                    vec![ServicePort::parsed(
                         8080,
                         Protocol::Http,
                         &["10.0.0.1:9090", "10.0.0.2:9090"],
@@ -1003,11 +990,15 @@ mod tests {
                 ),
                 (
                     "/foo/greeter",
-                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                    vec![ServicePort::parsed(
+                        8080,
+                        Protocol::Grpc,
+                        &["10.0.0.3:50051"],
+                    )],
                 ),
                 (
                     "/foo/db",
-                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                    vec![ServicePort::parsed(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
                 ),
             ],
         )
@@ -1023,7 +1014,7 @@ mod tests {
                     let protocol = [Protocol::Http, Protocol::Tcp, Protocol::Grpc][i % 3];
                     (
                         format!("/ns{}/svc{i}", i % 7),
-                        vec![port(80, protocol, &endpoints)],
+                        vec![ServicePort::parsed(80, protocol, &endpoints)],
                     )
                 })
                 .collect()
@@ -1066,12 +1057,16 @@ mod tests {
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         let web = ServiceSpec::new(
             "/shop/web".parse().unwrap(),
-            vec![port(8080, Protocol::Http, &["10.0.0.1:8080"])],
+            vec![ServicePort::parsed(
+                8080,
+                Protocol::Http,
+                &["10.0.0.1:8080"],
+            )],
         )
         .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]);
         let plain = ServiceSpec::new(
             "/shop/db".parse().unwrap(),
-            vec![port(5432, Protocol::Tcp, &["10.0.0.2:5432"])],
+            vec![ServicePort::parsed(5432, Protocol::Tcp, &["10.0.0.2:5432"])],
         );
         state.replace_all(vec![web, plain]).unwrap();
         let mesh = state.snapshot();
@@ -1223,8 +1218,8 @@ mod tests {
         let spec = ServiceSpec::new(
             "/data/db".parse().unwrap(),
             vec![
-                port(9042, Protocol::Tcp, &["10.1.0.10:9042"]),
-                port(8080, Protocol::Http, &["10.1.0.10:8081"]),
+                ServicePort::parsed(9042, Protocol::Tcp, &["10.1.0.10:9042"]),
+                ServicePort::parsed(8080, Protocol::Http, &["10.1.0.10:8081"]),
             ],
         )
         .with_instances(vec![
@@ -1364,11 +1359,11 @@ mod tests {
             .replace_all(vec![
                 ServiceSpec::new(
                     "/a/plain".parse().unwrap(),
-                    vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
+                    vec![ServicePort::parsed(8080, Protocol::Http, &["10.0.0.1:80"])],
                 ),
                 ServiceSpec::new(
                     "/a/checked".parse().unwrap(),
-                    vec![port(8080, Protocol::Grpc, &["10.0.0.2:80"])],
+                    vec![ServicePort::parsed(8080, Protocol::Grpc, &["10.0.0.2:80"])],
                 )
                 .with_health(checked),
             ])
@@ -1615,7 +1610,7 @@ mod tests {
         hosts: &[&str],
         target: u16,
     ) -> ServiceSpec {
-        let mut port = port(port_number, protocol, &[]);
+        let mut port = ServicePort::parsed(port_number, protocol, &[]);
         port.hosts = hosts
             .iter()
             .map(|h| crate::mesh::HostEndpoint {
@@ -1772,7 +1767,7 @@ mod tests {
                     .with_health(http_check()),
                 ServiceSpec::new(
                     "/a/plain".parse().unwrap(),
-                    vec![port(8080, Protocol::Http, &["10.0.0.1:80"])],
+                    vec![ServicePort::parsed(8080, Protocol::Http, &["10.0.0.1:80"])],
                 ),
             ])
             .unwrap();
@@ -1914,15 +1909,23 @@ mod tests {
             vec![
                 (
                     "/foo/bar/buzz",
-                    vec![port(8080, Protocol::Http, &["10.0.0.1:9090"])],
+                    vec![ServicePort::parsed(
+                        8080,
+                        Protocol::Http,
+                        &["10.0.0.1:9090"],
+                    )],
                 ),
                 (
                     "/foo/greeter",
-                    vec![port(8080, Protocol::Grpc, &["10.0.0.3:50051"])],
+                    vec![ServicePort::parsed(
+                        8080,
+                        Protocol::Grpc,
+                        &["10.0.0.3:50051"],
+                    )],
                 ),
                 (
                     "/foo/db",
-                    vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                    vec![ServicePort::parsed(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
                 ),
             ],
         ));
@@ -1963,7 +1966,7 @@ mod tests {
             &mut state,
             vec![(
                 "/foo/db",
-                vec![port(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
+                vec![ServicePort::parsed(5432, Protocol::Tcp, &["10.0.0.9:5432"])],
             )],
         ));
         assert_eq!(after.of(ResourceType::Cluster).len(), 1);

@@ -63,7 +63,8 @@ pub const MAX_SERVICE_RULES: usize = 256;
 pub type PodPolicy = BTreeMap<u16, PortPolicy>;
 
 /// The policies of every pod that is an endpoint of a service with rules, by address, from
-/// all of `services` at once (see [`PolicyIndex`] for following them change by change).
+/// all of `services` at once: what [`PolicyIndex`] holds, taken whole, for tests.
+#[cfg(test)]
 pub fn pod_policies<'a>(services: impl Iterator<Item = &'a Service>) -> HashMap<IpAddr, PodPolicy> {
     let mut index = PolicyIndex::default();
     for service in services {
@@ -444,9 +445,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::mesh::{
-        Endpoint, EndpointSet, MeshState, Protocol, Provider, ServicePort, ServiceSpec,
-    };
+    use crate::mesh::{MeshState, Protocol, ServicePort, ServiceSpec};
 
     fn rule(action: Action, from: &[&str], ports: &[u16], methods: &[&str]) -> AuthorizationRule {
         AuthorizationRule {
@@ -458,21 +457,6 @@ mod tests {
             ports: ports.to_vec(),
             paths: Vec::new(),
             methods: methods.iter().map(|m| Arc::from(*m)).collect(),
-        }
-    }
-
-    fn port(port: u16, protocol: Protocol, endpoints: &[&str]) -> ServicePort {
-        ServicePort {
-            port,
-            name: None,
-            protocol,
-            endpoints: EndpointSet::new(
-                endpoints
-                    .iter()
-                    .map(|e| Endpoint::new(e.parse::<SocketAddr>().unwrap(), Provider::new("test")))
-                    .collect(),
-            ),
-            hosts: Default::default(),
         }
     }
 
@@ -494,19 +478,19 @@ mod tests {
         let web = ServiceSpec::new(
             "/shop/web".parse().unwrap(),
             vec![
-                port(80, Protocol::Http, &["10.0.0.1:8080", "10.0.0.2:8080"]),
-                port(9000, Protocol::Tcp, &["10.0.0.1:9000"]),
+                ServicePort::parsed(80, Protocol::Http, &["10.0.0.1:8080", "10.0.0.2:8080"]),
+                ServicePort::parsed(9000, Protocol::Tcp, &["10.0.0.1:9000"]),
             ],
         )
         .with_authorization(vec![web_only.clone(), every_port.clone()]);
         let raw = ServiceSpec::new(
             "/shop/raw".parse().unwrap(),
-            vec![port(7000, Protocol::Tcp, &["10.0.0.2:8080"])],
+            vec![ServicePort::parsed(7000, Protocol::Tcp, &["10.0.0.2:8080"])],
         )
         .with_authorization(vec![rule(Action::Allow, &["ops"], &[], &[])]);
         let open = ServiceSpec::new(
             "/shop/open".parse().unwrap(),
-            vec![port(80, Protocol::Http, &["10.0.0.3:80"])],
+            vec![ServicePort::parsed(80, Protocol::Http, &["10.0.0.3:80"])],
         );
         let services = services(vec![web, raw, open]);
         let pods = pod_policies(services.iter().map(|s| &**s));
@@ -640,14 +624,10 @@ mod tests {
             .map(|(pod, _)| SocketAddr::from(([10, 0, 0, pod + 1], 7000)).to_string())
             .collect();
         let second: Vec<&str> = second.iter().map(String::as_str).collect();
-        let mut ports = vec![port(80, protocol, &ready), port(81, Protocol::Tcp, &second)];
-        ports[0].endpoints = EndpointSet::new(
-            ports[0]
-                .endpoints
-                .iter()
-                .map(|e| Endpoint::new(e.address, Provider::new("test")))
-                .collect(),
-        );
+        let ports = vec![
+            ServicePort::parsed(80, protocol, &ready),
+            ServicePort::parsed(81, Protocol::Tcp, &second),
+        ];
         let rules = match model.rules {
             0 => Vec::new(),
             1 => vec![rule(Action::Allow, &["a"], &[], &[])],

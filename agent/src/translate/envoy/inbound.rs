@@ -525,11 +525,6 @@ impl Inbound {
             built: Mutex::new(built),
         }
     }
-
-    /// Whether it was built for this trust domain and capture port.
-    pub fn serves(&self, trust_domain: &str, capture: CapturePort) -> bool {
-        &*self.trust_domain == trust_domain && self.capture == capture
-    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
