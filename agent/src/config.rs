@@ -145,6 +145,40 @@ pub struct AgentConfig {
     )]
     pub ca_secret: (String, String),
 
+    /// Istio's certificate service (https://HOST:PORT, as
+    /// https://istiod.istio-system.svc:15012, or cert-manager's istio-csr): workload
+    /// certificates are asked of it, on each pod's behalf, instead of signed with the CA's
+    /// Secret, which is then not read. The service holds the CA's key and checks that a pod of
+    /// each identity asked for runs on this node.
+    #[arg(long, env = "LATTICE_ISTIO_CA_ADDR", value_name = "URL", value_parser = parse_istio_ca_addr)]
+    pub istio_ca_addr: Option<String>,
+
+    /// The name the certificate service's TLS certificate must carry; the host of
+    /// --istio-ca-addr unless given.
+    #[arg(long, env = "LATTICE_ISTIO_CA_SERVER_NAME", value_name = "NAME")]
+    pub istio_ca_server_name: Option<String>,
+
+    /// The agent's projected service-account token for the certificate service (audience
+    /// istio-ca), read for every request.
+    #[arg(
+        long,
+        env = "LATTICE_ISTIO_CA_TOKEN",
+        default_value = "/var/run/secrets/tokens/istio-token",
+        value_name = "PATH"
+    )]
+    pub istio_ca_token: PathBuf,
+
+    /// The mesh's roots (PEM; Istio's istio-ca-root-cert ConfigMap, mounted): they check the
+    /// certificate service's certificate and are the trust bundle handed to the proxies. Read
+    /// again every 5 s.
+    #[arg(
+        long,
+        env = "LATTICE_ISTIO_CA_ROOTS",
+        default_value = "/var/run/secrets/istio/root-cert.pem",
+        value_name = "PATH"
+    )]
+    pub istio_ca_roots: PathBuf,
+
     /// How long a workload certificate is valid, in seconds (capped at the issuer's own end):
     /// each is renewed once half of it is gone, plus up to a tenth at random. At least 60.
     #[arg(
@@ -512,6 +546,23 @@ fn parse_request_bytes(s: &str) -> Result<RequestBytes, String> {
 }
 
 impl AgentConfig {
+    /// Istio's certificate service, where --istio-ca-addr names one.
+    pub fn istio_ca(&self) -> Option<crate::trust::IstioCaConfig> {
+        let addr: tonic::transport::Uri = self.istio_ca_addr.as_ref()?.parse().ok()?;
+        let host = addr.host().unwrap_or_default();
+        let server_name = self.istio_ca_server_name.clone().unwrap_or_else(|| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
+        });
+        Some(crate::trust::IstioCaConfig {
+            addr,
+            server_name,
+            token_file: self.istio_ca_token.clone(),
+            roots_file: self.istio_ca_roots.clone(),
+        })
+    }
+
     /// Whether Kubernetes is a provider: asked for, or no mesh file given.
     pub fn watches_kubernetes(&self) -> bool {
         self.kubernetes || self.mesh_files.is_empty()
@@ -547,6 +598,17 @@ fn parse_object_ref(s: &str) -> Result<(String, String), String> {
         }
         _ => Err(format!("{s:?} is not namespace/name")),
     }
+}
+
+fn parse_istio_ca_addr(s: &str) -> Result<String, String> {
+    let uri: tonic::transport::Uri = s.parse().map_err(|e| format!("not a URL: {e}"))?;
+    if uri.scheme_str() != Some("https") || uri.host().is_none_or(str::is_empty) {
+        return Err("must be https://HOST[:PORT]".to_string());
+    }
+    if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
+        return Err("must be https://HOST[:PORT], with no path".to_string());
+    }
+    Ok(s.to_string())
 }
 
 fn parse_trust_domain(s: &str) -> Result<String, String> {

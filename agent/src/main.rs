@@ -323,13 +323,18 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             .with_address_record(record, book)
             .with_last_mesh(LastMeshFile::in_dir(dir));
     }
-    // The issuer of workload certificates: from its Secret where the agent watches Kubernetes.
+    // The signer of workload certificates: Istio's certificate service where one is named,
+    // else the CA's Secret where the agent watches Kubernetes.
+    let istio_ca = config.istio_ca();
     let authority = Arc::new(Authority::new(
         config.trust_domain.clone(),
-        kubernetes.as_ref().map(|_| SecretRef {
-            namespace: config.ca_secret.0.clone(),
-            name: config.ca_secret.1.clone(),
-        }),
+        kubernetes
+            .as_ref()
+            .filter(|_| istio_ca.is_none())
+            .map(|_| SecretRef {
+                namespace: config.ca_secret.0.clone(),
+                name: config.ca_secret.1.clone(),
+            }),
         metrics.trust.clone(),
     ));
     // Workload certificates, served over SDS to the proxies verified as this node's pods: only
@@ -381,6 +386,13 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         tasks.spawn(async move {
             source::kube::ca::watch_ca(client, secret, authority, token).await;
             Ok("issuer watch")
+        });
+    }
+    if let Some(ca) = istio_ca {
+        let (authority, token) = (authority.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            lattice_agent::trust::follow_roots(Arc::new(ca), authority, token).await;
+            Ok("certificate service roots")
         });
     }
     if let Some(secrets) = &secrets {

@@ -1,7 +1,8 @@
 //! Workload identity: who a proxy is, and the certificates that say so. A workload's identity
-//! is its service account as a SPIFFE ID ([`SpiffeId`]); an [`Issuer`] (an intermediate CA and
-//! the trust bundle, as a `kubernetes.io/tls` Secret holds them) signs short-lived leaves for
-//! those identities, one per identity of the node ([`Leaves`]). [`NodeSecrets`] publishes each
+//! is its service account as a SPIFFE ID ([`SpiffeId`]); a [`Signer`] signs short-lived leaves
+//! for those identities, one per identity of the node ([`Leaves`]): an [`Issuer`] (an
+//! intermediate CA and the trust bundle, as a `kubernetes.io/tls` Secret holds them), or
+//! Istio's certificate service ([`IstioCa`]), which holds the CA's key elsewhere. [`NodeSecrets`] publishes each
 //! identity's leaf and the bundle to the xDS streams verified as its proxies, which serve them
 //! over SDS.
 //!
@@ -9,12 +10,16 @@
 
 mod authority;
 mod issuer;
+mod istio_ca;
 mod leaves;
 mod secrets;
+mod signer;
 mod spiffe;
 
 pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics};
 pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
+pub use istio_ca::{IstioCa, IstioCaConfig, IstioCaError, follow_roots};
 pub use leaves::{LeafError, Leaves};
 pub use secrets::{NodeSecrets, ProxySecrets, SecretsRx, SecretsWatch};
+pub use signer::Signer;
 pub use spiffe::{SpiffeError, SpiffeId, check_trust_domain};

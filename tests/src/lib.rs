@@ -12,6 +12,7 @@ pub mod envoy;
 pub mod fake_apiserver;
 pub mod injector;
 pub mod iptables;
+pub mod istio_ca;
 pub mod k8s_objects;
 pub mod kubelet;
 pub mod manifests;

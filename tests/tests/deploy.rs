@@ -1119,6 +1119,68 @@ fn e_the_example_is_plain_and_the_docs_show_it_as_injected() -> anyhow::Result<(
     Ok(())
 }
 
+/// docs/install.md's patch for Istio's certificate service applies to the rendered DaemonSet,
+/// which still parses, mounts what the agent's defaults read (`--istio-ca-token`,
+/// `--istio-ca-roots`), and whose command line the real agent accepts.
+#[test]
+fn h_the_install_guides_istio_ca_patch_applies_and_the_agent_takes_it() -> anyhow::Result<()> {
+    let objects = rendered()?;
+    let mut daemonset = objects
+        .iter()
+        .find(|o| kind(o) == "DaemonSet")
+        .context("the DaemonSet")?
+        .clone();
+    let docs = std::fs::read_to_string(root().join("docs/install.md"))?;
+    let block = docs
+        .split_once("<!-- istio-ca-patch")
+        .and_then(|(_, rest)| rest.split_once("```yaml\n"))
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(block, _)| block)
+        .context("docs/install.md has no istio-ca-patch block")?;
+    let patch: json_patch::Patch = serde_norway::from_str(block)?;
+    json_patch::patch(&mut daemonset, &patch)?;
+    round_trip::<DaemonSet>(&daemonset)?;
+    let parsed: DaemonSet = serde_json::from_value(daemonset)?;
+    let pod = pod_spec_of(&parsed.spec.as_ref().context("spec")?.template.spec)?;
+    let agent = pod
+        .containers
+        .iter()
+        .find(|c| c.name == "agent")
+        .context("the agent container")?;
+    let env = container_env(agent)?;
+    let (program, args) = command_line(agent, &env)?;
+    let defaults = help_defaults("lattice-agent")?;
+    for flag in ["--istio-ca-token", "--istio-ca-roots"] {
+        let path = effective(&args, flag, &defaults).context(flag)?;
+        let mounted = agent
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| Path::new(&path).starts_with(&m.mount_path) && m.read_only == Some(true));
+        ensure!(
+            mounted,
+            "{flag} {path} is on no read-only mount of the patched DaemonSet"
+        );
+    }
+    let dir = tempfile::tempdir()?;
+    let mut command = Command::new(bins::path(&program));
+    command
+        .args(&args)
+        .arg("--check-config")
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("KUBECONFIG", dummy_kubeconfig(dir.path())?);
+    let output = run(command)?;
+    ensure!(output.status.success(), "{}", show(&output));
+    ensure!(
+        args.iter()
+            .any(|a| a.starts_with("--istio-ca-addr=https://")),
+        "the patch names the service: {args:?}"
+    );
+    Ok(())
+}
+
 /// The webhook configuration sends pod creations only, never the system namespaces or the
 /// injector's own, and fails closed: while no injector answers, pods of meshed namespaces are
 /// not created (their controllers retry) rather than started outside the mesh.

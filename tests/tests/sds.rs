@@ -14,7 +14,16 @@
 //! - `/debug/identity` lists each identity's leaf, `/debug/xds` each proxy's identity, and
 //!   neither shows a key;
 //! - with leaves of a minute, the pod's Envoy serves a renewed leaf before the first one ends,
-//!   and no TLS handshake made meanwhile (one every 200 ms) fails.
+//!   and no TLS handshake made meanwhile (one every 200 ms) fails;
+//! - with Istio's certificate service as the signer (the in-repo server of its API, in the
+//!   node's namespace): the pod's Envoy serves a leaf the service issued (its serial), that
+//!   verifies against the service's roots and not the Secret's CA; a pod whose identity the
+//!   service does not place on the node is refused there, gets no leaf, and the refusal is
+//!   counted; `/debug/identity` names the backend;
+//! - an outage of that service for twice the leaf's life (leaves of a minute): every handshake
+//!   a peer makes, checking the leaf against the roots, passes until a second before the leaf
+//!   ends; the failed renewals are counted before it ends; once the service is back, a new
+//!   leaf is served.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -27,6 +36,7 @@ use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use lattice_e2e::ads_probe::first_delta_answer;
 use lattice_e2e::agent::AgentAddrs;
 use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::istio_ca::{IstioCaServer, SERVER_NAME};
 use lattice_e2e::netns::Netns;
 use lattice_e2e::node::{ADMIN, Node};
 use lattice_e2e::trusted::{DNS, NODE_LOCAL, XDS, ca_secret, openssl};
@@ -160,7 +170,10 @@ struct Setup {
 }
 
 fn setup(label: &str, args: &[&str]) -> Setup {
-    let node = Node::new(label).unwrap();
+    setup_on(Node::new(label).unwrap(), args)
+}
+
+fn setup_on(node: Node, args: &[&str]) -> Setup {
     let server = node.netns.enter(FakeApiServer::start).unwrap().unwrap();
     let chain = Chain::issue(&["unused.example".to_string()]).unwrap();
     server.apply_json(ca_secret(&chain, &[&chain])).unwrap();
@@ -405,4 +418,211 @@ fn a_minute_long_leaf_is_renewed_before_it_ends_and_no_handshake_fails() {
     eprintln!("renewed after {handshakes} handshakes, none failed");
     drop(client);
     drop(setup.server);
+}
+
+/// The node of [`setup`], its agent asking Istio's certificate service (the in-repo
+/// stand-in, in the node's namespace) instead of signing with the CA's Secret, which the API
+/// server still holds. The service knows the agent's token as node-a's and a pod of `cart`
+/// on node-a; no other.
+struct IstioSetup {
+    setup: Setup,
+    ca: IstioCaServer,
+    /// The roots file (the service's root) and the token.
+    _files: tempfile::TempDir,
+}
+
+fn setup_istio(label: &str, args: &[&str]) -> IstioSetup {
+    let node = Node::new(label).unwrap();
+    let ca = node.netns.enter(IstioCaServer::start).unwrap().unwrap();
+    ca.token("agent-token", "node-a");
+    ca.pod("spiffe://cluster.local/ns/default/sa/cart", "node-a");
+    let files = tempfile::tempdir().unwrap();
+    let (roots, token) = (files.path().join("root.pem"), files.path().join("token"));
+    std::fs::write(&roots, &ca.root_pem).unwrap();
+    std::fs::write(&token, "agent-token\n").unwrap();
+    let flags = [
+        format!("--istio-ca-addr=https://{}", ca.addr()),
+        format!("--istio-ca-server-name={SERVER_NAME}"),
+        format!("--istio-ca-roots={}", roots.display()),
+        format!("--istio-ca-token={}", token.display()),
+    ];
+    let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
+    all.extend_from_slice(args);
+    IstioSetup {
+        setup: setup_on(node, &all),
+        ca,
+        _files: files,
+    }
+}
+
+/// The agent's counter of leaves not issued for `reason`.
+fn leaf_failures(agent: &lattice_e2e::agent::Agent, reason: &str) -> f64 {
+    let (_, metrics) = agent.get("/metrics").unwrap();
+    let prefix = format!("lattice_identity_leaf_failures_total{{reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A TLS handshake with the pod's listener that checks its leaf against `roots` (a file):
+/// the handshake a peer of the mesh makes.
+fn verified_handshake(netns: &Netns, roots: &str) -> Result<(), String> {
+    let target = format!("127.0.0.1:{PROBE_PORT}");
+    openssl(
+        netns,
+        &[
+            "s_client",
+            "-connect",
+            &target,
+            "-CAfile",
+            roots,
+            "-verify_return_error",
+            "-servername",
+            "probe",
+        ],
+        "",
+    )
+    .map(|_| ())
+}
+
+#[test]
+fn istios_certificate_service_signs_for_this_nodes_pods_and_its_refusal_gives_no_leaf() {
+    let IstioSetup { setup, ca, _files } = setup_istio("sdsi", &[]);
+    let client = setup
+        .node
+        .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
+        .unwrap();
+    let netns = client.netns();
+    let roots = _files.path().join("root.pem");
+    let roots = roots.to_str().unwrap();
+    wait::until("Envoy serving a leaf of the service", WITHIN, || {
+        verified_handshake(netns, roots)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", setup.agent.log()));
+    let served = served_certificates(netns).unwrap();
+    assert_eq!(
+        uri_sans(netns, &served[0]),
+        ["spiffe://cluster.local/ns/default/sa/cart"]
+    );
+    // Signed by the service (its serial is one it issued), not with the Secret's CA.
+    let issued = ca.issued();
+    let shown = serial(netns, &served[0]);
+    assert!(
+        issued
+            .iter()
+            .any(|(id, serial)| id.ends_with("/sa/cart") && shown == format!("serial={serial}")),
+        "{shown} is not among {issued:?}"
+    );
+    assert_eq!(
+        served.len(),
+        1,
+        "the root is not handed on as part of the chain"
+    );
+    let secret_ca = _files.path().join("secret-ca.pem");
+    std::fs::write(&secret_ca, &setup.chain.ca_cert).unwrap();
+    assert!(verified_handshake(netns, secret_ca.to_str().unwrap()).is_err());
+
+    // batch runs as `default`, of which the service knows no pod on node-a: refused, and its
+    // stream gets no leaf.
+    let batch = setup.node.pod("batch", 4).unwrap();
+    let deadline = std::time::Instant::now() + WITHIN;
+    loop {
+        let answer = workload_secret(&batch.netns, "batch.default");
+        assert!(
+            matches!(&answer, Err(e) if e.contains("no `default`")),
+            "{answer:?}"
+        );
+        let refused = ca.refused();
+        if refused
+            .iter()
+            .any(|(id, why)| id.ends_with("/sa/default") && why.contains("no pod of"))
+            && leaf_failures(&setup.agent, "refused") >= 1.0
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no refusal seen: {refused:?}\n{}",
+            setup.agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (_, identity) = setup.agent.get("/debug/identity").unwrap();
+    assert!(identity.contains("\"backend\":\"istio-ca\""), "{identity}");
+    assert!(!identity.contains("PRIVATE KEY"), "{identity}");
+    drop(client);
+}
+
+#[test]
+fn a_signer_outage_of_twice_the_leaf_lifetime_fails_nothing_until_the_leaf_ends() {
+    const LIFE: i64 = 60;
+    let IstioSetup { setup, ca, _files } =
+        setup_istio("sdso", &[&format!("--leaf-lifetime-secs={LIFE}")]);
+    let client = setup
+        .node
+        .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
+        .unwrap();
+    let netns = client.netns();
+    let roots = _files.path().join("root.pem");
+    let roots = roots.to_str().unwrap();
+    let first = wait::until("Envoy serving its first leaf", WITHIN, || {
+        verified_handshake(netns, roots)?;
+        served_certificates(netns)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", setup.agent.log()));
+    let first_end = not_after(netns, &first[0]);
+    let down_at = unix_now();
+    ca.set_down(true);
+
+    // Until a second before the leaf ends, every handshake a peer makes passes; the failed
+    // renewals show in the metrics before the end.
+    let (mut handshakes, mut failures, mut seen_failing) = (0, Vec::new(), None);
+    while unix_now() < first_end - 1 {
+        handshakes += 1;
+        if let Err(e) = verified_handshake(netns, roots) {
+            failures.push(e);
+        }
+        if seen_failing.is_none() && leaf_failures(&setup.agent, "unavailable") >= 1.0 {
+            seen_failing = Some(unix_now());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {handshakes} handshakes failed during the outage: {failures:?}",
+        failures.len()
+    );
+    let seen = seen_failing.unwrap_or_else(|| {
+        panic!(
+            "no failed renewal counted before the leaf ended\n{}",
+            setup.agent.log()
+        )
+    });
+    assert!(seen < first_end);
+    let (_, metrics) = setup.agent.get("/metrics").unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "lattice_identity_leaf_expiry_timestamp_seconds{{identity=\"spiffe://cluster.local/ns/default/sa/cart\"}} {first_end}"
+        )),
+        "the held leaf's end is shown: {metrics}"
+    );
+
+    // The outage lasts twice the leaf's life; once it ends, a new leaf is served.
+    while unix_now() < down_at + 2 * LIFE {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    ca.set_down(false);
+    wait::until("Envoy serving a new leaf after the outage", WITHIN, || {
+        verified_handshake(netns, roots)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", setup.agent.log()));
+    let renewed = served_certificates(netns).unwrap();
+    assert_ne!(serial(netns, &renewed[0]), serial(netns, &first[0]));
+    eprintln!(
+        "{handshakes} handshakes during the outage, none failed; failures counted {}s before the leaf ended",
+        first_end - seen
+    );
+    drop(client);
 }

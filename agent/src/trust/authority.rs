@@ -19,6 +19,8 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use super::issuer::{Issuer, IssuerError};
+use super::istio_ca::{IstioCa, IstioCaError};
+use super::signer::Signer;
 
 /// Where the issuer's Secret is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,7 +53,7 @@ pub(super) struct IdentityLabel {
 /// `lattice_identity_*`.
 #[derive(Clone, Debug, Default)]
 pub struct TrustMetrics {
-    issuer_expiry: Gauge,
+    pub(super) issuer_expiry: Gauge,
     root_expiry: Family<RootLabel, Gauge>,
     refusals: Family<ReasonLabel, Counter>,
     pub(super) leaf_expiry: Family<IdentityLabel, Gauge>,
@@ -94,7 +96,7 @@ impl TrustMetrics {
 /// What is known of the issuer.
 #[derive(Clone, Debug, Default)]
 pub struct AuthorityState {
-    pub issuer: Option<Arc<Issuer>>,
+    pub signer: Option<Arc<Signer>>,
     /// Why the Secret's last version was refused, if it was.
     pub refused: Option<String>,
     /// Whether the Secret exists (as last listed or watched).
@@ -143,30 +145,57 @@ impl Authority {
     pub fn seen(&self, tls_crt: &[u8], tls_key: &[u8], ca_crt: &[u8]) {
         match Issuer::from_secret(tls_crt, tls_key, ca_crt, OffsetDateTime::now_utc()) {
             Ok(issuer) => {
-                let same = self
-                    .tx
-                    .borrow()
-                    .issuer
-                    .as_ref()
-                    .is_some_and(|held| held.same_as(&issuer));
-                if !same {
-                    tracing::info!(issuer = %issuer.subject(), roots = issuer.roots().len(), not_after = issuer.not_after(), "workload certificates are issued by this CA");
-                }
-                // The same CA read again keeps the issuer in use (its `Arc`), so nothing that
-                // follows it sees a new one.
-                self.tx.send_if_modified(|state| {
-                    let changed = !same || state.refused.is_some() || !state.present;
-                    if !same {
-                        state.issuer = Some(Arc::new(issuer));
-                    }
-                    state.refused = None;
-                    state.present = true;
-                    changed
-                });
+                tracing::debug!(issuer = %issuer.subject(), roots = issuer.roots().len(), not_after = issuer.not_after(), "the CA's Secret read");
+                self.use_signer(Signer::Local(Box::new(issuer)));
             }
             Err(error) => self.refuse(&error),
         }
         self.record();
+    }
+
+    /// Istio's certificate service, with a version of the roots file.
+    pub fn istio_ca(&self, ca: IstioCa) {
+        tracing::debug!(ca = %ca.addr(), roots = ca.roots().len(), "the roots file read");
+        self.use_signer(Signer::IstioCa(ca));
+        self.tx.send_modify(|state| state.listed = true);
+        self.record();
+    }
+
+    /// A version of the roots file that cannot be used, or the file unreadable: the signer
+    /// in use, if any, stays.
+    pub fn refuse_roots(&self, error: &IstioCaError) {
+        self.metrics
+            .refusals
+            .get_or_create(&ReasonLabel { reason: "roots" })
+            .inc();
+        tracing::warn!(%error, "the roots of Istio's certificate service are refused; those read before, if any, stay in use");
+        self.tx.send_modify(|state| {
+            state.refused = Some(error.to_string());
+            state.listed = true;
+        });
+    }
+
+    fn use_signer(&self, signer: Signer) {
+        let same = self
+            .tx
+            .borrow()
+            .signer
+            .as_ref()
+            .is_some_and(|held| held.same_as(&signer));
+        if !same {
+            tracing::info!(signer = %signer.debug(), "workload certificates are issued by this CA");
+        }
+        // The same CA read again keeps the signer in use (its `Arc`), so nothing that follows
+        // it sees a new one.
+        self.tx.send_if_modified(|state| {
+            let changed = !same || state.refused.is_some() || !state.present;
+            if !same {
+                state.signer = Some(Arc::new(signer));
+            }
+            state.refused = None;
+            state.present = true;
+            changed
+        });
     }
 
     /// A version of the Secret that lacks a key.
@@ -206,12 +235,12 @@ impl Authority {
 
     /// The Secret is gone: no issuer.
     pub fn gone(&self) {
-        let was = self.tx.borrow().issuer.is_some();
+        let was = self.tx.borrow().signer.is_some();
         if was {
             tracing::warn!(secret = %self.secret.as_ref().map(ToString::to_string).unwrap_or_default(), "the issuer's Secret was deleted: no workload certificates are issued until it is back");
         }
         self.tx.send_modify(|state| {
-            state.issuer = None;
+            state.signer = None;
             state.refused = None;
             state.present = false;
         });
@@ -230,10 +259,12 @@ impl Authority {
     fn record(&self) {
         let state = self.tx.borrow().clone();
         self.metrics.root_expiry.clear();
-        match &state.issuer {
-            Some(issuer) => {
-                self.metrics.issuer_expiry.set(issuer.not_after());
-                for (root, not_after) in issuer.roots() {
+        match &state.signer {
+            Some(signer) => {
+                self.metrics
+                    .issuer_expiry
+                    .set(signer.not_after().unwrap_or(0));
+                for (root, not_after) in signer.roots() {
                     self.metrics
                         .root_expiry
                         .get_or_create(&RootLabel { root })
@@ -249,15 +280,7 @@ impl Authority {
     /// `/debug/identity`.
     pub fn debug(&self) -> Value {
         let state = self.tx.borrow().clone();
-        let issuer = state.issuer.as_ref().map(|issuer| {
-            json!({
-                "subject": issuer.subject(),
-                "not_after": issuer.not_after(),
-                "roots": issuer.roots().into_iter()
-                    .map(|(subject, not_after)| json!({"subject": subject, "not_after": not_after}))
-                    .collect::<Vec<_>>(),
-            })
-        });
+        let issuer = state.signer.as_ref().map(|signer| signer.debug());
         json!({
             "trust_domain": self.trust_domain,
             "secret": self.secret.as_ref().map(ToString::to_string),

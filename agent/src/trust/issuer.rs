@@ -121,7 +121,7 @@ impl std::fmt::Debug for Issuer {
     }
 }
 
-fn unreadable(what: &'static str, why: impl std::fmt::Display) -> IssuerError {
+pub(super) fn unreadable(what: &'static str, why: impl std::fmt::Display) -> IssuerError {
     IssuerError::Unreadable {
         what,
         why: why.to_string(),
@@ -129,7 +129,7 @@ fn unreadable(what: &'static str, why: impl std::fmt::Display) -> IssuerError {
 }
 
 /// The DER certificates of a PEM text.
-fn ders(pem: &[u8], what: &'static str) -> Result<Vec<Vec<u8>>, IssuerError> {
+pub(super) fn ders(pem: &[u8], what: &'static str) -> Result<Vec<Vec<u8>>, IssuerError> {
     use rustls_pki_types::CertificateDer;
     use rustls_pki_types::pem::PemObject;
     let certs = CertificateDer::pem_slice_iter(pem)
@@ -142,10 +142,41 @@ fn ders(pem: &[u8], what: &'static str) -> Result<Vec<Vec<u8>>, IssuerError> {
     Ok(certs)
 }
 
-fn parse<'a>(der: &'a [u8], what: &'static str) -> Result<X509Certificate<'a>, IssuerError> {
+pub(super) fn parse<'a>(
+    der: &'a [u8],
+    what: &'static str,
+) -> Result<X509Certificate<'a>, IssuerError> {
     X509Certificate::from_der(der)
         .map(|(_, cert)| cert)
         .map_err(|e| unreadable(what, e))
+}
+
+/// Where `chain` (its first certificate first) does not hold together: the index of the first
+/// certificate not signed by the next one, or, for the last, by a root of `roots`. `None`
+/// when it reaches the roots.
+pub(super) fn chain_break(
+    chain: &[X509Certificate<'_>],
+    roots: &[X509Certificate<'_>],
+) -> Option<usize> {
+    let signed = |cert: &X509Certificate<'_>, by: &X509Certificate<'_>| {
+        cert.verify_signature(Some(by.public_key())).is_ok()
+    };
+    if let Some(index) = chain
+        .windows(2)
+        .position(|pair| !signed(&pair[0], &pair[1]))
+    {
+        return Some(index);
+    }
+    let last = chain.len().checked_sub(1)?;
+    (!roots.iter().any(|root| signed(&chain[last], root))).then_some(last)
+}
+
+/// A certificate's serial in hex, as openssl prints it.
+pub(super) fn serial_hex(cert: &X509Certificate<'_>) -> String {
+    cert.raw_serial()
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect()
 }
 
 fn valid_at(cert: &X509Certificate<'_>, what: String, now: i64) -> Result<(), IssuerError> {
@@ -203,29 +234,13 @@ impl Issuer {
         for (index, root) in parsed_roots.iter().enumerate() {
             valid_at(root, format!("root {index} of ca.crt"), now)?;
         }
-        // Each certificate signed by the next; the last by a root (or itself one).
-        for (index, pair) in parsed.windows(2).enumerate() {
-            if pair[0]
-                .verify_signature(Some(pair[1].public_key()))
-                .is_err()
-            {
-                return Err(IssuerError::Chain {
-                    index,
-                    by: "next one",
-                });
-            }
-        }
-        let last = parsed.len() - 1;
-        let anchored = parsed_roots.iter().any(|root| {
-            parsed[last]
-                .verify_signature(Some(root.public_key()))
-                .is_ok()
-        });
-        if !anchored {
-            return Err(IssuerError::Chain {
-                index: last,
-                by: "bundle's roots (ca.crt)",
-            });
+        if let Some(index) = chain_break(&parsed, &parsed_roots) {
+            let by = if index + 1 < parsed.len() {
+                "next one"
+            } else {
+                "bundle's roots (ca.crt)"
+            };
+            return Err(IssuerError::Chain { index, by });
         }
         let (not_before, not_after) = (
             issuer.validity().not_before.timestamp(),
@@ -284,11 +299,7 @@ impl Issuer {
         let key = KeyPair::generate()?;
         let issuer = rcgen::Issuer::from_ca_cert_der(&self.chain[0].as_slice().into(), &self.key)?;
         let cert = params.signed_by(&key, &issuer)?;
-        let serial = parse(cert.der(), "the leaf")?
-            .raw_serial()
-            .iter()
-            .map(|b| format!("{b:02X}"))
-            .collect();
+        let serial = serial_hex(&parse(cert.der(), "the leaf")?);
         Ok(Leaf {
             chain_pem: format!("{}{}", cert.pem(), self.chain_pem),
             key_pem: key.serialize_pem(),

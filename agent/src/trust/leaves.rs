@@ -14,9 +14,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use time::OffsetDateTime;
-
-use super::issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
+use super::issuer::{IssuerError, Leaf, LeafPolicy};
+use super::istio_ca::IstioCaError;
 use super::spiffe::SpiffeId;
 
 /// The first retry after a failed issue, and the most between two.
@@ -31,6 +30,8 @@ struct Entry {
     due: i64,
     /// Failures since the last issue that worked.
     failures: u32,
+    /// Being issued, by the signer of this generation ([`Leaves::take_due`]).
+    in_flight: Option<u64>,
 }
 
 /// Why an identity has no leaf.
@@ -40,6 +41,8 @@ pub enum LeafError {
     NoIssuer,
     #[error(transparent)]
     Issuer(#[from] IssuerError),
+    #[error(transparent)]
+    IstioCa(#[from] IstioCaError),
     #[error("the clock reads {0}, past what a certificate can say")]
     Clock(i64),
 }
@@ -50,16 +53,21 @@ impl LeafError {
         match self {
             LeafError::NoIssuer => "no_issuer",
             LeafError::Issuer(_) => "issuer",
+            LeafError::IstioCa(error) => error.reason(),
             LeafError::Clock(_) => "clock",
         }
     }
 }
 
-/// The leaves of the node's identities.
+/// The leaves of the node's identities, and when each is issued next. Issuing itself is the
+/// caller's (it may take a network round trip): [`Leaves::take_due`] hands out what is due,
+/// [`Leaves::record`] takes back what came of it.
 #[derive(Debug)]
 pub struct Leaves {
     policy: LeafPolicy,
     entries: HashMap<SpiffeId, Entry>,
+    /// The signer's generation: a leaf issued by a signer since replaced is issued again.
+    generation: u64,
     /// The jitter's source: a small xorshift, seeded per agent, so two agents do not renew in
     /// step; not for anything secret.
     state: u64,
@@ -70,28 +78,23 @@ impl Leaves {
         Leaves {
             policy,
             entries: HashMap::new(),
+            generation: 0,
             state: seed | 1,
         }
     }
 
-    /// The leaf of `id` at `now`, issued first if it has none yet. A leaf past its end is
-    /// never returned.
-    pub fn get(
-        &mut self,
-        id: &SpiffeId,
-        issuer: Option<&Issuer>,
-        now: i64,
-    ) -> Result<Arc<Leaf>, LeafError> {
-        if let Some(leaf) = self.current(id, now) {
-            return Ok(leaf);
-        }
+    pub fn policy(&self) -> LeafPolicy {
+        self.policy
+    }
+
+    /// `id` is wanted from `now` on: due at once if it was not wanted yet.
+    pub fn want(&mut self, id: &SpiffeId, now: i64) {
         self.entries.entry(id.clone()).or_insert(Entry {
             leaf: None,
             due: now,
             failures: 0,
+            in_flight: None,
         });
-        self.issue(id, issuer, now)?;
-        self.current(id, now).ok_or(LeafError::NoIssuer)
     }
 
     /// The leaf `id` holds now, if any is valid.
@@ -102,45 +105,116 @@ impl Leaves {
             .filter(|leaf| leaf.not_after > now)
     }
 
-    /// Renews (or retries) every leaf that is due at `now`; returns the identities whose leaf
-    /// changed, and the failures.
-    pub fn renew_due(
-        &mut self,
-        issuer: Option<&Issuer>,
-        now: i64,
-    ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
-        let due: Vec<SpiffeId> = self
+    /// Up to `most` identities due at `now` and not being issued already, now being issued
+    /// by the signer of [`Leaves::generation`].
+    pub fn take_due(&mut self, now: i64, most: usize) -> Vec<SpiffeId> {
+        let generation = self.generation;
+        let mut due: Vec<(i64, &SpiffeId)> = self
             .entries
             .iter()
-            .filter(|(_, e)| e.due <= now)
-            .map(|(id, _)| id.clone())
+            .filter(|(_, e)| e.due <= now && e.in_flight.is_none())
+            .map(|(id, e)| (e.due, id))
             .collect();
-        let (mut renewed, mut failed) = (Vec::new(), Vec::new());
-        for id in due {
-            match self.issue(&id, issuer, now) {
-                Ok(()) => renewed.push(id),
-                Err(error) => failed.push((id, error)),
+        // The longest waiting first, so a bound on issues at once starves no one.
+        due.sort_unstable();
+        let due: Vec<SpiffeId> = due
+            .into_iter()
+            .take(most)
+            .map(|(_, id)| id.clone())
+            .collect();
+        for id in &due {
+            if let Some(entry) = self.entries.get_mut(id) {
+                entry.in_flight = Some(generation);
             }
         }
-        (renewed, failed)
+        due
     }
 
-    /// Issues every leaf again now (a new issuer: leaves of the one before may chain to a root
-    /// being dropped); a failure keeps the leaf and retries as [`Leaves::renew_due`] does.
-    pub fn renew_all(
+    /// Takes `id` alone, as [`Leaves::take_due`] would, if it is due at `now` and not being
+    /// issued already.
+    pub fn take(&mut self, id: &SpiffeId, now: i64) -> bool {
+        let generation = self.generation;
+        match self.entries.get_mut(id) {
+            Some(entry) if entry.due <= now && entry.in_flight.is_none() => {
+                entry.in_flight = Some(generation);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The generation of the signer in use.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// What came of issuing `id` (taken by [`Leaves::take_due`] under `generation`) at
+    /// `now`: a new leaf is held and renewed once half its life is gone; a failure keeps the
+    /// leaf held and retries with backoff. `Ok(true)` when `id` holds a new leaf; `Ok(false)`
+    /// when it is no longer wanted.
+    pub fn record(
         &mut self,
-        issuer: Option<&Issuer>,
+        id: &SpiffeId,
+        generation: u64,
+        issued: Result<Leaf, LeafError>,
         now: i64,
-    ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
+    ) -> Result<bool, LeafError> {
+        let jitter = self.jitter();
+        let current = self.generation;
+        let Some(entry) = self.entries.get_mut(id) else {
+            return issued.map(|_| false);
+        };
+        entry.in_flight = None;
+        if generation != current {
+            // Issued by a signer since replaced: taken only when it is all there is, and
+            // issued again at once by the one in use.
+            entry.due = now;
+            return match issued {
+                Ok(leaf) if entry.leaf.as_ref().is_none_or(|l| l.not_after <= now) => {
+                    entry.leaf = Some(Arc::new(leaf));
+                    Ok(true)
+                }
+                Ok(_) => Ok(false),
+                Err(error) => Err(error),
+            };
+        }
+        match issued {
+            Ok(leaf) => {
+                // Renew once half of its own life is gone, plus the jitter: a leaf capped at
+                // its issuer's end renews in time too.
+                let life = (leaf.not_after - now).max(0);
+                entry.due = now + life / 2 + (life / 10) * jitter / 1000;
+                entry.failures = 0;
+                entry.leaf = Some(Arc::new(leaf));
+                Ok(true)
+            }
+            Err(error) => {
+                let backoff = (FIRST_RETRY << entry.failures.min(16)).min(MOST_RETRY);
+                entry.failures = entry.failures.saturating_add(1);
+                // The last try a second before the leaf ends, while it still serves.
+                let end = entry.leaf.as_ref().map_or(i64::MAX, |l| l.not_after);
+                entry.due = (now + backoff).min((end - 1).max(now + 1));
+                Err(error)
+            }
+        }
+    }
+
+    /// Another signer: every leaf is issued again now (leaves of the one before may chain to
+    /// a root being dropped); those being issued by the one before, once they come back.
+    pub fn renew_all(&mut self, now: i64) {
+        self.generation += 1;
         for entry in self.entries.values_mut() {
             entry.due = entry.due.min(now);
         }
-        self.renew_due(issuer, now)
     }
 
-    /// When the next leaf is due, if any is wanted.
+    /// When the next leaf not being issued is due, if any.
     pub fn next_due(&self) -> Option<i64> {
-        self.entries.values().map(|e| e.due).min()
+        self.entries
+            .values()
+            .filter(|e| e.in_flight.is_none())
+            .map(|e| e.due)
+            .min()
     }
 
     /// `id` is no one's on this node any more.
@@ -157,37 +231,6 @@ impl Leaves {
             .collect();
         ends.sort();
         ends
-    }
-
-    fn issue(&mut self, id: &SpiffeId, issuer: Option<&Issuer>, now: i64) -> Result<(), LeafError> {
-        let issued = match (issuer, OffsetDateTime::from_unix_timestamp(now)) {
-            (None, _) => Err(LeafError::NoIssuer),
-            (Some(_), Err(_)) => Err(LeafError::Clock(now)),
-            (Some(issuer), Ok(at)) => issuer.issue(id, self.policy, at).map_err(LeafError::from),
-        };
-        let jitter = self.jitter();
-        let Some(entry) = self.entries.get_mut(id) else {
-            return issued.map(|_| ());
-        };
-        match issued {
-            Ok(leaf) => {
-                // Renew once half of its own life is gone, plus the jitter: a leaf capped at
-                // its issuer's end renews in time too.
-                let life = (leaf.not_after - now).max(0);
-                entry.due = now + life / 2 + (life / 10) * jitter / 1000;
-                entry.failures = 0;
-                entry.leaf = Some(Arc::new(leaf));
-                Ok(())
-            }
-            Err(error) => {
-                let backoff = (FIRST_RETRY << entry.failures.min(16)).min(MOST_RETRY);
-                entry.failures = entry.failures.saturating_add(1);
-                // The last try a second before the leaf ends, while it still serves.
-                let end = entry.leaf.as_ref().map_or(i64::MAX, |l| l.not_after);
-                entry.due = (now + backoff).min((end - 1).max(now + 1));
-                Err(error)
-            }
-        }
     }
 
     /// A number in 0..1000.
@@ -207,12 +250,64 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::trust::issuer::Issuer;
     use proptest::prelude::*;
+    use time::OffsetDateTime;
 
     const LIFE: i64 = 3600;
 
     fn issuer(now: OffsetDateTime) -> Issuer {
         super::super::issuer::test_root("test CA", now)
+    }
+
+    /// Issuing on the spot, as the local signer does.
+    fn issue(
+        issuer: Option<&Issuer>,
+        id: &SpiffeId,
+        policy: LeafPolicy,
+        now: i64,
+    ) -> Result<Leaf, LeafError> {
+        let issuer = issuer.ok_or(LeafError::NoIssuer)?;
+        let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| LeafError::Clock(now))?;
+        Ok(issuer.issue(id, policy, at)?)
+    }
+
+    impl Leaves {
+        /// The leaf of `id` at `now`, issued first if it has none yet.
+        fn get(
+            &mut self,
+            id: &SpiffeId,
+            issuer: Option<&Issuer>,
+            now: i64,
+        ) -> Result<Arc<Leaf>, LeafError> {
+            self.want(id, now);
+            if let Some(leaf) = self.current(id, now) {
+                return Ok(leaf);
+            }
+            let generation = self.generation;
+            self.take(id, now);
+            let issued = issue(issuer, id, self.policy, now);
+            self.record(id, generation, issued, now)?;
+            self.current(id, now).ok_or(LeafError::NoIssuer)
+        }
+
+        /// Issues, on the spot, whatever is due at `now`.
+        fn renew_due(
+            &mut self,
+            issuer: Option<&Issuer>,
+            now: i64,
+        ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
+            let (mut renewed, mut failed) = (Vec::new(), Vec::new());
+            let generation = self.generation;
+            for id in self.take_due(now, usize::MAX) {
+                let issued = issue(issuer, &id, self.policy, now);
+                match self.record(&id, generation, issued, now) {
+                    Ok(_) => renewed.push(id),
+                    Err(error) => failed.push((id, error)),
+                }
+            }
+            (renewed, failed)
+        }
     }
 
     fn id(k: u8) -> SpiffeId {
@@ -328,6 +423,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_leaf_being_issued_is_handed_out_once_and_one_from_a_replaced_signer_is_issued_again() {
+        let start = OffsetDateTime::now_utc();
+        let (old, new) = (issuer(start), issuer(start));
+        let now = start.unix_timestamp();
+        let mut leaves = Leaves::new(policy(), 3);
+        leaves.want(&id(0), now);
+        leaves.want(&id(1), now);
+        // At most what was asked for, and nothing twice while it is being issued.
+        let first = leaves.take_due(now, 1);
+        assert_eq!(first.len(), 1);
+        let second = leaves.take_due(now, 8);
+        assert_eq!(second.len(), 1);
+        assert_ne!(first, second);
+        assert!(leaves.take_due(now, 8).is_empty());
+        assert_eq!(
+            leaves.next_due(),
+            None,
+            "nothing due but what is being issued"
+        );
+
+        // The signer is replaced while both are out: the old one's leaf is taken, as it is all
+        // there is, and issued again at once; a failure is issued again at once too.
+        let generation = leaves.generation();
+        leaves.renew_all(now);
+        let issued = issue(Some(&old), &first[0], policy(), now);
+        assert!(leaves.record(&first[0], generation, issued, now).unwrap());
+        let stale = leaves.current(&first[0], now).expect("held meanwhile");
+        assert!(
+            leaves
+                .record(&second[0], generation, Err(LeafError::NoIssuer), now)
+                .is_err()
+        );
+        let again = leaves.take_due(now, 8);
+        assert_eq!(again.len(), 2, "both issued again by the new signer");
+        for id in &again {
+            let issued = issue(Some(&new), id, policy(), now);
+            assert!(leaves.record(id, leaves.generation(), issued, now).unwrap());
+        }
+        assert_ne!(leaves.current(&first[0], now).unwrap().serial, stale.serial);
+        // A leaf issued for an identity since forgotten is dropped.
+        leaves.want(&id(2), now);
+        let out = leaves.take_due(now, 8);
+        leaves.forget(&id(2));
+        let issued = issue(Some(&new), &out[0], policy(), now);
+        assert!(
+            !leaves
+                .record(&out[0], leaves.generation(), issued, now)
+                .unwrap()
+        );
+        assert!(leaves.current(&id(2), now).is_none());
     }
 
     #[test]

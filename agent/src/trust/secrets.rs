@@ -4,12 +4,18 @@
 //! is wanted while a verified stream of it lives, and forgotten (its leaf with it) when the
 //! last one ends: the agent never holds a leaf for an identity no proxy of its node has.
 //!
-//! Issuing runs on the caller's thread under a lock: a P-256 key and a signature take well
-//! under a millisecond, and a node has a few hundred identities at most.
+//! Leaves are issued by one task ([`NodeSecrets::run`]), outside the lock: a remote signer
+//! takes a round trip per leaf, so up to [`MOST_IN_FLIGHT`] are asked for at once, and a
+//! stream verified as a new identity waits for its leaf (Envoy waits for its secrets) rather
+//! than for the leaves of others.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 
 use serde_json::{Value, json};
 use time::OffsetDateTime;
@@ -17,8 +23,9 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::authority::{AuthorityState, IdentityLabel, ReasonLabel, TrustMetrics};
-use super::issuer::{Issuer, Leaf, LeafPolicy};
+use super::issuer::{Leaf, LeafPolicy};
 use super::leaves::{LeafError, Leaves};
+use super::signer::Signer;
 use super::spiffe::SpiffeId;
 
 /// What a proxy of one identity is handed: its leaf and the bundle its peers are checked
@@ -36,6 +43,12 @@ const LEAST_WAIT: Duration = Duration::from_secs(1);
 const MOST_WAIT: Duration = Duration::from_secs(60);
 /// Failures to issue are logged at most once per this interval, with the count of the rest.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// The most leaves being issued at once: a node's pods starting together (110 at most by
+/// default) do not open as many requests to a remote signer.
+const MOST_IN_FLIGHT: usize = 16;
+
+/// A leaf being issued: for whom, by the signer of which generation, and what came of it.
+type Issuing = Pin<Box<dyn Future<Output = (SpiffeId, u64, Result<Leaf, LeafError>)> + Send>>;
 
 type SecretsTx = watch::Sender<Option<Arc<ProxySecrets>>>;
 /// An identity's secrets; `None` while it has no leaf (no issuer yet, or issuing failed).
@@ -50,7 +63,7 @@ pub struct NodeSecrets {
 struct Inner {
     trust_domain: String,
     state: Mutex<State>,
-    /// Wakes the renewing task: an identity was added, so the next due time may be sooner.
+    /// Wakes the issuing task: an identity was added, so the next due time may be sooner.
     added: Notify,
     metrics: TrustMetrics,
     /// When a failure to issue was last logged, and how many were not since.
@@ -59,7 +72,7 @@ struct Inner {
 
 struct State {
     leaves: Leaves,
-    issuer: Option<Arc<Issuer>>,
+    signer: Option<Arc<Signer>>,
     slots: HashMap<SpiffeId, Slot>,
 }
 
@@ -112,7 +125,7 @@ impl NodeSecrets {
                 trust_domain,
                 state: Mutex::new(State {
                     leaves: Leaves::new(policy, seed),
-                    issuer: None,
+                    signer: None,
                     slots: HashMap::new(),
                 }),
                 added: Notify::new(),
@@ -126,8 +139,8 @@ impl NodeSecrets {
         &self.inner.trust_domain
     }
 
-    /// The secrets of `identity`, for a stream verified as one of its proxies: issued now if
-    /// the identity has no leaf yet and there is an issuer.
+    /// The secrets of `identity`, for a stream verified as one of its proxies: issued at once
+    /// by the issuing task if the identity has no leaf yet.
     pub fn watch(&self, identity: SpiffeId) -> SecretsWatch {
         let mut state = lock(&self.inner.state);
         let state = &mut *state;
@@ -143,8 +156,18 @@ impl NodeSecrets {
                     .slots
                     .insert(identity.clone(), Slot { tx, streams: 1 });
                 let now = now();
-                let issued = state.leaves.get(&identity, state.issuer.as_deref(), now);
-                self.inner.issued(state, &identity, issued.err());
+                state.leaves.want(&identity, now);
+                // A local signer signs at once, so the proxy's first answer carries its leaf;
+                // a remote one is asked by the issuing task.
+                let policy = state.leaves.policy();
+                if let Some(signer) = state.signer.clone()
+                    && let Some(issued) = signer.sign_now(&identity, policy, now)
+                    && state.leaves.take(&identity, now)
+                {
+                    let generation = state.leaves.generation();
+                    let recorded = state.leaves.record(&identity, generation, issued, now);
+                    self.inner.issued(state, &identity, recorded.err());
+                }
                 rx
             }
         };
@@ -156,24 +179,38 @@ impl NodeSecrets {
         }
     }
 
-    /// Renews leaves when due and follows the issuer, until `shutdown`.
+    /// Issues and renews leaves when due and follows the signer, until `shutdown`.
     pub async fn run(
         self,
         mut authority: watch::Receiver<AuthorityState>,
         shutdown: CancellationToken,
     ) {
-        let mut issuer = authority.borrow_and_update().issuer.clone();
-        self.inner.new_issuer(issuer.clone());
+        let mut signer = authority.borrow_and_update().signer.clone();
+        self.inner.new_signer(signer.clone());
+        let mut issuing: FuturesUnordered<Issuing> = FuturesUnordered::new();
         loop {
             let next = {
                 let mut state = lock(&self.inner.state);
                 let state = &mut *state;
-                let (renewed, failed) = state.leaves.renew_due(state.issuer.as_deref(), now());
-                for identity in renewed {
-                    self.inner.issued(state, &identity, None);
-                }
-                for (identity, error) in failed {
-                    self.inner.issued(state, &identity, Some(error));
+                let now = now();
+                let room = MOST_IN_FLIGHT.saturating_sub(issuing.len());
+                let generation = state.leaves.generation();
+                for identity in state.leaves.take_due(now, room) {
+                    let Some(signer) = state.signer.clone() else {
+                        let recorded = state.leaves.record(
+                            &identity,
+                            generation,
+                            Err(LeafError::NoIssuer),
+                            now,
+                        );
+                        self.inner.issued(state, &identity, recorded.err());
+                        continue;
+                    };
+                    let policy = state.leaves.policy();
+                    issuing.push(Box::pin(async move {
+                        let issued = signer.sign(&identity, policy, now).await;
+                        (identity, generation, issued)
+                    }));
                 }
                 state.leaves.next_due()
             };
@@ -185,19 +222,30 @@ impl NodeSecrets {
                     .clamp(LEAST_WAIT, MOST_WAIT)
             });
             tokio::select! {
+                Some((identity, generation, issued)) = issuing.next(), if !issuing.is_empty() => {
+                    let mut state = lock(&self.inner.state);
+                    let state = &mut *state;
+                    let recorded = state.leaves.record(&identity, generation, issued, now());
+                    if matches!(recorded, Ok(true))
+                        && let Some(end) = state.signer.as_ref().and_then(|s| s.not_after())
+                    {
+                        self.inner.metrics.issuer_expiry.set(end);
+                    }
+                    self.inner.issued(state, &identity, recorded.err());
+                }
                 changed = authority.changed() => {
                     if changed.is_err() {
                         return;
                     }
-                    let latest = authority.borrow_and_update().issuer.clone();
-                    let same = match (&issuer, &latest) {
+                    let latest = authority.borrow_and_update().signer.clone();
+                    let same = match (&signer, &latest) {
                         (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                         (None, None) => true,
                         _ => false,
                     };
                     if !same {
-                        issuer = latest;
-                        self.inner.new_issuer(issuer.clone());
+                        signer = latest;
+                        self.inner.new_signer(signer.clone());
                     }
                 }
                 () = tokio::time::sleep(wait) => {}
@@ -231,23 +279,16 @@ impl NodeSecrets {
 }
 
 impl Inner {
-    /// Another issuer (or none): leaves are issued again by it, and every identity's
-    /// secrets published with its bundle. With none, leaves held stay in use until they end.
-    fn new_issuer(&self, issuer: Option<Arc<Issuer>>) {
+    /// Another signer (or none): every leaf is issued again by it (by the issuing task), and
+    /// every identity's secrets published with its bundle. With none, leaves held stay in use
+    /// until they end.
+    fn new_signer(&self, signer: Option<Arc<Signer>>) {
         let mut state = lock(&self.state);
-        let state = &mut *state;
-        state.issuer = issuer;
-        if state.issuer.is_none() {
-            return;
-        }
-        // Every wanted identity has an entry (made by `watch`, issued or not): all of them are
-        // issued again, those that had no leaf yet (no issuer until now) included.
-        let (renewed, failed) = state.leaves.renew_all(state.issuer.as_deref(), now());
-        for identity in renewed {
-            self.issued(state, &identity, None);
-        }
-        for (identity, error) in failed {
-            self.issued(state, &identity, Some(error));
+        state.signer = signer;
+        if state.signer.is_some() {
+            // Every wanted identity has an entry (made by `watch`, issued or not): all of them
+            // are issued again, those that had no leaf yet (no signer until now) included.
+            state.leaves.renew_all(now());
         }
     }
 
@@ -277,8 +318,8 @@ impl Inner {
             return;
         };
         let leaf = state.leaves.current(identity, now());
-        let secrets = match (leaf, &state.issuer) {
-            (Some(leaf), Some(issuer)) => {
+        let secrets = match (leaf, &state.signer) {
+            (Some(leaf), Some(signer)) => {
                 self.metrics
                     .leaf_expiry
                     .get_or_create(&IdentityLabel {
@@ -288,10 +329,10 @@ impl Inner {
                 Some(Arc::new(ProxySecrets {
                     identity: identity.clone(),
                     leaf,
-                    bundle_pem: Arc::from(issuer.bundle_pem()),
+                    bundle_pem: Arc::from(signer.bundle_pem()),
                 }))
             }
-            // A leaf with its issuer gone keeps the bundle it was published with.
+            // A leaf with its signer gone keeps the bundle it was published with.
             (Some(leaf), None) => slot.tx.borrow().as_ref().map(|held| {
                 Arc::new(ProxySecrets {
                     identity: identity.clone(),
@@ -319,11 +360,11 @@ impl Inner {
 mod tests {
     use super::*;
 
-    fn issuer(name: &str) -> Arc<Issuer> {
-        Arc::new(super::super::issuer::test_root(
+    fn issuer(name: &str) -> Arc<Signer> {
+        Arc::new(Signer::Local(Box::new(super::super::issuer::test_root(
             name,
             OffsetDateTime::now_utc(),
-        ))
+        ))))
     }
 
     fn id(sa: &str) -> SpiffeId {
@@ -353,7 +394,7 @@ mod tests {
         assert!(cart.rx.borrow_and_update().is_none(), "no issuer yet");
 
         let first = issuer("first CA");
-        authority.send_modify(|s| s.issuer = Some(first.clone()));
+        authority.send_modify(|s| s.signer = Some(first.clone()));
         let got = changed(&mut cart.rx).await.expect("a leaf");
         assert_eq!(got.identity, id("cart"));
         assert_eq!(&*got.bundle_pem, first.bundle_pem());
@@ -369,13 +410,13 @@ mod tests {
 
         // A new issuer: every leaf again, with its bundle.
         let second = issuer("second CA");
-        authority.send_modify(|s| s.issuer = Some(second.clone()));
+        authority.send_modify(|s| s.signer = Some(second.clone()));
         let renewed = changed(&mut cart.rx).await.expect("a leaf");
         assert_ne!(renewed.leaf.serial, got.leaf.serial);
         assert_eq!(&*renewed.bundle_pem, second.bundle_pem());
 
         // The issuer gone: the leaf held stays.
-        authority.send_modify(|s| s.issuer = None);
+        authority.send_modify(|s| s.signer = None);
         tokio::task::yield_now().await;
         let kept = cart.rx.borrow().clone().expect("kept");
         assert!(Arc::ptr_eq(&kept.leaf, &renewed.leaf));
