@@ -54,10 +54,27 @@ impl TrustedNode {
     /// Starts the agent once the API server holds the CA's Secret and `objects`, with a mesh
     /// file of `mesh` (YAML) when given.
     pub fn start(label: &str, objects: Vec<Value>, mesh: Option<&str>) -> anyhow::Result<Self> {
+        Self::start_with(label, objects, mesh, true)
+    }
+
+    /// As [`TrustedNode::start`], but the CA's Secret is not in the API server (`chain` is
+    /// the CA a test may put there later, with [`ca_secret`]).
+    pub fn start_without_ca(label: &str, objects: Vec<Value>) -> anyhow::Result<Self> {
+        Self::start_with(label, objects, None, false)
+    }
+
+    fn start_with(
+        label: &str,
+        objects: Vec<Value>,
+        mesh: Option<&str>,
+        with_ca: bool,
+    ) -> anyhow::Result<Self> {
         let node = Node::new(label)?;
         let server = node.netns.enter(FakeApiServer::start)??;
         let chain = Chain::issue(&["unused.example".to_string()])?;
-        server.apply_json(ca_secret(&chain, &[&chain]))?;
+        if with_ca {
+            server.apply_json(ca_secret(&chain, &[&chain]))?;
+        }
         for object in objects {
             server.apply_json(object)?;
         }

@@ -690,6 +690,76 @@ fn the_kubelets_probes_pass_a_strict_pod() {
     }
 }
 
+/// Before a captured pod's proxy holds its leaf (here: no CA at all, then one), its inbound
+/// listener is there all the same: a permissive pod takes plaintext and a strict one its
+/// kubelet's probe, neither takes what starts mesh mTLS; once the CA comes, mTLS reaches both.
+#[test]
+fn a_captured_pod_is_reachable_by_its_mode_before_it_holds_a_leaf() {
+    let (web_ip, vault_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let mut vault = captured("vault", "vault", vault_ip, Some("strict"));
+    vault["spec"]["containers"] = json!([{
+        "name": "app", "image": "app",
+        "readinessProbe": {"httpGet": {"port": APP_PORT, "path": "/healthz"}},
+    }]);
+    let objects = vec![captured("web", "web", web_ip, None), vault];
+    let trusted = TrustedNode::start_without_ca("noleaf", objects).unwrap();
+    let (node, server, agent, chain) = (
+        &trusted.node,
+        &trusted.server,
+        &trusted.agent,
+        &trusted.chain,
+    );
+    let web = trusted.pod("web", 2, &["--inbound-capture"]).unwrap();
+    let vault = trusted.pod("vault", 3, &["--inbound-capture"]).unwrap();
+    let web_app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let vault_app = Server::http(&vault.pod, "vault", APP_PORT).unwrap();
+    for pod in [&web, &vault] {
+        wait::until("the inbound listener, without a leaf", WITHIN, || {
+            inbound_listening(pod)
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), pod.envoy_log()));
+    }
+    let outsider = node.pod("outsider", 4).unwrap();
+    let (web_at, vault_at) = (
+        SocketAddr::from((web_ip, APP_PORT)),
+        SocketAddr::from((vault_ip, APP_PORT)),
+    );
+    assert_eq!(plaintext(&outsider.netns, web_at).unwrap(), "web");
+    let probe = format!("http://{vault_ip}:{APP_PORT}/healthz");
+    match curl(&node.netns, &probe, "") {
+        (200, body) if body.trim() == "vault" => {}
+        other => panic!("the strict pod's probe: {other:?}\n{}", vault.envoy_log()),
+    }
+    let vault_served = vault_app.stats.served();
+    assert!(
+        plaintext(&outsider.netns, vault_at).is_err(),
+        "strict took plaintext"
+    );
+    // Mesh mTLS is closed at once, never handed to the app as bytes it cannot read.
+    let dir = tempfile::tempdir().unwrap();
+    let (bundle, caller) = mesh_caller(dir.path(), chain);
+    let web_served = web_app.stats.served();
+    for target in [web_at, vault_at] {
+        assert!(mtls_request(&outsider.netns, target, Some(&caller), &bundle).is_err());
+    }
+    assert_eq!(
+        web_app.stats.served(),
+        web_served,
+        "mesh TLS reached the app"
+    );
+    assert_eq!(vault_app.stats.served(), vault_served);
+
+    // The CA comes: both pods get their leaves, and mesh mTLS reaches their apps.
+    server.apply_json(ca_secret(chain, &[chain])).unwrap();
+    for (target, name) in [(web_at, "web"), (vault_at, "vault")] {
+        let answer = wait::until("mTLS once the CA is there", WITHIN, || {
+            mtls_request(&outsider.netns, target, Some(&caller), &bundle)
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}\n{}", agent.log()));
+        assert!(answer.trim_end().ends_with(name), "{answer}");
+    }
+}
+
 /// The namespace `default` labelled with the mTLS mode `mode`.
 fn namespace(mode: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Namespace",

@@ -760,27 +760,30 @@ impl<A: Ads> StreamTask<A> {
     }
 
     /// What this proxy holds of `snapshot`: all of it, or its view; with its secrets, and its
-    /// inbound listener when it has one.
+    /// inbound listener when its pod captures inbound (from before it holds its leaf: a
+    /// captured pod's every connection goes to that listener).
     fn view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {
         let view = self.scoped_view_of(snapshot);
-        match &self.secrets {
-            Some(held) if !held.resources.is_empty() => {
-                let listener = match (&self.captured, &snapshot.inbound, self.peer) {
-                    (Some((mode, probes)), Some(listeners), Some(peer)) => {
-                        let rules = listeners.rules(peer);
-                        if rules != self.authorization_rules {
-                            self.authorization_rules = rules;
-                            self.proxies
-                                .update(self.id, |p| p.authorization_rules = rules);
-                        }
-                        Some(listeners.listener(peer, *mode, probes))
-                    }
-                    _ => None,
-                };
-                Arc::new(view.with_secrets(held.resources.clone(), listener.as_ref()))
+        let Some(held) = &self.secrets else {
+            return view;
+        };
+        let mtls = !held.resources.is_empty();
+        let listener = match (&self.captured, &snapshot.inbound, self.peer) {
+            (Some((mode, probes)), Some(listeners), Some(peer)) => {
+                let rules = listeners.rules(peer);
+                if rules != self.authorization_rules {
+                    self.authorization_rules = rules;
+                    self.proxies
+                        .update(self.id, |p| p.authorization_rules = rules);
+                }
+                Some(listeners.listener(peer, *mode, probes, mtls))
             }
-            _ => view,
+            _ => None,
+        };
+        if !mtls && listener.is_none() {
+            return view;
         }
+        Arc::new(view.with_secrets(held.resources.clone(), listener.as_ref()))
     }
 
     fn scoped_view_of(&mut self, snapshot: &Arc<XdsSnapshot>) -> Arc<XdsSnapshot> {

@@ -176,12 +176,14 @@ pub struct XdsSnapshot {
 /// the mesh's authorization rules for the pod at that address (every pod without rules gets
 /// the same listener of its mode).
 pub trait InboundListeners: std::fmt::Debug + Send + Sync {
-    /// The listener of the pod at `pod`, in `mode`, letting the kubelet's `probes` through.
+    /// The listener of the pod at `pod`, in `mode`, letting the kubelet's `probes` through;
+    /// `mtls`: whether its proxy holds its leaf (without, mesh mTLS is closed).
     fn listener(
         &self,
         pod: std::net::IpAddr,
         mode: crate::identity::InboundMode,
         probes: &[crate::identity::InboundProbe],
+        mtls: bool,
     ) -> Arc<XdsResource>;
     /// How many authorization rules hold at the pod's ports, for `/debug/xds`.
     fn rules(&self, pod: std::net::IpAddr) -> usize;

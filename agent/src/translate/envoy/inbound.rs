@@ -74,12 +74,18 @@ const FIRST_BYTES_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// ports (see [`super::authorization`]) and the kubelet's `probes` let through.
 ///
 /// `strict`: what is not mesh mTLS is refused; else it is handed on as it came.
+///
+/// `mtls`: whether the proxy holds its leaf. Until it does (no CA yet, its leaf being issued,
+/// or refused), mesh mTLS is closed at once rather than waited for, and the rest goes as the
+/// mode says, so a permissive pod takes plaintext from its first moment and a strict one its
+/// kubelet's probes.
 pub(super) fn listener(
     strict: bool,
     trust_domain: &str,
     capture: CapturePort,
     policy: Option<&PodPolicy>,
     probes: &[InboundProbe],
+    mtls: bool,
 ) -> Listener {
     let own_ports = [
         ENVOY_ADMIN_PORT,
@@ -97,13 +103,13 @@ pub(super) fn listener(
             ..FilterChain::default()
         })
         .collect();
-    filter_chains.push(FilterChain {
-        name: "mtls".to_string(),
-        filter_chain_match: Some(mesh_match(None)),
-        transport_socket: Some(mtls_socket(trust_domain)),
-        filters: vec![tcp_proxy(Handoff::Mtls)],
-        ..FilterChain::default()
-    });
+    filter_chains.push(mesh_chain(
+        "mtls".to_string(),
+        None,
+        trust_domain,
+        mtls,
+        || vec![tcp_proxy(Handoff::Mtls)],
+    ));
     // Ports with chains of their own: those with rules, and, in strict mode, those the
     // kubelet probes (in permissive mode its plaintext passes the default chain).
     let mut ports: BTreeSet<u16> = policy.into_iter().flatten().map(|(p, _)| *p).collect();
@@ -116,7 +122,7 @@ pub(super) fn listener(
         }
         let at: Vec<&InboundProbe> = probes.iter().filter(|p| p.port == port).collect();
         let policy = policy.and_then(|p| p.get(&port));
-        filter_chains.extend(port_chains(strict, trust_domain, port, policy, &at));
+        filter_chains.extend(port_chains(strict, trust_domain, port, policy, &at, mtls));
     }
     // Strict: no default chain, so Envoy closes the connection (`no_filter_chain_match` in
     // its listener statistics).
@@ -166,6 +172,7 @@ fn port_chains(
     port: u16,
     policy: Option<&PortPolicy>,
     probes: &[&InboundProbe],
+    mtls: bool,
 ) -> Vec<FilterChain> {
     let reads = |handoff: Handoff, policy: &PortPolicy| -> Vec<Filter> {
         if policy.http && handoff != Handoff::OtherTls {
@@ -202,16 +209,16 @@ fn port_chains(
         let check = PathMatch::Exact(Arc::from(GRPC_HEALTH_CHECK));
         probed.push(allowing(vec![check], "POST"));
     }
-    let mut chains = vec![FilterChain {
-        name: format!("mtls-{port}"),
-        filter_chain_match: Some(mesh_match(Some(port))),
-        transport_socket: Some(mtls_socket(trust_domain)),
-        filters: match policy {
+    let mut chains = vec![mesh_chain(
+        format!("mtls-{port}"),
+        Some(port),
+        trust_domain,
+        mtls,
+        || match policy {
             Some(policy) => reads(Handoff::Mtls, policy),
             None => vec![tcp_proxy(Handoff::Mtls)],
         },
-        ..FilterChain::default()
-    }];
+    )];
     let other_tls = if strict {
         None
     } else {
@@ -284,6 +291,30 @@ fn mesh_match(port: Option<u16>) -> FilterChainMatch {
         transport_protocol: "tls".to_string(),
         application_protocols: vec![lattice_contract::MESH_ALPN.to_string()],
         ..port.map(port_match).unwrap_or_default()
+    }
+}
+
+/// The chain of mesh mTLS (at `port`, or any): terminated and read by `filters` when the
+/// proxy holds its leaf, else closed (no certificate to answer with, and handing the
+/// handshake to the app would only confuse it).
+fn mesh_chain(
+    name: String,
+    port: Option<u16>,
+    trust_domain: &str,
+    mtls: bool,
+    filters: impl FnOnce() -> Vec<Filter>,
+) -> FilterChain {
+    let (transport_socket, filters) = if mtls {
+        (Some(mtls_socket(trust_domain)), filters())
+    } else {
+        (None, vec![tcp_proxy(Handoff::Refuse)])
+    };
+    FilterChain {
+        name,
+        filter_chain_match: Some(mesh_match(port)),
+        transport_socket,
+        filters,
+        ..FilterChain::default()
     }
 }
 
@@ -464,8 +495,9 @@ fn tcp_proxy(handoff: Handoff) -> Filter {
 pub struct Inbound {
     trust_domain: Arc<str>,
     capture: CapturePort,
-    permissive: Arc<XdsResource>,
-    strict: Arc<XdsResource>,
+    /// The listeners shared by pods without rules or probes to let through, by
+    /// [`shared_index`]: permissive or strict, with the proxy's leaf or not yet.
+    shared: [Arc<XdsResource>; 4],
     /// The policed pods' policies (shared with the translator's index).
     pods: imbl::HashMap<IpAddr, Arc<PodPolicy>>,
     /// The listeners built for pods of their own, kept across translations while the pod's
@@ -473,9 +505,13 @@ pub struct Inbound {
     built: Mutex<HashMap<ListenerKey, Arc<XdsResource>>>,
 }
 
-/// A pod's listener is its policy's (by its address), its mode's (strict or not) and its
-/// probes'.
-type ListenerKey = (IpAddr, bool, Vec<InboundProbe>);
+/// A pod's listener is its policy's (by its address), its mode's (strict or not), its
+/// probes', and whether its proxy holds its leaf.
+type ListenerKey = (IpAddr, bool, Vec<InboundProbe>, bool);
+
+fn shared_index(strict: bool, mtls: bool) -> usize {
+    usize::from(strict) * 2 + usize::from(mtls)
+}
 
 /// Listeners kept at most: several times a node's pods; past it, they are built again as
 /// their proxies ask (addresses are reused, so old entries would otherwise pile up).
@@ -490,23 +526,22 @@ impl Inbound {
         pods: imbl::HashMap<IpAddr, Arc<PodPolicy>>,
         previous: Option<&Inbound>,
     ) -> Inbound {
-        let (permissive, strict) = match previous {
-            Some(previous) => (previous.permissive.clone(), previous.strict.clone()),
-            None => {
-                let build = |strict| {
+        let shared = match previous {
+            Some(previous) => previous.shared.clone(),
+            None => [(false, false), (false, true), (true, false), (true, true)].map(
+                |(strict, mtls)| {
                     XdsResource::new(
                         INBOUND_LISTENER,
-                        listener(strict, &trust_domain, capture, None, &[]),
+                        listener(strict, &trust_domain, capture, None, &[], mtls),
                     )
-                };
-                (build(false), build(true))
-            }
+                },
+            ),
         };
         let built = match previous {
             Some(previous) => {
                 let mut built = lock(&previous.built).clone();
                 built.retain(
-                    |(ip, _, _), _| match (previous.pods.get(ip), pods.get(ip)) {
+                    |(ip, _, _, _), _| match (previous.pods.get(ip), pods.get(ip)) {
                         (None, None) => true,
                         (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                         _ => false,
@@ -519,8 +554,7 @@ impl Inbound {
         Inbound {
             trust_domain,
             capture,
-            permissive,
-            strict,
+            shared,
             pods,
             built: Mutex::new(built),
         }
@@ -537,18 +571,15 @@ impl InboundListeners for Inbound {
         pod: IpAddr,
         mode: InboundMode,
         probes: &[InboundProbe],
+        mtls: bool,
     ) -> Arc<XdsResource> {
         let strict = mode == InboundMode::Strict;
         let policy = self.pods.get(&pod);
         // Probes need chains of their own only where plaintext is refused.
         if policy.is_none() && (!strict || probes.is_empty()) {
-            return if strict {
-                self.strict.clone()
-            } else {
-                self.permissive.clone()
-            };
+            return self.shared[shared_index(strict, mtls)].clone();
         }
-        let key = (pod, strict, probes.to_vec());
+        let key = (pod, strict, probes.to_vec(), mtls);
         let mut built = lock(&self.built);
         if let Some(listener) = built.get(&key) {
             return listener.clone();
@@ -561,6 +592,7 @@ impl InboundListeners for Inbound {
                 self.capture,
                 policy.map(|p| &**p),
                 probes,
+                mtls,
             ),
         );
         if built.len() >= MAX_BUILT {
@@ -616,6 +648,7 @@ mod tests {
             CapturePort::default(),
             None,
             &[],
+            true,
         )
     }
 
@@ -650,6 +683,75 @@ mod tests {
             let mtls = listener.filter_chains.last().unwrap();
             let matched = mtls.filter_chain_match.as_ref().unwrap();
             assert_eq!(matched.application_protocols, [MESH_ALPN]);
+        }
+    }
+
+    /// Until its proxy holds its leaf, a pod's listener closes mesh mTLS, at every port, and
+    /// needs no secret (Envoy would wait for it); the rest goes as the mode says.
+    #[test]
+    fn without_its_leaf_a_pod_closes_mesh_mtls_and_takes_the_rest_by_its_mode() {
+        let rule = AuthorizationRule {
+            action: Action::Deny,
+            from: Vec::new(),
+            ports: Vec::new(),
+            paths: Vec::new(),
+            methods: vec![Arc::from("DELETE")],
+        };
+        let policy: PodPolicy = [(
+            8080,
+            PortPolicy {
+                http: true,
+                rules: vec![rule].into(),
+                allow_list: false,
+            },
+        )]
+        .into();
+        let probes = [InboundProbe {
+            port: 9090,
+            kind: ProbeKind::Http(Arc::from("/healthz")),
+        }];
+        for strict in [false, true] {
+            let built = listener(
+                strict,
+                "cluster.local",
+                CapturePort::default(),
+                Some(&policy),
+                &probes,
+                false,
+            );
+            // No TLS anywhere, so no secret named: Envoy would wait for it.
+            assert!(
+                built
+                    .filter_chains
+                    .iter()
+                    .all(|c| c.transport_socket.is_none())
+            );
+            for chain in &built.filter_chains {
+                let mesh = chain
+                    .filter_chain_match
+                    .as_ref()
+                    .is_some_and(|m| m.application_protocols == [MESH_ALPN]);
+                if mesh {
+                    assert!(chain.transport_socket.is_none(), "{}", chain.name);
+                    assert_eq!(
+                        chain.filters,
+                        [tcp_proxy(Handoff::Refuse)],
+                        "{}",
+                        chain.name
+                    );
+                }
+            }
+            let names: Vec<&str> = built
+                .filter_chains
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect();
+            assert!(
+                names.contains(&"mtls") && names.contains(&"mtls-8080"),
+                "{names:?}"
+            );
+            assert!(names.contains(&"plaintext-9090") == strict, "{names:?}");
+            assert_eq!(built.default_filter_chain.is_some(), !strict);
         }
     }
 
@@ -692,6 +794,7 @@ mod tests {
                 CapturePort::default(),
                 Some(&policy),
                 probes,
+                true,
             );
             listener
                 .filter_chains
@@ -779,12 +882,12 @@ mod tests {
         let capture = CapturePort::default();
         let a = policy("a");
         let first = Inbound::new("cluster.local".into(), capture, pods(&a), None);
-        let built = first.listener(ip, InboundMode::Strict, &[]);
+        let built = first.listener(ip, InboundMode::Strict, &[], true);
         assert_eq!(first.rules(ip), 1);
         let same = Inbound::new("cluster.local".into(), capture, pods(&a), Some(&first));
         assert!(Arc::ptr_eq(
             &built,
-            &same.listener(ip, InboundMode::Strict, &[])
+            &same.listener(ip, InboundMode::Strict, &[], true)
         ));
         let changed = Inbound::new(
             "cluster.local".into(),
@@ -793,13 +896,13 @@ mod tests {
             Some(&same),
         );
         assert_ne!(
-            changed.listener(ip, InboundMode::Strict, &[]).version,
+            changed.listener(ip, InboundMode::Strict, &[], true).version,
             built.version
         );
         let other: IpAddr = "10.0.0.9".parse().unwrap();
         assert!(Arc::ptr_eq(
-            &changed.listener(other, InboundMode::Strict, &[]),
-            &first.strict
+            &changed.listener(other, InboundMode::Strict, &[], true),
+            &first.shared[shared_index(true, true)]
         ));
         assert_eq!(changed.rules(other), 0);
     }
