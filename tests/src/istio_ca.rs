@@ -9,8 +9,10 @@
 //!   that node (istiod's `CA_TRUSTED_NODE_ACCOUNTS` check);
 //! - the CSR names that identity and nothing else.
 //!
-//! It then signs with its root for the validity asked (capped), and answers the leaf and the
-//! root. It serves TLS with a certificate for [`SERVER_NAME`], from the same root. A test can
+//! It then signs with its root for the validity asked (capped), for server and client
+//! authentication, and answers as istiod does: the leaf, its chain file as one string (here
+//! the root alone, which signs), and its roots file as another, which here holds a second
+//! root, as during a root rotation. It serves TLS with a certificate for [`SERVER_NAME`], from the same root. A test can
 //! take it down (every call `UNAVAILABLE`) and up again, and read what it issued and refused.
 
 use std::collections::HashMap;
@@ -188,6 +190,8 @@ fn tls_config(chain: &Chain) -> anyhow::Result<rustls::ServerConfig> {
 struct Signer {
     issuer: rcgen::Issuer<'static, KeyPair>,
     root_pem: String,
+    /// A root of the service's roots file that is not the agent's.
+    next_root_pem: String,
 }
 
 impl Signer {
@@ -196,6 +200,7 @@ impl Signer {
         Ok(Signer {
             issuer: rcgen::Issuer::from_ca_cert_pem(&chain.ca_cert, key)?,
             root_pem: chain.ca_cert.clone(),
+            next_root_pem: Chain::issue(&[SERVER_NAME.to_string()])?.ca_cert,
         })
     }
 }
@@ -303,6 +308,10 @@ fn create(
     params.not_before = now - Duration::from_secs(60);
     params.not_after = now + life;
     params.use_authority_key_identifier_extension = true;
+    params.extended_key_usages = vec![
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+    ];
     let cert = params
         .signed_by(&csr.public_key, &signer.issuer)
         .map_err(|e| Status::internal(e.to_string()))?;
@@ -318,6 +327,10 @@ fn create(
     };
     lock(state).issued.push((id, serial));
     Ok(CertificateResponse {
-        cert_chain: vec![cert.pem(), signer.root_pem.clone()],
+        cert_chain: vec![
+            cert.pem(),
+            signer.root_pem.clone(),
+            format!("{}{}", signer.root_pem, signer.next_root_pem),
+        ],
     })
 }

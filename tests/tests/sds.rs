@@ -23,7 +23,7 @@
 //! - an outage of that service for twice the leaf's life (leaves of a minute): every handshake
 //!   a peer makes, checking the leaf against the roots, passes until a second before the leaf
 //!   ends; the failed renewals are counted before it ends; once the service is back, a new
-//!   leaf is served.
+//!   leaf is served (within the agent's longest backoff, a minute).
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -614,7 +614,9 @@ fn a_signer_outage_of_twice_the_leaf_lifetime_fails_nothing_until_the_leaf_ends(
         std::thread::sleep(Duration::from_millis(500));
     }
     ca.set_down(false);
-    wait::until("Envoy serving a new leaf after the outage", WITHIN, || {
+    // The agent retries by its backoff, at most a minute apart.
+    let retry = Duration::from_secs(60) + WITHIN;
+    wait::until("Envoy serving a new leaf after the outage", retry, || {
         verified_handshake(netns, roots)
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", setup.agent.log()));

@@ -261,9 +261,10 @@ impl Authority {
         self.metrics.root_expiry.clear();
         match &state.signer {
             Some(signer) => {
-                self.metrics
-                    .issuer_expiry
-                    .set(signer.not_after().unwrap_or(0));
+                // Istio's certificate service: known from its first leaf on (set there).
+                if let Some(end) = signer.not_after() {
+                    self.metrics.issuer_expiry.set(end);
+                }
                 for (root, not_after) in signer.roots() {
                     self.metrics
                         .root_expiry

@@ -25,7 +25,9 @@ use std::time::Duration;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use hyper_util::rt::TokioIo;
 use rcgen::{CertificateParams, DistinguishedName, KeyPair, PublicKeyData, SanType};
-use rustls_pki_types::ServerName;
+use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::ClientCertVerifier;
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http::uri::PathAndQuery;
@@ -33,7 +35,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use x509_parser::extensions::GeneralName;
 
 use super::authority::Authority;
-use super::issuer::{Leaf, LeafPolicy, chain_break, ders, parse, serial_hex};
+use super::issuer::{Leaf, LeafPolicy, ders, parse, serial_hex};
 use super::spiffe::SpiffeId;
 
 /// `istio.v1.auth.IstioCertificateRequest`.
@@ -73,6 +75,14 @@ const MOST_ANSWER_BYTES: usize = 1 << 20;
 const ROOTS_EVERY: Duration = Duration::from_secs(5);
 /// A leaf may start this far after the agent's now (the service's clock ahead of it).
 const SKEW: i64 = 60;
+/// The most certificates an answer may hold.
+const MOST_CHAIN: usize = 8;
+/// How long a request may take in all, its answer's body included (tonic's timeouts bound
+/// the wait for its headers only).
+const WHOLE_REQUEST: Duration = Duration::from_secs(12);
+/// HTTP/2 pings on the service's connection, so one that stalls is found and replaced.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the service gave no leaf.
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +164,8 @@ pub struct IstioCa {
     /// DER of each root.
     roots: Vec<Vec<u8>>,
     bundle_pem: String,
+    /// Checks a leaf's path to the roots, as a peer does.
+    verifier: Arc<dyn ClientCertVerifier>,
     /// When the certificate that signed the last leaf ends (Unix seconds; 0 before the first).
     issuer_end: AtomicI64,
 }
@@ -180,6 +192,10 @@ impl IstioCa {
                 .map_err(|e| IstioCaError::Roots(e.to_string()))?;
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let store = Arc::new(store);
+        let verifier = WebPkiClientVerifier::builder_with_provider(store.clone(), provider.clone())
+            .build()
+            .map_err(|e| IstioCaError::Roots(e.to_string()))?;
         let mut tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| IstioCaError::Roots(e.to_string()))?
@@ -207,6 +223,8 @@ impl IstioCa {
         let channel = Endpoint::from(config.addr.clone())
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT)
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .connect_with_connector_lazy(dial);
         let text = String::from_utf8_lossy(roots_pem);
         Ok(IstioCa {
@@ -214,6 +232,7 @@ impl IstioCa {
             channel,
             roots,
             bundle_pem: format!("{}\n", text.trim_end()),
+            verifier,
             issuer_end: AtomicI64::new(0),
         })
     }
@@ -242,8 +261,24 @@ impl IstioCa {
         self.roots == other.roots
     }
 
-    /// A leaf for `id`: a fresh key, and the service's certificate for it.
+    /// A leaf for `id`: a fresh key, and the service's certificate for it, within
+    /// [`WHOLE_REQUEST`].
     pub async fn sign(
+        &self,
+        id: &SpiffeId,
+        policy: LeafPolicy,
+        now: OffsetDateTime,
+    ) -> Result<Leaf, IstioCaError> {
+        tokio::time::timeout(WHOLE_REQUEST, self.ask(id, policy, now))
+            .await
+            .unwrap_or_else(|_| {
+                Err(IstioCaError::Unavailable(format!(
+                    "no whole answer within {WHOLE_REQUEST:?}"
+                )))
+            })
+    }
+
+    async fn ask(
         &self,
         id: &SpiffeId,
         policy: LeafPolicy,
@@ -321,7 +356,10 @@ impl IstioCa {
         self.check(&answer, id, &key, now.unix_timestamp())
     }
 
-    /// The leaf of an answer, if it is one for `key` and `id` that chains to the roots.
+    /// The leaf of an answer, if it is one for `key` and `id` alone that chains to the roots.
+    /// The answer is the leaf, then what it chains through and the roots, in strings of one
+    /// certificate or several (istiod sends its whole chain file, and its whole roots file,
+    /// each as one).
     fn check(
         &self,
         answer: &IstioCertificateResponse,
@@ -329,81 +367,108 @@ impl IstioCa {
         key: &KeyPair,
         now: i64,
     ) -> Result<Leaf, IstioCaError> {
-        let refuse = |why: &str| IstioCaError::Answer(why.to_string());
-        let pem: String = answer.cert_chain.iter().map(|c| format!("{c}\n")).collect();
-        let chain = ders(pem.as_bytes(), "the answer").map_err(|e| refuse(&e.to_string()))?;
-        let parsed = chain
-            .iter()
-            .map(|der| parse(der, "the answer"))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| refuse(&e.to_string()))?;
-        let leaf = &parsed[0];
-        if leaf.public_key().raw != key.subject_public_key_info().as_slice() {
-            return Err(refuse("the leaf is not for the key asked with"));
+        let refuse = |why: String| IstioCaError::Answer(why);
+        let text: String = answer.cert_chain.iter().map(|c| format!("{c}\n")).collect();
+        let chain = ders(text.as_bytes(), "the answer").map_err(|e| refuse(e.to_string()))?;
+        if chain.len() > MOST_CHAIN {
+            return Err(refuse(format!(
+                "{} certificates, more than {MOST_CHAIN}",
+                chain.len()
+            )));
         }
-        let uris: Vec<&str> = leaf
+        let leaf = parse(&chain[0], "the answer").map_err(|e| refuse(e.to_string()))?;
+        if leaf.public_key().raw != key.subject_public_key_info().as_slice() {
+            return Err(refuse("the leaf is not for the key asked with".into()));
+        }
+        let names: Vec<&GeneralName<'_>> = leaf
             .subject_alternative_name()
             .ok()
             .flatten()
-            .map(|san| {
-                san.value
-                    .general_names
-                    .iter()
-                    .filter_map(|name| match name {
-                        GeneralName::URI(uri) => Some(*uri),
-                        _ => None,
-                    })
-                    .collect()
-            })
+            .map(|san| san.value.general_names.iter().collect())
             .unwrap_or_default();
         let wanted = id.to_string();
-        if uris != [wanted.as_str()] {
-            return Err(IstioCaError::Answer(format!(
-                "the leaf names {} URI SANs, not only {wanted}",
-                uris.len()
+        if !matches!(names[..], [GeneralName::URI(uri)] if *uri == wanted) {
+            return Err(refuse(format!(
+                "the leaf names {} subject alternative names, not {wanted} alone",
+                names.len()
             )));
+        }
+        if leaf.is_ca() {
+            return Err(refuse("the leaf is a CA".into()));
         }
         let (not_before, not_after) = (
             leaf.validity().not_before.timestamp(),
             leaf.validity().not_after.timestamp(),
         );
         if not_before > now + SKEW || not_after <= now {
-            return Err(IstioCaError::Answer(format!(
+            return Err(refuse(format!(
                 "the leaf is valid from {not_before} to {not_after}, not now ({now})"
             )));
         }
-        let roots = self
-            .roots
+        // The path to the roots, as a peer builds it (webpki: signatures, CA constraints,
+        // validity, client authentication), through any of the answer's other certificates.
+        let intermediates: Vec<CertificateDer<'static>> = chain[1..]
             .iter()
-            .map(|der| parse(der, "the roots file"))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| refuse(&e.to_string()))?;
-        if let Some(index) = chain_break(&parsed, &roots) {
-            return Err(IstioCaError::Answer(format!(
-                "certificate {index} of the answer does not chain to the roots"
-            )));
+            .filter(|der| !self.roots.contains(der))
+            .map(|der| CertificateDer::from(der.clone()))
+            .collect();
+        let at = UnixTime::since_unix_epoch(Duration::from_secs(
+            u64::try_from(now.max(not_before)).unwrap_or(0),
+        ));
+        self.verifier
+            .verify_client_cert(&CertificateDer::from(chain[0].clone()), &intermediates, at)
+            .map_err(|e| refuse(format!("the leaf does not chain to the roots: {e}")))?;
+        // The issuer's end, for the metric: the certificate of the answer that signed the leaf.
+        let signer_end = chain[1..]
+            .iter()
+            .filter_map(|der| parse(der, "the answer").ok())
+            .find(|cert| leaf.verify_signature(Some(cert.public_key())).is_ok())
+            .map(|cert| cert.validity().not_after.timestamp());
+        if let Some(end) = signer_end {
+            self.issuer_end.store(end, Ordering::Relaxed);
         }
-        if let Some(signer) = parsed.get(1) {
-            self.issuer_end
-                .store(signer.validity().not_after.timestamp(), Ordering::Relaxed);
-        }
-        // The chain handed to the proxy: the leaf and what it chains through, not the roots
-        // (its peers hold those already).
-        let handed: String = answer
-            .cert_chain
+        // Handed to the proxy: the leaf and the certificates it may chain through, as the
+        // answer wrote them; not the roots (its peers hold those already).
+        let blocks = pem_blocks(&text);
+        let handed: String = blocks
             .iter()
             .zip(&chain)
             .enumerate()
-            .filter(|(index, (_, der))| *index == 0 || !self.roots.contains(der))
-            .map(|(_, (pem, _))| format!("{}\n", pem.trim_end()))
+            .filter(|(index, (_, der))| {
+                *index == 0 || !(self.roots.contains(der) || self_signed(der))
+            })
+            .map(|(_, (block, _))| format!("{block}\n"))
             .collect();
         Ok(Leaf {
             chain_pem: handed,
             key_pem: key.serialize_pem(),
             not_after,
-            serial: serial_hex(leaf),
+            serial: serial_hex(&leaf),
         })
     }
+}
+
+/// Whether a certificate is a root: its own issuer, signed by its own key.
+fn self_signed(der: &[u8]) -> bool {
+    parse(der, "the answer")
+        .is_ok_and(|cert| cert.subject() == cert.issuer() && cert.verify_signature(None).is_ok())
+}
+
+/// The `CERTIFICATE` blocks of a PEM text, in order: those [`ders`] reads.
+fn pem_blocks(text: &str) -> Vec<&str> {
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    const END: &str = "-----END CERTIFICATE-----";
+    let mut blocks = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(BEGIN) {
+        let Some(length) = rest[start..].find(END) else {
+            break;
+        };
+        let end = start + length + END.len();
+        blocks.push(&rest[start..end]);
+        rest = &rest[end..];
+    }
+    blocks
 }
 
 /// Follows the roots file: each new version makes a signer of the service with it. A version
@@ -502,6 +567,22 @@ mod tests {
             }
         }
 
+        /// An intermediate CA under this one: its PEM is the intermediate's alone.
+        fn intermediate(&self, name: &str) -> TestCa {
+            let mut params = CertificateParams::default();
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, name);
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+            let key = KeyPair::generate().unwrap();
+            let pem = params.signed_by(&key, &self.issuer).unwrap().pem();
+            TestCa {
+                pem,
+                issuer: rcgen::Issuer::new(params, key),
+            }
+        }
+
         fn leaf(&self, key: &KeyPair, uris: &[&str], life: Duration) -> String {
             let mut params = CertificateParams::default();
             params.subject_alt_names = uris
@@ -552,6 +633,26 @@ mod tests {
             );
             assert_eq!(error.reason(), "answer");
         };
+        // As istiod answers during a root rotation: the leaf, its chain file (intermediate
+        // and root) as one string, its roots file (two roots) as another. Handed on: the leaf
+        // and the intermediate.
+        let intermediate = ca.intermediate("mesh intermediate");
+        let next_root = TestCa::new("next root");
+        let istiod = vec![
+            intermediate.leaf(&key, &[&uri], day),
+            format!("{}{}", intermediate.pem, ca.pem),
+            format!("{}{}", ca.pem, next_root.pem),
+        ];
+        let taken = service.check(&answer(istiod), &id, &key, now).unwrap();
+        assert_eq!(taken.chain_pem.matches("BEGIN CERTIFICATE").count(), 2);
+        assert!(taken.chain_pem.contains(intermediate.pem.trim_end()));
+        assert!(!taken.chain_pem.contains(next_root.pem.trim_end()));
+        // Without the intermediate, the leaf reaches no root.
+        refused(
+            vec![intermediate.leaf(&key, &[&uri], day), ca.pem.clone()],
+            "does not chain to the roots",
+        );
+
         refused(vec![], "holds no PEM certificate");
         refused(vec!["not PEM".into()], "holds no PEM certificate");
         let other_key = KeyPair::generate().unwrap();
@@ -561,12 +662,19 @@ mod tests {
         );
         refused(
             vec![ca.leaf(&key, &["spiffe://cluster.local/ns/shop/sa/pay"], day)],
-            "not only spiffe://cluster.local/ns/shop/sa/cart",
+            "not spiffe://cluster.local/ns/shop/sa/cart alone",
         );
         refused(
             vec![ca.leaf(&key, &[&uri, "spiffe://cluster.local/ns/x/sa/y"], day)],
-            "names 2 URI SANs",
+            "names 2 subject alternative names",
         );
+        let mut params = CertificateParams::default();
+        params.subject_alt_names = vec![
+            SanType::URI(uri.clone().try_into().unwrap()),
+            SanType::DnsName("cart.shop.svc".try_into().unwrap()),
+        ];
+        let with_dns = params.signed_by(&key, &ca.issuer).unwrap().pem();
+        refused(vec![with_dns], "names 2 subject alternative names");
         let stranger = TestCa::new("another root");
         refused(
             vec![stranger.leaf(&key, &[&uri], day), stranger.pem.clone()],

@@ -5,8 +5,9 @@
 //! no pod of the node has that identity any more.
 //!
 //! A renewal that fails keeps the leaf it would have replaced, which stays valid until its own
-//! end, and is tried again with backoff (doubling from a second, capped at a minute and at the
-//! leaf's end); a signer outage shorter than what is left of a leaf's life fails nothing.
+//! end, and is tried again with backoff (doubling from a second, capped at a minute and, while
+//! the leaf lasts, at a second before its end); a signer outage shorter than what is left of a
+//! leaf's life fails nothing.
 //!
 //! Time is passed in (Unix seconds), so the schedule is tested against a plain model without
 //! waiting.
@@ -30,8 +31,17 @@ struct Entry {
     due: i64,
     /// Failures since the last issue that worked.
     failures: u32,
-    /// Being issued, by the signer of this generation ([`Leaves::take_due`]).
-    in_flight: Option<u64>,
+    /// Being issued: the ticket it was handed out with ([`Leaves::take_due`]).
+    in_flight: Option<Ticket>,
+}
+
+/// What an identity is handed out for issuing with, and given back with: the signer's
+/// generation, and a serial of its own, so that what comes back of a request made before the
+/// identity was forgotten and wanted again is not taken for the new request's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    generation: u64,
+    serial: u64,
 }
 
 /// Why an identity has no leaf.
@@ -68,6 +78,8 @@ pub struct Leaves {
     entries: HashMap<SpiffeId, Entry>,
     /// The signer's generation: a leaf issued by a signer since replaced is issued again.
     generation: u64,
+    /// The last ticket's serial.
+    tickets: u64,
     /// The jitter's source: a small xorshift, seeded per agent, so two agents do not renew in
     /// step; not for anything secret.
     state: u64,
@@ -79,6 +91,7 @@ impl Leaves {
             policy,
             entries: HashMap::new(),
             generation: 0,
+            tickets: 0,
             state: seed | 1,
         }
     }
@@ -105,10 +118,9 @@ impl Leaves {
             .filter(|leaf| leaf.not_after > now)
     }
 
-    /// Up to `most` identities due at `now` and not being issued already, now being issued
-    /// by the signer of [`Leaves::generation`].
-    pub fn take_due(&mut self, now: i64, most: usize) -> Vec<SpiffeId> {
-        let generation = self.generation;
+    /// Up to `most` identities due at `now` and not being issued already, now being issued,
+    /// each with its ticket for [`Leaves::record`].
+    pub fn take_due(&mut self, now: i64, most: usize) -> Vec<(SpiffeId, Ticket)> {
         let mut due: Vec<(i64, &SpiffeId)> = self
             .entries
             .iter()
@@ -122,50 +134,52 @@ impl Leaves {
             .take(most)
             .map(|(_, id)| id.clone())
             .collect();
-        for id in &due {
-            if let Some(entry) = self.entries.get_mut(id) {
-                entry.in_flight = Some(generation);
-            }
-        }
-        due
+        due.into_iter()
+            .filter_map(|id| {
+                let ticket = self.take(&id, now)?;
+                Some((id, ticket))
+            })
+            .collect()
     }
 
     /// Takes `id` alone, as [`Leaves::take_due`] would, if it is due at `now` and not being
     /// issued already.
-    pub fn take(&mut self, id: &SpiffeId, now: i64) -> bool {
-        let generation = self.generation;
-        match self.entries.get_mut(id) {
-            Some(entry) if entry.due <= now && entry.in_flight.is_none() => {
-                entry.in_flight = Some(generation);
-                true
-            }
-            _ => false,
+    pub fn take(&mut self, id: &SpiffeId, now: i64) -> Option<Ticket> {
+        let entry = self.entries.get_mut(id)?;
+        if entry.due > now || entry.in_flight.is_some() {
+            return None;
         }
+        self.tickets += 1;
+        let ticket = Ticket {
+            generation: self.generation,
+            serial: self.tickets,
+        };
+        entry.in_flight = Some(ticket);
+        Some(ticket)
     }
 
-    /// The generation of the signer in use.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// What came of issuing `id` (taken by [`Leaves::take_due`] under `generation`) at
-    /// `now`: a new leaf is held and renewed once half its life is gone; a failure keeps the
-    /// leaf held and retries with backoff. `Ok(true)` when `id` holds a new leaf; `Ok(false)`
-    /// when it is no longer wanted.
+    /// What came of issuing `id` (handed out with `ticket`) at `now`: a new leaf is held and
+    /// renewed once half its life is gone; a failure keeps the leaf held and retries with
+    /// backoff. `Ok(true)` when `id` holds a new leaf; `Ok(false)` when the ticket is no
+    /// longer the identity's (forgotten since, maybe wanted again).
     pub fn record(
         &mut self,
         id: &SpiffeId,
-        generation: u64,
+        ticket: Ticket,
         issued: Result<Leaf, LeafError>,
         now: i64,
     ) -> Result<bool, LeafError> {
         let jitter = self.jitter();
         let current = self.generation;
-        let Some(entry) = self.entries.get_mut(id) else {
+        let Some(entry) = self
+            .entries
+            .get_mut(id)
+            .filter(|e| e.in_flight == Some(ticket))
+        else {
             return issued.map(|_| false);
         };
         entry.in_flight = None;
-        if generation != current {
+        if ticket.generation != current {
             // Issued by a signer since replaced: taken only when it is all there is, and
             // issued again at once by the one in use.
             entry.due = now;
@@ -191,9 +205,14 @@ impl Leaves {
             Err(error) => {
                 let backoff = (FIRST_RETRY << entry.failures.min(16)).min(MOST_RETRY);
                 entry.failures = entry.failures.saturating_add(1);
-                // The last try a second before the leaf ends, while it still serves.
+                // The last try a second before the leaf ends, while it still serves; after
+                // its end, the backoff alone, so a long outage is not asked every second.
                 let end = entry.leaf.as_ref().map_or(i64::MAX, |l| l.not_after);
-                entry.due = (now + backoff).min((end - 1).max(now + 1));
+                entry.due = if end - 1 > now {
+                    (now + backoff).min(end - 1)
+                } else {
+                    now + backoff
+                };
                 Err(error)
             }
         }
@@ -284,10 +303,15 @@ mod tests {
             if let Some(leaf) = self.current(id, now) {
                 return Ok(leaf);
             }
-            let generation = self.generation;
-            self.take(id, now);
+            // Asked for now, as a new stream's identity is.
+            if let Some(entry) = self.entries.get_mut(id) {
+                entry.due = entry.due.min(now);
+            }
+            let Some(ticket) = self.take(id, now) else {
+                return Err(LeafError::NoIssuer);
+            };
             let issued = issue(issuer, id, self.policy, now);
-            self.record(id, generation, issued, now)?;
+            self.record(id, ticket, issued, now)?;
             self.current(id, now).ok_or(LeafError::NoIssuer)
         }
 
@@ -298,10 +322,9 @@ mod tests {
             now: i64,
         ) -> (Vec<SpiffeId>, Vec<(SpiffeId, LeafError)>) {
             let (mut renewed, mut failed) = (Vec::new(), Vec::new());
-            let generation = self.generation;
-            for id in self.take_due(now, usize::MAX) {
+            for (id, ticket) in self.take_due(now, usize::MAX) {
                 let issued = issue(issuer, &id, self.policy, now);
-                match self.record(&id, generation, issued, now) {
+                match self.record(&id, ticket, issued, now) {
                     Ok(_) => renewed.push(id),
                     Err(error) => failed.push((id, error)),
                 }
@@ -434,11 +457,11 @@ mod tests {
         leaves.want(&id(0), now);
         leaves.want(&id(1), now);
         // At most what was asked for, and nothing twice while it is being issued.
-        let first = leaves.take_due(now, 1);
-        assert_eq!(first.len(), 1);
+        let first = leaves.take_due(now, 1).remove(0);
         let second = leaves.take_due(now, 8);
         assert_eq!(second.len(), 1);
-        assert_ne!(first, second);
+        let second = second[0].clone();
+        assert_ne!(first.0, second.0);
         assert!(leaves.take_due(now, 8).is_empty());
         assert_eq!(
             leaves.next_due(),
@@ -448,34 +471,71 @@ mod tests {
 
         // The signer is replaced while both are out: the old one's leaf is taken, as it is all
         // there is, and issued again at once; a failure is issued again at once too.
-        let generation = leaves.generation();
         leaves.renew_all(now);
-        let issued = issue(Some(&old), &first[0], policy(), now);
-        assert!(leaves.record(&first[0], generation, issued, now).unwrap());
-        let stale = leaves.current(&first[0], now).expect("held meanwhile");
+        let issued = issue(Some(&old), &first.0, policy(), now);
+        assert!(leaves.record(&first.0, first.1, issued, now).unwrap());
+        let stale = leaves.current(&first.0, now).expect("held meanwhile");
         assert!(
             leaves
-                .record(&second[0], generation, Err(LeafError::NoIssuer), now)
+                .record(&second.0, second.1, Err(LeafError::NoIssuer), now)
                 .is_err()
         );
         let again = leaves.take_due(now, 8);
         assert_eq!(again.len(), 2, "both issued again by the new signer");
-        for id in &again {
+        for (id, ticket) in &again {
             let issued = issue(Some(&new), id, policy(), now);
-            assert!(leaves.record(id, leaves.generation(), issued, now).unwrap());
+            assert!(leaves.record(id, *ticket, issued, now).unwrap());
         }
-        assert_ne!(leaves.current(&first[0], now).unwrap().serial, stale.serial);
-        // A leaf issued for an identity since forgotten is dropped.
+        assert_ne!(leaves.current(&first.0, now).unwrap().serial, stale.serial);
+
+        // A leaf issued for an identity since forgotten is dropped; one asked for before it
+        // was forgotten and wanted again is not taken for the new request's.
         leaves.want(&id(2), now);
-        let out = leaves.take_due(now, 8);
+        let (gone, before) = leaves.take_due(now, 8).remove(0);
         leaves.forget(&id(2));
-        let issued = issue(Some(&new), &out[0], policy(), now);
-        assert!(
-            !leaves
-                .record(&out[0], leaves.generation(), issued, now)
-                .unwrap()
-        );
+        leaves.want(&id(2), now);
+        let (_, after) = leaves.take_due(now, 8).remove(0);
+        let issued = issue(Some(&new), &gone, policy(), now);
+        assert!(!leaves.record(&gone, before, issued, now).unwrap());
         assert!(leaves.current(&id(2), now).is_none());
+        assert!(
+            leaves.take_due(now, 8).is_empty(),
+            "the new request is still out"
+        );
+        let issued = issue(Some(&new), &gone, policy(), now);
+        assert!(leaves.record(&gone, after, issued, now).unwrap());
+    }
+
+    #[test]
+    fn after_its_leaf_ends_an_identity_is_retried_by_the_backoff_alone() {
+        let start = OffsetDateTime::now_utc();
+        let ca = issuer(start);
+        let now = start.unix_timestamp();
+        let mut leaves = Leaves::new(policy(), 5);
+        let leaf = leaves.get(&id(0), Some(&ca), now).unwrap();
+        // The signer out from the renewal on, until well past the leaf's end.
+        let mut at = leaves.next_due().unwrap();
+        let mut tries = Vec::new();
+        while at < leaf.not_after + 600 {
+            let (_, failed) = leaves.renew_due(None, at);
+            if !failed.is_empty() {
+                tries.push(at);
+            }
+            at = leaves.next_due().unwrap().max(at + 1);
+        }
+        let after_end: Vec<i64> = tries
+            .iter()
+            .copied()
+            .filter(|t| *t >= leaf.not_after)
+            .collect();
+        assert!(
+            after_end.windows(2).all(|w| w[1] - w[0] >= MOST_RETRY),
+            "retried faster than the backoff after the end: {after_end:?}"
+        );
+        assert!(
+            tries.contains(&(leaf.not_after - 1)),
+            "the last try before the end"
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::authority::{AuthorityState, IdentityLabel, ReasonLabel, TrustMetrics};
 use super::issuer::{Leaf, LeafPolicy};
-use super::leaves::{LeafError, Leaves};
+use super::leaves::{LeafError, Leaves, Ticket};
 use super::signer::Signer;
 use super::spiffe::SpiffeId;
 
@@ -47,8 +47,8 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// default) do not open as many requests to a remote signer.
 const MOST_IN_FLIGHT: usize = 16;
 
-/// A leaf being issued: for whom, by the signer of which generation, and what came of it.
-type Issuing = Pin<Box<dyn Future<Output = (SpiffeId, u64, Result<Leaf, LeafError>)> + Send>>;
+/// A leaf being issued: for whom, its ticket, and what came of it.
+type Issuing = Pin<Box<dyn Future<Output = (SpiffeId, Ticket, Result<Leaf, LeafError>)> + Send>>;
 
 type SecretsTx = watch::Sender<Option<Arc<ProxySecrets>>>;
 /// An identity's secrets; `None` while it has no leaf (no issuer yet, or issuing failed).
@@ -161,11 +161,11 @@ impl NodeSecrets {
                 // a remote one is asked by the issuing task.
                 let policy = state.leaves.policy();
                 if let Some(signer) = state.signer.clone()
+                    && signer.signs_here()
+                    && let Some(ticket) = state.leaves.take(&identity, now)
                     && let Some(issued) = signer.sign_now(&identity, policy, now)
-                    && state.leaves.take(&identity, now)
                 {
-                    let generation = state.leaves.generation();
-                    let recorded = state.leaves.record(&identity, generation, issued, now);
+                    let recorded = state.leaves.record(&identity, ticket, issued, now);
                     self.inner.issued(state, &identity, recorded.err());
                 }
                 rx
@@ -194,22 +194,19 @@ impl NodeSecrets {
                 let state = &mut *state;
                 let now = now();
                 let room = MOST_IN_FLIGHT.saturating_sub(issuing.len());
-                let generation = state.leaves.generation();
-                for identity in state.leaves.take_due(now, room) {
+                for (identity, ticket) in state.leaves.take_due(now, room) {
                     let Some(signer) = state.signer.clone() else {
-                        let recorded = state.leaves.record(
-                            &identity,
-                            generation,
-                            Err(LeafError::NoIssuer),
-                            now,
-                        );
+                        let recorded =
+                            state
+                                .leaves
+                                .record(&identity, ticket, Err(LeafError::NoIssuer), now);
                         self.inner.issued(state, &identity, recorded.err());
                         continue;
                     };
                     let policy = state.leaves.policy();
                     issuing.push(Box::pin(async move {
                         let issued = signer.sign(&identity, policy, now).await;
-                        (identity, generation, issued)
+                        (identity, ticket, issued)
                     }));
                 }
                 state.leaves.next_due()
@@ -222,10 +219,10 @@ impl NodeSecrets {
                     .clamp(LEAST_WAIT, MOST_WAIT)
             });
             tokio::select! {
-                Some((identity, generation, issued)) = issuing.next(), if !issuing.is_empty() => {
+                Some((identity, ticket, issued)) = issuing.next(), if !issuing.is_empty() => {
                     let mut state = lock(&self.inner.state);
                     let state = &mut *state;
-                    let recorded = state.leaves.record(&identity, generation, issued, now());
+                    let recorded = state.leaves.record(&identity, ticket, issued, now());
                     if matches!(recorded, Ok(true))
                         && let Some(end) = state.signer.as_ref().and_then(|s| s.not_after())
                     {
@@ -417,7 +414,9 @@ mod tests {
 
         // The issuer gone: the leaf held stays.
         authority.send_modify(|s| s.signer = None);
-        tokio::task::yield_now().await;
+        // Nothing is published: the window only bounds the wait for a change that must not come.
+        let unchanged = tokio::time::timeout(Duration::from_millis(500), cart.rx.changed()).await;
+        assert!(unchanged.is_err(), "the issuer's going changed the secrets");
         let kept = cart.rx.borrow().clone().expect("kept");
         assert!(Arc::ptr_eq(&kept.leaf, &renewed.leaf));
 

@@ -33,6 +33,11 @@ impl Signer {
         }
     }
 
+    /// Whether it signs on the spot ([`Signer::sign_now`]).
+    pub fn signs_here(&self) -> bool {
+        matches!(self, Signer::Local(_))
+    }
+
     /// A leaf for `id` at `now`, where signing takes no round trip: the local signer's, at
     /// once, so that a proxy's first answer can carry it. `None` for a remote signer.
     pub fn sign_now(

@@ -735,8 +735,8 @@ impl<A: Ads> StreamTask<A> {
     }
 
     /// Follows the verified pod's inbound mode and probes (its annotations and spec may change
-    /// while its proxy runs); whether they changed. Only a proxy given secrets gets an inbound
-    /// listener: the listener's mTLS names them.
+    /// while its proxy runs); whether they changed. Only a proxy that may be given secrets
+    /// (verified as its pod) gets an inbound listener, with its leaf or before it.
     fn inbound_changed(&mut self) -> bool {
         let wanted = match (&self.secrets, self.peer, &self.pods) {
             (Some(_), Some(peer), Some(pods)) => {
