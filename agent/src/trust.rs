@@ -16,9 +16,9 @@ mod secrets;
 mod signer;
 mod spiffe;
 
-pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics};
+pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics, follow_roots};
 pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
-pub use istio_ca::{IstioCa, IstioCaConfig, IstioCaError, follow_roots};
+pub use istio_ca::{IstioCa, IstioCaConfig, IstioCaError};
 pub use leaves::{LeafError, Leaves};
 pub use secrets::{NodeSecrets, ProxySecrets, SecretsRx, SecretsWatch};
 pub use signer::Signer;

@@ -19,8 +19,9 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use super::issuer::{Issuer, IssuerError};
-use super::istio_ca::{IstioCa, IstioCaError};
+use super::istio_ca::{IstioCa, IstioCaConfig, IstioCaError, read_bounded};
 use super::signer::Signer;
+use tokio_util::sync::CancellationToken;
 
 /// Where the issuer's Secret is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -290,5 +291,44 @@ impl Authority {
             "issuer": issuer,
             "refused": state.refused,
         })
+    }
+}
+
+/// How often the roots file of Istio's certificate service is read again. Kubelet refreshes a
+/// mounted ConfigMap about once a minute, so a few seconds add nothing noticeable, and a read
+/// needs no watch to break.
+const ROOTS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Follows the roots file: each new version makes a signer of the service with it. A version
+/// that cannot be used, or a file gone, is warned about and the one before stays in use.
+pub async fn follow_roots(
+    config: Arc<IstioCaConfig>,
+    authority: Arc<Authority>,
+    shutdown: CancellationToken,
+) {
+    let mut last: Option<Vec<u8>> = None;
+    let mut failing = false;
+    loop {
+        match read_bounded(&config.roots_file).await {
+            Ok(bytes) if last.as_ref() != Some(&bytes) => {
+                match IstioCa::new(config.clone(), &bytes) {
+                    Ok(ca) => authority.istio_ca(ca),
+                    Err(error) => authority.refuse_roots(&error),
+                }
+                last = Some(bytes);
+                failing = false;
+            }
+            Ok(_) => failing = false,
+            Err(error) => {
+                if !failing {
+                    authority.refuse_roots(&error);
+                }
+                failing = true;
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(ROOTS_EVERY) => {}
+        }
     }
 }

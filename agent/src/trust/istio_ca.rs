@@ -29,12 +29,10 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::ClientCertVerifier;
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use time::OffsetDateTime;
-use tokio_util::sync::CancellationToken;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint, Uri};
 use x509_parser::extensions::GeneralName;
 
-use super::authority::Authority;
 use super::issuer::{Leaf, LeafPolicy, ders, parse, serial_hex};
 use super::spiffe::SpiffeId;
 
@@ -70,9 +68,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const MOST_FILE_BYTES: u64 = 1 << 20;
 /// The largest answer taken.
 const MOST_ANSWER_BYTES: usize = 1 << 20;
-/// How often the roots file is read again. Kubelet refreshes a mounted ConfigMap about once a
-/// minute, so a few seconds add nothing noticeable, and a read needs no watch to break.
-const ROOTS_EVERY: Duration = Duration::from_secs(5);
 /// A leaf may start this far after the agent's now (the service's clock ahead of it).
 const SKEW: i64 = 60;
 /// The most certificates an answer may hold.
@@ -137,7 +132,7 @@ fn brief(message: &str) -> String {
     }
 }
 
-async fn read_bounded(path: &PathBuf) -> Result<Vec<u8>, IstioCaError> {
+pub(super) async fn read_bounded(path: &PathBuf) -> Result<Vec<u8>, IstioCaError> {
     use tokio::io::AsyncReadExt;
     let error = |why: String| IstioCaError::File {
         path: path.display().to_string(),
@@ -469,40 +464,6 @@ fn pem_blocks(text: &str) -> Vec<&str> {
         rest = &rest[end..];
     }
     blocks
-}
-
-/// Follows the roots file: each new version makes a signer of the service with it. A version
-/// that cannot be used, or a file gone, is warned about and the one before stays in use.
-pub async fn follow_roots(
-    config: Arc<IstioCaConfig>,
-    authority: Arc<Authority>,
-    shutdown: CancellationToken,
-) {
-    let mut last: Option<Vec<u8>> = None;
-    let mut failing = false;
-    loop {
-        match read_bounded(&config.roots_file).await {
-            Ok(bytes) if last.as_ref() != Some(&bytes) => {
-                match IstioCa::new(config.clone(), &bytes) {
-                    Ok(ca) => authority.istio_ca(ca),
-                    Err(error) => authority.refuse_roots(&error),
-                }
-                last = Some(bytes);
-                failing = false;
-            }
-            Ok(_) => failing = false,
-            Err(error) => {
-                if !failing {
-                    authority.refuse_roots(&error);
-                }
-                failing = true;
-            }
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(ROOTS_EVERY) => {}
-        }
-    }
 }
 
 #[cfg(test)]
