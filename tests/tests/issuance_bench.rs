@@ -7,7 +7,10 @@
 //! opening and verifying the streams alone), then, with the CA's Secret applied, new streams
 //! asking for their secrets (`default` and `ROOTCA`), each answered once its leaf is issued.
 //! Reported: the agent's CPU per round and their ratio, and the time from a round's start
-//! until each pod holds its certificate (median and last, over every round).
+//! until each pod holds its certificate (median and last, over every round). Then the same
+//! certificates from Istio's certificate service (the in-repo server of its API, in this
+//! process) with a second agent: a key and a CSR per leaf, a request over TLS, and the answer
+//! checked, against signing on the spot.
 //!
 //! Run through `cargo xtask bench --only issuance` (`bench/src/bench_issuance.rs`);
 //! `LATTICE_BENCH_ISSUANCE_PODS` (110, the kubelet's default most pods a node) sets the pods,
@@ -21,6 +24,7 @@ use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::fake_apiserver::FakeApiServer;
+use lattice_e2e::istio_ca::{IstioCaServer, SERVER_NAME};
 use lattice_e2e::procstat::cpu_seconds;
 use lattice_e2e::trusted::ca_secret;
 use lattice_e2e::wait;
@@ -151,13 +155,11 @@ async fn certificates_for_a_nodes_pods_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig).unwrap();
-    let agent = Agent::start_with_env(
-        &[],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().unwrap()),
-            ("NODE_NAME", NODE),
-        ],
-    );
+    let env = [
+        ("KUBECONFIG", kubeconfig.to_str().unwrap()),
+        ("NODE_NAME", NODE),
+    ];
+    let agent = Agent::start_with_env(&[], &env);
     agent.wait_ready().unwrap();
 
     // The streams alone: verified, answered, no CA to issue with.
@@ -195,6 +197,59 @@ async fn certificates_for_a_nodes_pods_at_once() {
         .unwrap();
     }
     certified.sort();
+    drop(agent);
+
+    // The same leaves from Istio's certificate service.
+    let ca = IstioCaServer::start().unwrap();
+    ca.token("agent-token", NODE);
+    for k in 0..pods {
+        ca.pod(
+            &format!("spiffe://cluster.local/ns/default/sa/sa-{k}"),
+            NODE,
+        );
+    }
+    let (roots, token) = (dir.path().join("roots.pem"), dir.path().join("token"));
+    std::fs::write(&roots, &ca.root_pem).unwrap();
+    std::fs::write(&token, "agent-token").unwrap();
+    let flags = [
+        format!("--istio-ca-addr=https://{}", ca.addr()),
+        format!("--istio-ca-server-name={SERVER_NAME}"),
+        format!("--istio-ca-roots={}", roots.display()),
+        format!("--istio-ca-token={}", token.display()),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let agent = Agent::start_with_env(&flags, &env);
+    agent.wait_ready().unwrap();
+    wait::until(
+        "the agent's certificate service",
+        Duration::from_secs(30),
+        || {
+            let (_, body) = http_get(agent.admin, "/debug/identity").map_err(|e| e.to_string())?;
+            body.contains("istio-ca").then_some(()).ok_or(body)
+        },
+    )
+    .unwrap();
+    let (mut remote_cpu, mut remote) = (0.0, Vec::new());
+    for _ in 0..rounds {
+        let secrets = &["default", "ROOTCA"];
+        let (cpu, took) = round(&agent, pods, SECRETS, secrets, Some("default")).await;
+        remote_cpu += cpu / rounds as f64;
+        remote.extend(took);
+        wait::until("every leaf forgotten", Duration::from_secs(30), || {
+            let (_, body) = http_get(agent.admin, "/debug/identity").map_err(|e| e.to_string())?;
+            let shown: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+            (shown["leaves"].as_array().is_some_and(Vec::is_empty))
+                .then_some(())
+                .ok_or(body)
+        })
+        .unwrap();
+    }
+    remote.sort();
+    assert!(
+        ca.issued().len() >= pods * rounds,
+        "the service issued {} leaves",
+        ca.issued().len()
+    );
 
     let median = |took: &[Duration]| ms(took[took.len() / 2]);
     let report = json!({
@@ -212,6 +267,13 @@ async fn certificates_for_a_nodes_pods_at_once() {
             "p50_ms": median(&certified),
         },
         "cpu_ratio": issue_cpu / stream_cpu.max(0.01),
+        "with_istio_ca": {
+            "agent_cpu_s": remote_cpu,
+            "agent_cpu_ms_per_pod": remote_cpu * 1e3 / pods as f64,
+            "all_certified_ms": remote.last().map(|d| ms(*d)),
+            "p50_ms": median(&remote),
+        },
+        "istio_ca_cpu_ratio": remote_cpu / issue_cpu.max(0.01),
     });
     println!("BENCH_ISSUANCE_JSON {report}");
 }
