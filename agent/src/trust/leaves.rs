@@ -208,8 +208,8 @@ impl Leaves {
                 // The last try a second before the leaf ends, while it still serves; after
                 // its end, the backoff alone, so a long outage is not asked every second.
                 let end = entry.leaf.as_ref().map_or(i64::MAX, |l| l.not_after);
-                entry.due = if end - 1 > now {
-                    (now + backoff).min(end - 1)
+                entry.due = if end > now {
+                    (now + backoff).min((end - 1).max(now + 1))
                 } else {
                     now + backoff
                 };
