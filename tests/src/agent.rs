@@ -174,6 +174,18 @@ impl Agent {
         unix_http_get(&self.admin_socket(), path)
     }
 
+    /// The value of the metric `name` (with its labels, as `/metrics` prints them); 0 when it
+    /// is not there yet.
+    pub fn metric(&self, name: &str) -> f64 {
+        let Ok((_, text)) = self.get("/metrics") else {
+            return 0.0;
+        };
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// A GET on the shared admin address, which either of two agents in an upgrade may answer.
     pub fn get_over_tcp(&self, path: &str) -> anyhow::Result<(u16, String)> {
         match &self.netns {

@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -138,6 +139,23 @@ impl IstioCaServer {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// An agent of `node` as a client of this service: the service takes a token as that
+    /// node's, written with its roots into `dir`; the agent's flags, and the roots file.
+    pub fn agent_flags(&self, node: &str, dir: &Path) -> anyhow::Result<(Vec<String>, PathBuf)> {
+        const TOKEN: &str = "agent-token";
+        self.token(TOKEN, node);
+        let (roots, token) = (dir.join("istio-roots.pem"), dir.join("istio-token"));
+        std::fs::write(&roots, &self.root_pem)?;
+        std::fs::write(&token, format!("{TOKEN}\n"))?;
+        let flags = vec![
+            format!("--istio-ca-addr=https://{}", self.addr),
+            format!("--istio-ca-server-name={SERVER_NAME}"),
+            format!("--istio-ca-roots={}", roots.display()),
+            format!("--istio-ca-token={}", token.display()),
+        ];
+        Ok((flags, roots))
     }
 
     /// The holder of `token` runs on `node`.

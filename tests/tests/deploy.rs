@@ -403,15 +403,7 @@ fn b_every_container_command_line_is_accepted_by_the_real_binary() -> anyhow::Re
             );
             match (image.as_str(), program.as_str()) {
                 ("lattice", "lattice-agent" | "lattice-init") => {
-                    let mut command = Command::new(bins::path(&program));
-                    command
-                        .args(&args)
-                        .arg("--check-config")
-                        .env_clear()
-                        .envs(env.iter().map(|(k, v)| (k, v)))
-                        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-                        .env("KUBECONFIG", &kubeconfig);
-                    let output = run(command)?;
+                    let output = run(check_config(&program, &args, &env, &kubeconfig))?;
                     assert!(output.status.success(), "{what}\n{}", show(&output));
                 }
                 ("lattice", "lattice") => {
@@ -445,6 +437,25 @@ fn b_every_container_command_line_is_accepted_by_the_real_binary() -> anyhow::Re
         ])
     );
     Ok(())
+}
+
+/// `program` (one of ours) with a container's `args` and `env`, and `--check-config`: it reads
+/// its configuration, says what is wrong, and exits.
+fn check_config(
+    program: &str,
+    args: &[String],
+    env: &[(String, String)],
+    kubeconfig: &Path,
+) -> Command {
+    let mut command = Command::new(bins::path(program));
+    command
+        .args(args)
+        .arg("--check-config")
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("KUBECONFIG", kubeconfig);
+    command
 }
 
 /// Runs the pod's lattice-init for real in a fresh network namespace (as in the pod), with
@@ -1103,20 +1114,23 @@ fn e_the_example_is_plain_and_the_docs_show_it_as_injected() -> anyhow::Result<(
         .iter()
         .find(|o| kind(o) == "Deployment")
         .context("the injected Deployment")?;
-    let docs = std::fs::read_to_string(root().join("docs/install.md"))?;
-    let block = docs
-        .split_once("<!-- injected-example")
-        .and_then(|(_, rest)| rest.split_once("```yaml\n"))
-        .and_then(|(_, rest)| rest.split_once("```"))
-        .map(|(block, _)| block)
-        .context("docs/install.md has no injected-example block")?;
-    let shown: Value = serde_norway::from_str(block)?;
+    let shown: Value = serde_norway::from_str(&install_guide_block("injected-example")?)?;
     assert_eq!(
         &shown, deployment,
         "docs/install.md's injected example differs from `kubectl kustomize deploy/examples | \
          lattice inject`: regenerate it"
     );
     Ok(())
+}
+
+/// The YAML block of docs/install.md after the comment `<!-- {marker}`.
+fn install_guide_block(marker: &str) -> anyhow::Result<String> {
+    let docs = std::fs::read_to_string(root().join("docs/install.md"))?;
+    docs.split_once(&format!("<!-- {marker}"))
+        .and_then(|(_, rest)| rest.split_once("```yaml\n"))
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(block, _)| block.to_string())
+        .with_context(|| format!("docs/install.md has no {marker} block"))
 }
 
 /// docs/install.md's patch for Istio's certificate service applies to the rendered DaemonSet,
@@ -1130,14 +1144,7 @@ fn h_the_install_guides_istio_ca_patch_applies_and_the_agent_takes_it() -> anyho
         .find(|o| kind(o) == "DaemonSet")
         .context("the DaemonSet")?
         .clone();
-    let docs = std::fs::read_to_string(root().join("docs/install.md"))?;
-    let block = docs
-        .split_once("<!-- istio-ca-patch")
-        .and_then(|(_, rest)| rest.split_once("```yaml\n"))
-        .and_then(|(_, rest)| rest.split_once("```"))
-        .map(|(block, _)| block)
-        .context("docs/install.md has no istio-ca-patch block")?;
-    let patch: json_patch::Patch = serde_norway::from_str(block)?;
+    let patch: json_patch::Patch = serde_norway::from_str(&install_guide_block("istio-ca-patch")?)?;
     json_patch::patch(&mut daemonset, &patch)?;
     round_trip::<DaemonSet>(&daemonset)?;
     let parsed: DaemonSet = serde_json::from_value(daemonset)?;
@@ -1163,15 +1170,8 @@ fn h_the_install_guides_istio_ca_patch_applies_and_the_agent_takes_it() -> anyho
         );
     }
     let dir = tempfile::tempdir()?;
-    let mut command = Command::new(bins::path(&program));
-    command
-        .args(&args)
-        .arg("--check-config")
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("KUBECONFIG", dummy_kubeconfig(dir.path())?);
-    let output = run(command)?;
+    let kubeconfig = dummy_kubeconfig(dir.path())?;
+    let output = run(check_config(&program, &args, &env, &kubeconfig))?;
     ensure!(output.status.success(), "{}", show(&output));
     ensure!(
         args.iter()

@@ -24,7 +24,7 @@ use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use lattice_e2e::agent::{Agent, http_get};
 use lattice_e2e::fake_apiserver::FakeApiServer;
-use lattice_e2e::istio_ca::{IstioCaServer, SERVER_NAME};
+use lattice_e2e::istio_ca::IstioCaServer;
 use lattice_e2e::procstat::cpu_seconds;
 use lattice_e2e::trusted::ca_secret;
 use lattice_e2e::wait;
@@ -138,6 +138,30 @@ async fn round(
     (cpu, took)
 }
 
+/// `rounds` rounds of every pod asking for its secrets: each pod's leaf, issued when its
+/// stream is verified and sent once it asks; forgotten when its stream ends, so every round
+/// issues them all again. The agent's CPU a round, on average, and when each pod was
+/// certified, over every round.
+async fn certificate_rounds(agent: &Agent, pods: usize, rounds: usize) -> (f64, Vec<Duration>) {
+    let (mut cpu, mut certified) = (0.0, Vec::new());
+    for _ in 0..rounds {
+        let secrets = &["default", "ROOTCA"];
+        let (spent, took) = round(agent, pods, SECRETS, secrets, Some("default")).await;
+        cpu += spent / rounds as f64;
+        certified.extend(took);
+        wait::until("every leaf forgotten", Duration::from_secs(30), || {
+            let (_, body) = http_get(agent.admin, "/debug/identity").map_err(|e| e.to_string())?;
+            let shown: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+            (shown["leaves"].as_array().is_some_and(Vec::is_empty))
+                .then_some(())
+                .ok_or(body)
+        })
+        .unwrap();
+    }
+    certified.sort();
+    (cpu, certified)
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -179,44 +203,18 @@ async fn certificates_for_a_nodes_pods_at_once() {
         (!shown["issuer"].is_null()).then_some(()).ok_or(body)
     })
     .unwrap();
-    // Each pod's leaf, issued when its stream is verified and sent once it asks; forgotten
-    // when its stream ends, so every round issues them all again.
-    let (mut issue_cpu, mut certified) = (0.0, Vec::new());
-    for _ in 0..rounds {
-        let secrets = &["default", "ROOTCA"];
-        let (cpu, took) = round(&agent, pods, SECRETS, secrets, Some("default")).await;
-        issue_cpu += cpu / rounds as f64;
-        certified.extend(took);
-        wait::until("every leaf forgotten", Duration::from_secs(30), || {
-            let (_, body) = http_get(agent.admin, "/debug/identity").map_err(|e| e.to_string())?;
-            let shown: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
-            (shown["leaves"].as_array().is_some_and(Vec::is_empty))
-                .then_some(())
-                .ok_or(body)
-        })
-        .unwrap();
-    }
-    certified.sort();
+    let (issue_cpu, certified) = certificate_rounds(&agent, pods, rounds).await;
     drop(agent);
 
     // The same leaves from Istio's certificate service.
     let ca = IstioCaServer::start().unwrap();
-    ca.token("agent-token", NODE);
     for k in 0..pods {
         ca.pod(
             &format!("spiffe://cluster.local/ns/default/sa/sa-{k}"),
             NODE,
         );
     }
-    let (roots, token) = (dir.path().join("roots.pem"), dir.path().join("token"));
-    std::fs::write(&roots, &ca.root_pem).unwrap();
-    std::fs::write(&token, "agent-token").unwrap();
-    let flags = [
-        format!("--istio-ca-addr=https://{}", ca.addr()),
-        format!("--istio-ca-server-name={SERVER_NAME}"),
-        format!("--istio-ca-roots={}", roots.display()),
-        format!("--istio-ca-token={}", token.display()),
-    ];
+    let (flags, _) = ca.agent_flags(NODE, dir.path()).unwrap();
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let agent = Agent::start_with_env(&flags, &env);
     agent.wait_ready().unwrap();
@@ -229,22 +227,7 @@ async fn certificates_for_a_nodes_pods_at_once() {
         },
     )
     .unwrap();
-    let (mut remote_cpu, mut remote) = (0.0, Vec::new());
-    for _ in 0..rounds {
-        let secrets = &["default", "ROOTCA"];
-        let (cpu, took) = round(&agent, pods, SECRETS, secrets, Some("default")).await;
-        remote_cpu += cpu / rounds as f64;
-        remote.extend(took);
-        wait::until("every leaf forgotten", Duration::from_secs(30), || {
-            let (_, body) = http_get(agent.admin, "/debug/identity").map_err(|e| e.to_string())?;
-            let shown: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
-            (shown["leaves"].as_array().is_some_and(Vec::is_empty))
-                .then_some(())
-                .ok_or(body)
-        })
-        .unwrap();
-    }
-    remote.sort();
+    let (remote_cpu, remote) = certificate_rounds(&agent, pods, rounds).await;
     assert!(
         ca.issued().len() >= pods * rounds,
         "the service issued {} leaves",

@@ -36,7 +36,7 @@ use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use lattice_e2e::ads_probe::first_delta_answer;
 use lattice_e2e::agent::AgentAddrs;
 use lattice_e2e::fake_apiserver::FakeApiServer;
-use lattice_e2e::istio_ca::{IstioCaServer, SERVER_NAME};
+use lattice_e2e::istio_ca::IstioCaServer;
 use lattice_e2e::netns::Netns;
 use lattice_e2e::node::{ADMIN, Node};
 use lattice_e2e::trusted::{DNS, NODE_LOCAL, XDS, ca_secret, openssl};
@@ -427,43 +427,32 @@ fn a_minute_long_leaf_is_renewed_before_it_ends_and_no_handshake_fails() {
 struct IstioSetup {
     setup: Setup,
     ca: IstioCaServer,
-    /// The roots file (the service's root) and the token.
+    /// The service's roots, as the agent reads them.
+    roots: String,
     _files: tempfile::TempDir,
 }
 
 fn setup_istio(label: &str, args: &[&str]) -> IstioSetup {
     let node = Node::new(label).unwrap();
     let ca = node.netns.enter(IstioCaServer::start).unwrap().unwrap();
-    ca.token("agent-token", "node-a");
     ca.pod("spiffe://cluster.local/ns/default/sa/cart", "node-a");
     let files = tempfile::tempdir().unwrap();
-    let (roots, token) = (files.path().join("root.pem"), files.path().join("token"));
-    std::fs::write(&roots, &ca.root_pem).unwrap();
-    std::fs::write(&token, "agent-token\n").unwrap();
-    let flags = [
-        format!("--istio-ca-addr=https://{}", ca.addr()),
-        format!("--istio-ca-server-name={SERVER_NAME}"),
-        format!("--istio-ca-roots={}", roots.display()),
-        format!("--istio-ca-token={}", token.display()),
-    ];
+    let (flags, roots) = ca.agent_flags("node-a", files.path()).unwrap();
     let mut all: Vec<&str> = flags.iter().map(String::as_str).collect();
     all.extend_from_slice(args);
     IstioSetup {
         setup: setup_on(node, &all),
         ca,
+        roots: roots.display().to_string(),
         _files: files,
     }
 }
 
 /// The agent's counter of leaves not issued for `reason`.
 fn leaf_failures(agent: &lattice_e2e::agent::Agent, reason: &str) -> f64 {
-    let (_, metrics) = agent.get("/metrics").unwrap();
-    let prefix = format!("lattice_identity_leaf_failures_total{{reason=\"{reason}\"}} ");
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    agent.metric(&format!(
+        "lattice_identity_leaf_failures_total{{reason=\"{reason}\"}}"
+    ))
 }
 
 /// A TLS handshake with the pod's listener that checks its leaf against `roots` (a file):
@@ -489,14 +478,18 @@ fn verified_handshake(netns: &Netns, roots: &str) -> Result<(), String> {
 
 #[test]
 fn istios_certificate_service_signs_for_this_nodes_pods_and_its_refusal_gives_no_leaf() {
-    let IstioSetup { setup, ca, _files } = setup_istio("sdsi", &[]);
+    let IstioSetup {
+        setup,
+        ca,
+        roots,
+        _files,
+    } = setup_istio("sdsi", &[]);
     let client = setup
         .node
         .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
         .unwrap();
     let netns = client.netns();
-    let roots = _files.path().join("root.pem");
-    let roots = roots.to_str().unwrap();
+    let roots = roots.as_str();
     wait::until("Envoy serving a leaf of the service", WITHIN, || {
         verified_handshake(netns, roots)
     })
@@ -558,15 +551,18 @@ fn istios_certificate_service_signs_for_this_nodes_pods_and_its_refusal_gives_no
 #[test]
 fn a_signer_outage_of_twice_the_leaf_lifetime_fails_nothing_until_the_leaf_ends() {
     const LIFE: i64 = 60;
-    let IstioSetup { setup, ca, _files } =
-        setup_istio("sdso", &[&format!("--leaf-lifetime-secs={LIFE}")]);
+    let IstioSetup {
+        setup,
+        ca,
+        roots,
+        _files,
+    } = setup_istio("sdso", &[&format!("--leaf-lifetime-secs={LIFE}")]);
     let client = setup
         .node
         .client_editing("client", 2, (XDS, DNS), &add_tls_listener)
         .unwrap();
     let netns = client.netns();
-    let roots = _files.path().join("root.pem");
-    let roots = roots.to_str().unwrap();
+    let roots = roots.as_str();
     let first = wait::until("Envoy serving its first leaf", WITHIN, || {
         verified_handshake(netns, roots)?;
         served_certificates(netns)

@@ -513,7 +513,8 @@ mod tests {
     }
 
     impl TestCa {
-        fn new(name: &str) -> TestCa {
+        /// A CA named `name`, signed by `by` (none: by itself, a root).
+        fn made(name: &str, by: Option<&TestCa>) -> TestCa {
             let mut params = CertificateParams::default();
             params
                 .distinguished_name
@@ -521,27 +522,23 @@ mod tests {
             params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
             params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
             let key = KeyPair::generate().unwrap();
-            let pem = params.self_signed(&key).unwrap().pem();
+            let cert = match by {
+                Some(by) => params.signed_by(&key, &by.issuer),
+                None => params.self_signed(&key),
+            };
             TestCa {
-                pem,
+                pem: cert.unwrap().pem(),
                 issuer: rcgen::Issuer::new(params, key),
             }
         }
 
+        fn new(name: &str) -> TestCa {
+            TestCa::made(name, None)
+        }
+
         /// An intermediate CA under this one: its PEM is the intermediate's alone.
         fn intermediate(&self, name: &str) -> TestCa {
-            let mut params = CertificateParams::default();
-            params
-                .distinguished_name
-                .push(rcgen::DnType::CommonName, name);
-            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-            params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
-            let key = KeyPair::generate().unwrap();
-            let pem = params.signed_by(&key, &self.issuer).unwrap().pem();
-            TestCa {
-                pem,
-                issuer: rcgen::Issuer::new(params, key),
-            }
+            TestCa::made(name, Some(self))
         }
 
         fn leaf(&self, key: &KeyPair, uris: &[&str], life: Duration) -> String {

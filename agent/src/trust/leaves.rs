@@ -286,9 +286,7 @@ mod tests {
         policy: LeafPolicy,
         now: i64,
     ) -> Result<Leaf, LeafError> {
-        let issuer = issuer.ok_or(LeafError::NoIssuer)?;
-        let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| LeafError::Clock(now))?;
-        Ok(issuer.issue(id, policy, at)?)
+        crate::trust::signer::issue_at(issuer.ok_or(LeafError::NoIssuer)?, id, policy, now)
     }
 
     impl Leaves {

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::authority::{AuthorityState, IdentityLabel, ReasonLabel, TrustMetrics};
 use super::issuer::{Leaf, LeafPolicy};
 use super::leaves::{LeafError, Leaves, Ticket};
-use super::signer::Signer;
+use super::signer::{Signer, issue_at};
 use super::spiffe::SpiffeId;
 
 /// What a proxy of one identity is handed: its leaf and the bundle its peers are checked
@@ -161,10 +161,10 @@ impl NodeSecrets {
                 // a remote one is asked by the issuing task.
                 let policy = state.leaves.policy();
                 if let Some(signer) = state.signer.clone()
-                    && signer.signs_here()
+                    && let Some(issuer) = signer.local()
                     && let Some(ticket) = state.leaves.take(&identity, now)
-                    && let Some(issued) = signer.sign_now(&identity, policy, now)
                 {
+                    let issued = issue_at(issuer, &identity, policy, now);
                     let recorded = state.leaves.record(&identity, ticket, issued, now);
                     self.inner.issued(state, &identity, recorded.err());
                 }

@@ -26,34 +26,23 @@ impl Signer {
         policy: LeafPolicy,
         now: i64,
     ) -> Result<Leaf, LeafError> {
-        let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| LeafError::Clock(now))?;
         match self {
-            Signer::Local(issuer) => Ok(issuer.issue(id, policy, at)?),
-            Signer::IstioCa(ca) => Ok(ca.sign(id, policy, at).await?),
+            Signer::Local(issuer) => issue_at(issuer, id, policy, now),
+            Signer::IstioCa(ca) => {
+                let at =
+                    OffsetDateTime::from_unix_timestamp(now).map_err(|_| LeafError::Clock(now))?;
+                Ok(ca.sign(id, policy, at).await?)
+            }
         }
     }
 
-    /// Whether it signs on the spot ([`Signer::sign_now`]).
-    pub fn signs_here(&self) -> bool {
-        matches!(self, Signer::Local(_))
-    }
-
-    /// A leaf for `id` at `now`, where signing takes no round trip: the local signer's, at
-    /// once, so that a proxy's first answer can carry it. `None` for a remote signer.
-    pub fn sign_now(
-        &self,
-        id: &SpiffeId,
-        policy: LeafPolicy,
-        now: i64,
-    ) -> Option<Result<Leaf, LeafError>> {
-        let Signer::Local(issuer) = self else {
-            return None;
-        };
-        Some(
-            OffsetDateTime::from_unix_timestamp(now)
-                .map_err(|_| LeafError::Clock(now))
-                .and_then(|at| Ok(issuer.issue(id, policy, at)?)),
-        )
+    /// The issuer, where signing takes no round trip: a new identity's leaf is then signed at
+    /// once ([`issue_at`]), so that its proxy's first answer can carry it.
+    pub fn local(&self) -> Option<&Issuer> {
+        match self {
+            Signer::Local(issuer) => Some(issuer),
+            Signer::IstioCa(_) => None,
+        }
     }
 
     /// The trust bundle, PEM.
@@ -122,4 +111,15 @@ impl Signer {
             }),
         }
     }
+}
+
+/// A leaf for `id` from `issuer`, at `now` (Unix seconds).
+pub(super) fn issue_at(
+    issuer: &Issuer,
+    id: &SpiffeId,
+    policy: LeafPolicy,
+    now: i64,
+) -> Result<Leaf, LeafError> {
+    let at = OffsetDateTime::from_unix_timestamp(now).map_err(|_| LeafError::Clock(now))?;
+    Ok(issuer.issue(id, policy, at)?)
 }
