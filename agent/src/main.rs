@@ -29,17 +29,20 @@ use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address;
-use lattice_agent::readiness::Readiness;
+use lattice_agent::readiness::{Readiness, ReadyToken};
 use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::trust::{Authority, LeafPolicy, NodeSecrets, SecretRef};
+use lattice_agent::trust::{
+    Authority, AuthorityState, LeafPolicy, NodeSecrets, SecretRef, TrustMetrics,
+};
 use lattice_agent::xds::{
     AdsService, Caps, Limits, ProxyRegistry, RequestBound, XdsLimits, XdsServer,
 };
 use lattice_dns::handoff::{self, BoundTcp};
 use lattice_dns::{DnsConfig, DnsServer};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -213,10 +216,14 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         resolver: config.envoy_dns_resolver(),
     };
     tracing::info!(resolver = ?external_dns.resolver, "external services' host names are resolved by Envoy through this DNS server (None: the pod's resolv.conf)");
+    // Whether calls to meshed pods' services are mutual TLS: only where proxies are served
+    // secrets, and then once the CA is read and as long as there is one (below).
+    let (mesh_mtls_tx, mesh_mtls_rx) = watch::channel((!serves_secrets(&config)).then_some(false));
     let pipeline = pipeline
         .with_external_dns(external_dns)
         .with_capture_port(config.envoy_port)
-        .with_mesh_mtls(serves_secrets(&config))
+        .with_inbound_listeners(serves_secrets(&config))
+        .with_mesh_mtls(mesh_mtls_rx)
         .with_trust_domain(&config.trust_domain);
 
     // Bind everything before serving anything. The DNS and xDS servers may bind on the
@@ -393,6 +400,18 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         tasks.spawn(async move {
             lattice_agent::trust::follow_roots(Arc::new(ca), authority, token).await;
             Ok("certificate service roots")
+        });
+    }
+    if secrets.is_some() {
+        let (authority, waiting, metrics, token) = (
+            authority.subscribe(),
+            readiness.register("the workload CA"),
+            metrics.trust.clone(),
+            shutdown.clone(),
+        );
+        tasks.spawn(async move {
+            switch_mesh_mtls(authority, mesh_mtls_tx, waiting, metrics, token).await;
+            Ok("mesh mTLS switch")
         });
     }
     if let Some(secrets) = &secrets {
@@ -696,6 +715,44 @@ impl lattice_dns::LookupObserver for ScopeObserver {
         self.0
             .resolved(client, scope)
             .map(|wait| Box::pin(wait) as lattice_dns::Hold)
+    }
+}
+
+/// Turns mesh mTLS on while there is a CA and off while there is none, from the first time the
+/// CA is read (the agent is not ready before: `waiting`). Off, calls to meshed pods are
+/// plaintext, which their inbound listeners take in permissive mode and refuse in strict
+/// mode: a cluster without a CA works as it did before pods were meshed, and a deleted CA is
+/// said loudly (its leaves stay until they end, but no proxy is given one without a CA).
+async fn switch_mesh_mtls(
+    mut authority: watch::Receiver<AuthorityState>,
+    switch: watch::Sender<Option<bool>>,
+    waiting: ReadyToken,
+    metrics: TrustMetrics,
+    shutdown: CancellationToken,
+) {
+    let mut waiting = Some(waiting);
+    loop {
+        let on = authority.borrow_and_update().mesh_mtls();
+        if let Some(on) = on {
+            waiting.take();
+            metrics.set_mesh_mtls(on);
+            let was = switch.send_replace(Some(on));
+            if was != Some(on) {
+                if on {
+                    tracing::info!(
+                        "mesh mTLS on: services of meshed pods are called over mutual TLS"
+                    );
+                } else {
+                    tracing::warn!(
+                        "mesh mTLS off: no CA, so services of meshed pods are called in plaintext (permissive pods take it, strict pods refuse it)"
+                    );
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = authority.changed() => if changed.is_err() { return },
+        }
     }
 }
 

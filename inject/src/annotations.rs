@@ -15,11 +15,11 @@ pub const PROXY_MEMORY: &str = "lattice.mlab.com/proxy-memory";
 pub const PROXY_MEMORY_LIMIT: &str = "lattice.mlab.com/proxy-memory-limit";
 /// More UIDs whose traffic is never captured (comma-separated), beside Envoy's own.
 pub const EXCLUDE_UIDS: &str = "lattice.mlab.com/exclude-uids";
-/// `enabled` or `disabled` (the default): whether the TCP arriving for the pod is captured
+/// `enabled` (the default) or `disabled`: whether the TCP arriving for the pod is captured
 /// too, and reaches the app through its proxy's inbound listener.
 pub const INBOUND_CAPTURE: &str = "lattice.mlab.com/inbound-capture";
 /// Ports whose inbound TCP reaches the app directly (comma-separated), beside the proxy's own;
-/// only with inbound capture enabled.
+/// not with inbound capture disabled.
 pub const EXCLUDE_INBOUND_PORTS: &str = "lattice.mlab.com/exclude-inbound-ports";
 /// Set by the injector on a pod whose inbound TCP it captures (`enabled`): the label the
 /// agents' metadata-only watch of meshed pods selects.
@@ -75,7 +75,10 @@ pub struct Overrides {
 impl Overrides {
     /// Reads `annotations`, refusing the first value that does not parse.
     pub fn read(annotations: &BTreeMap<String, String>) -> Result<Overrides, BadAnnotation> {
-        let mut overrides = Overrides::default();
+        let mut overrides = Overrides {
+            inbound_capture: true,
+            ..Overrides::default()
+        };
         for (key, slot) in [
             (PROXY_CPU, &mut overrides.cpu),
             (PROXY_MEMORY, &mut overrides.memory),
@@ -115,7 +118,7 @@ impl Overrides {
                 return Err(BadAnnotation::new(
                     EXCLUDE_INBOUND_PORTS,
                     value,
-                    "given without lattice.mlab.com/inbound-capture: enabled",
+                    "given with lattice.mlab.com/inbound-capture: disabled",
                 ));
             }
             overrides.exclude_inbound_ports =
@@ -287,12 +290,14 @@ mod tests {
         let overrides = Overrides::read(&annotations).unwrap_or_default();
         assert_eq!(overrides.cpu.as_deref(), Some("200m"));
         assert_eq!(overrides.exclude_uids, vec![1000, 1001]);
-        assert!(!overrides.inbound_capture);
+        assert!(overrides.inbound_capture, "inbound capture is the default");
+        let off = BTreeMap::from([(INBOUND_CAPTURE.to_string(), "disabled".to_string())]);
+        assert!(!Overrides::read(&off).unwrap().inbound_capture);
         assert_eq!(overrides.xds_mode, Some("sotw"));
     }
 
     #[test]
-    fn inbound_ports_are_read_only_with_inbound_capture() {
+    fn inbound_ports_are_refused_with_inbound_capture_disabled() {
         let read = |pairs: &[(&str, &str)]| {
             let annotations: BTreeMap<String, String> = pairs
                 .iter()
@@ -307,8 +312,14 @@ mod tests {
         .unwrap();
         assert!(on.inbound_capture);
         assert_eq!(on.exclude_inbound_ports, vec![9090, 8081]);
+        assert_eq!(
+            read(&[(EXCLUDE_INBOUND_PORTS, "9090")])
+                .unwrap()
+                .exclude_inbound_ports,
+            vec![9090],
+            "captured by default"
+        );
         for bad in [
-            vec![(EXCLUDE_INBOUND_PORTS, "9090")],
             vec![
                 (INBOUND_CAPTURE, "disabled"),
                 (EXCLUDE_INBOUND_PORTS, "9090"),

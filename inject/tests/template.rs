@@ -113,7 +113,10 @@ fn a_chart_pod_gets_the_mesh_first_and_keeps_everything_of_its_own() {
         out["spec"]["initContainers"][2],
         pod["spec"]["initContainers"][0]
     );
-    assert_eq!(out["metadata"]["labels"], pod["metadata"]["labels"]);
+    // Its labels, and the one that says it is meshed: inbound capture is the default.
+    let mut labels = pod["metadata"]["labels"].clone();
+    labels["lattice.mlab.com/inbound-capture"] = json!("enabled");
+    assert_eq!(out["metadata"]["labels"], labels);
     assert_eq!(
         out["metadata"]["annotations"]["prometheus.io/scrape"],
         "true"
@@ -350,7 +353,7 @@ fn pod_strategy() -> impl Strategy<Value = Value> {
             prop::option::of("ClusterFirst|ClusterFirstWithHostNet"),
         ),
         (any::<bool>(), any::<bool>()),
-        (any::<bool>(), any::<bool>()),
+        (prop::option::of(prop::bool::ANY), any::<bool>()),
     )
         .prop_map(
             |(
@@ -366,9 +369,10 @@ fn pod_strategy() -> impl Strategy<Value = Value> {
                     if annotations {
                         pod["metadata"]["annotations"] = json!({"a": "1"});
                     }
-                    if inbound {
+                    // Inbound capture asked for, opted out of, or left to the default.
+                    if let Some(inbound) = inbound {
                         pod["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"] =
-                            json!("enabled");
+                            json!(if inbound { "enabled" } else { "disabled" });
                     }
                     if labels > 0 {
                         pod["metadata"]["labels"] = json!({"app": "x"});
@@ -421,7 +425,8 @@ proptest! {
         prop_assert_eq!(injected(&out, "ns"), Err(Skip::AlreadyInjected));
         // Inbound capture: the label the agents select meshed pods by, and the service
         // account beside it.
-        let inbound = pod["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"] == "enabled";
+        // The default, unless the pod opts out.
+        let inbound = pod["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"] != "disabled";
         let labelled = out["metadata"]["labels"]["lattice.mlab.com/inbound-capture"] == "enabled";
         prop_assert_eq!(labelled, inbound);
         if inbound {

@@ -826,3 +826,111 @@ fn a_namespace_label_sets_the_mode_of_its_pods() {
         "web"
     );
 }
+
+/// `pod` as the injector admits it with no annotation of ours, and whether it gave
+/// `lattice-init` `--inbound-capture`.
+fn injected_by_default(pod: &Value) -> (Value, bool) {
+    use lattice_inject::config::InjectConfig;
+    use lattice_inject::template::inject;
+    let patch = inject(pod, "default", &InjectConfig::default()).expect("injected");
+    let mut out = pod.clone();
+    json_patch::patch(&mut out, &patch).unwrap();
+    let captures = out["spec"]["initContainers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["args"].as_array())
+        .flatten()
+        .any(|arg| arg == "--inbound-capture");
+    (out, captures)
+}
+
+/// Inbound capture is the injector's default, and costs a cluster without a CA nothing: two
+/// pods injected with no annotation of ours are both captured and labelled as meshed, yet
+/// without a CA the agent has their Services called in plaintext, which the permissive pod
+/// takes (before, every call to a meshed pod was mutual TLS with no leaf to make it, and
+/// failed). The CA created, calls turn to mutual TLS with the caller's identity; the CA
+/// deleted, back to plaintext rather than failing.
+#[test]
+fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one() {
+    let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let (front_pod, front_captures) =
+        injected_by_default(&pod("front", "front", front_ip, json!({})));
+    let (web_pod, web_captures) = injected_by_default(&pod("web", "web", web_ip, json!({})));
+    assert!(front_captures && web_captures, "not captured by default");
+    assert_eq!(
+        web_pod["metadata"]["labels"]["lattice.mlab.com/inbound-capture"],
+        "enabled"
+    );
+    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
+    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    let objects = vec![
+        front_pod,
+        web_pod,
+        lattice_e2e::k8s_objects::service("default", "web", ports),
+        lattice_e2e::k8s_objects::slice(
+            "default",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": APP_PORT}]),
+            endpoints,
+        ),
+    ];
+    let trusted = TrustedNode::start_without_ca("bydefault", objects).unwrap();
+    let (server, agent, chain) = (&trusted.server, &trusted.agent, &trusted.chain);
+    let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
+    let app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let front = trusted.pod("front", 2, &["--inbound-capture"]).unwrap();
+    for pod in [&web, &front] {
+        wait::until("the inbound listener", WITHIN, || inbound_listening(pod))
+            .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    }
+    let url = format!("http://web.default.system.internal:{APP_PORT}/");
+    let called_as = |chain: &str| {
+        let before = app.stats.served();
+        wait::until(&format!("a {chain} call from front"), WITHIN, || {
+            let body = front.curl(&url)?;
+            let log = web.envoy_log();
+            let line = log
+                .lines()
+                .rev()
+                .find(|l| l.contains("[lattice-inbound]") && l.contains("from=10.200.0.2"))
+                .unwrap_or_default();
+            if body.trim() == "web" && line.contains(&format!("[lattice-inbound] {chain} ")) {
+                Ok(line.to_string())
+            } else {
+                Err(format!("{body:?}, last line: {line}"))
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+        assert!(app.stats.served() > before);
+    };
+    // As `/debug/identity` and the metric show it.
+    let mesh_mtls = || -> Value {
+        let (_, identity) = agent.get("/debug/identity").unwrap();
+        let identity: Value = serde_json::from_str(&identity).unwrap();
+        let gauge = agent.metric("lattice_identity_mesh_mtls");
+        assert_eq!(identity["mesh_mtls"] == json!(true), gauge == 1.0);
+        identity["mesh_mtls"].clone()
+    };
+    called_as("plaintext");
+    assert_eq!(mesh_mtls(), json!(false));
+    let (_, mesh) = agent.get("/debug/mesh").unwrap();
+    assert!(
+        mesh.contains("spiffe://cluster.local/ns/default/sa/web"),
+        "the Service names its meshed pod's identity all the same: {mesh}"
+    );
+
+    server.apply_json(ca_secret(chain, &[chain])).unwrap();
+    called_as("mtls peer=spiffe://cluster.local/ns/default/sa/front");
+    assert_eq!(mesh_mtls(), json!(true));
+
+    assert!(
+        server
+            .delete::<k8s_openapi::api::core::v1::Secret>("lattice-system", "lattice-ca")
+            .unwrap()
+    );
+    called_as("plaintext");
+    assert_eq!(mesh_mtls(), json!(false));
+}

@@ -110,8 +110,11 @@ pub struct EnvoyTranslator {
     dns: ExternalDns,
     /// Where the capture listener listens in every pod.
     capture_port: CapturePort,
-    /// Whether proxies are served secrets: only then does a service with identities get mesh
-    /// mTLS, since its clusters name the proxy's secrets.
+    /// Whether proxies are served their secrets and the inbound listeners of their pods: only
+    /// then are the inbound listeners built and authorization rules enforced.
+    inbound_listeners: bool,
+    /// Whether a service with identities is called over mesh mTLS: only when proxies are
+    /// served leaves (a CA is in use), since its clusters name the proxy's secrets.
     mesh_mtls: bool,
     /// The trust domain of the mesh's SPIFFE IDs, which authorization rules name.
     trust_domain: Arc<str>,
@@ -146,6 +149,7 @@ impl EnvoyTranslator {
             node,
             dns,
             capture_port: CapturePort::default(),
+            inbound_listeners: false,
             mesh_mtls: false,
             // `--trust-domain`'s default.
             trust_domain: Arc::from("cluster.local"),
@@ -165,11 +169,23 @@ impl EnvoyTranslator {
         self
     }
 
+    /// The inbound listeners of the pods that capture inbound, and the authorization rules
+    /// they enforce: for an agent that serves verified proxies their secrets.
+    pub fn with_inbound_listeners(mut self, on: bool) -> Self {
+        self.inbound_listeners = on;
+        self
+    }
+
     /// Clusters of services whose endpoints name identities call them over mesh mTLS: for an
-    /// agent that serves every verified proxy its secrets.
+    /// agent that serves every verified proxy a leaf (it has a CA).
     pub fn with_mesh_mtls(mut self, on: bool) -> Self {
         self.mesh_mtls = on;
         self
+    }
+
+    /// Whether services with identities are called over mesh mTLS.
+    pub fn mesh_mtls(&self) -> bool {
+        self.mesh_mtls
     }
 
     /// The trust domain authorization rules' service accounts and namespaces are in.
@@ -285,7 +301,7 @@ impl EnvoyTranslator {
             }
         }
         self.mesh = Some(mesh.services.clone());
-        if self.mesh_mtls {
+        if self.inbound_listeners {
             self.follow_authorization(authorization_changed);
         } else if authorization_changed
             && !self.warned_unenforced

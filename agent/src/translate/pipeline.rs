@@ -33,6 +33,11 @@ pub struct Published {
 /// pipeline translates nothing before, so the first push already prefers what it should).
 pub type LocalityRx = watch::Receiver<Option<NodeLocality>>;
 
+/// Whether services with identities are called over mesh mTLS (the agent has a CA, so every
+/// verified proxy is served a leaf); `None` until known: the pipeline settles nothing before,
+/// so no proxy is pushed plaintext clusters that the CA, read a moment later, takes back.
+pub type MeshMtlsRx = watch::Receiver<Option<bool>>;
+
 pub struct Pipeline {
     mesh: MeshRx,
     locality: LocalityRx,
@@ -45,6 +50,7 @@ pub struct Pipeline {
     xds_ready: Option<ReadyToken>,
     names_ready: Option<ReadyToken>,
     envoy: EnvoySettings,
+    mesh_mtls: MeshMtlsRx,
 }
 
 /// What every Envoy translator of the pipeline is made with.
@@ -52,7 +58,7 @@ pub struct Pipeline {
 struct EnvoySettings {
     external_dns: ExternalDns,
     capture_port: CapturePort,
-    mesh_mtls: bool,
+    inbound_listeners: bool,
     trust_domain: Arc<str>,
 }
 
@@ -80,10 +86,11 @@ impl Pipeline {
             envoy: EnvoySettings {
                 external_dns: ExternalDns::default(),
                 capture_port: CapturePort::default(),
-                mesh_mtls: false,
+                inbound_listeners: false,
                 // `--trust-domain`'s default.
                 trust_domain: "cluster.local".into(),
             },
+            mesh_mtls: watch::channel(Some(false)).1,
         };
         let published = Published {
             xds: xds_rx,
@@ -104,10 +111,17 @@ impl Pipeline {
         self
     }
 
-    /// Services whose endpoints name identities are called over mesh mTLS: for an agent that
-    /// serves every verified proxy its secrets.
-    pub fn with_mesh_mtls(mut self, on: bool) -> Self {
-        self.envoy.mesh_mtls = on;
+    /// Pods that capture inbound get their inbound listeners, with the authorization rules:
+    /// for an agent that serves verified proxies their secrets.
+    pub fn with_inbound_listeners(mut self, on: bool) -> Self {
+        self.envoy.inbound_listeners = on;
+        self
+    }
+
+    /// Services whose endpoints name identities are called over mesh mTLS while `on` says
+    /// so (off without it).
+    pub fn with_mesh_mtls(mut self, on: MeshMtlsRx) -> Self {
+        self.mesh_mtls = on;
         self
     }
 
@@ -132,8 +146,10 @@ impl Pipeline {
         });
         // A snapshot may already be waiting (the file source publishes before we start).
         self.mesh.mark_changed();
-        // The locality's sender goes away once the node's zone is settled.
+        // The locality's sender goes away once the node's zone is settled; the mTLS switch's
+        // when it cannot change.
         let mut relocatable = true;
+        let mut switchable = true;
         let mut last_push: Option<tokio::time::Instant> = None;
         let mut replaced = Replaced::default();
         loop {
@@ -148,6 +164,12 @@ impl Pipeline {
                 changed = self.locality.changed(), if relocatable => {
                     relocatable = changed.is_ok();
                     if !relocatable {
+                        continue;
+                    }
+                }
+                changed = self.mesh_mtls.changed(), if switchable => {
+                    switchable = changed.is_ok();
+                    if !switchable {
                         continue;
                     }
                 }
@@ -166,6 +188,7 @@ impl Pipeline {
             let Some(node) = self.locality.borrow_and_update().clone() else {
                 continue;
             };
+            let mtls = *self.mesh_mtls.borrow_and_update();
             let Some(mesh) = mesh else {
                 continue;
             };
@@ -176,7 +199,15 @@ impl Pipeline {
             replaced.release(&thread);
             if mesh.provisional {
                 let Some(back) = self
-                    .translate_last_mesh(&thread, &shutdown, state, &mesh, node, &mut replaced)
+                    .translate_last_mesh(
+                        &thread,
+                        &shutdown,
+                        state,
+                        &mesh,
+                        node,
+                        mtls,
+                        &mut replaced,
+                    )
                     .await
                 else {
                     return;
@@ -185,9 +216,16 @@ impl Pipeline {
                 replaced.mesh.retire(mesh);
                 continue;
             }
+            let Some(mtls) = mtls else {
+                translators = Some(state);
+                tracing::debug!(
+                    "the mesh waits for the CA to be read: whether calls to meshed pods are mutual TLS"
+                );
+                continue;
+            };
             let snapshot = mesh.clone();
             let job = run_job(&thread, &shutdown, move || {
-                let translated = state.translate(&snapshot, node);
+                let translated = state.translate(&snapshot, node, mtls);
                 (state, translated)
             });
             let Some((state, translated)) = job.await else {
@@ -227,8 +265,10 @@ impl Pipeline {
 impl Pipeline {
     /// The node's last mesh: its names answer meanwhile, built first. Then, unless the settled
     /// mesh is already here, its Envoy resources, which stay with the translators as the base
-    /// the settled mesh is translated against and go to no proxy (one may hold a newer mesh).
-    /// `None` on shutdown or when the thread is gone.
+    /// the settled mesh is translated against and go to no proxy (one may hold a newer mesh);
+    /// not before it is known whether calls are mutual TLS, since a base made the other way
+    /// would be of no use. `None` on shutdown or when the thread is gone.
+    #[allow(clippy::too_many_arguments)]
     async fn translate_last_mesh(
         &self,
         thread: &BulkThread,
@@ -236,6 +276,7 @@ impl Pipeline {
         mut state: Translators,
         mesh: &Arc<MeshSnapshot>,
         node: NodeLocality,
+        mtls: Option<bool>,
         replaced: &mut Replaced,
     ) -> Option<Translators> {
         let started = Instant::now();
@@ -257,12 +298,15 @@ impl Pipeline {
             names_ms = started.elapsed().as_secs_f64() * 1e3,
             "answering DNS from the node's last mesh until the sources report"
         );
+        let Some(mtls) = mtls else {
+            return Some(state);
+        };
         if self.mesh.has_changed().unwrap_or(true) {
             return Some(state);
         }
         let snapshot = mesh.clone();
         let (back, xds) = run_job(thread, shutdown, move || {
-            let xds = state.envoy_for(node).translate(&snapshot);
+            let xds = state.envoy_for(node, mtls).translate(&snapshot);
             (state, xds)
         })
         .await?;
@@ -336,13 +380,13 @@ struct Translated {
 }
 
 impl Translators {
-    /// The Envoy translator for `node`'s locality.
-    fn envoy_for(&mut self, node: NodeLocality) -> &mut EnvoyTranslator {
-        envoy_for(&mut self.envoy, node, &self.settings)
+    /// The Envoy translator for `node`'s locality and mesh mTLS on or off.
+    fn envoy_for(&mut self, node: NodeLocality, mtls: bool) -> &mut EnvoyTranslator {
+        envoy_for(&mut self.envoy, node, mtls, &self.settings)
     }
 
-    fn translate(&mut self, mesh: &MeshSnapshot, node: NodeLocality) -> Translated {
-        let envoy = envoy_for(&mut self.envoy, node, &self.settings);
+    fn translate(&mut self, mesh: &MeshSnapshot, node: NodeLocality, mtls: bool) -> Translated {
+        let envoy = envoy_for(&mut self.envoy, node, mtls, &self.settings);
         let dns = &mut self.dns;
         if dns.is_current(mesh) || mesh.services.len() < PARALLEL_FROM {
             return Translated {
@@ -364,26 +408,33 @@ impl Translators {
     }
 }
 
-/// The translator in `slot` if it was made for `node`'s locality, else a new one: another
-/// locality changes every priority, so everything is translated anew (versions are content
-/// hashes, so only what changed is pushed).
+/// The translator in `slot` if it was made for `node`'s locality and `mtls`, else a new one:
+/// another locality changes every priority, and mesh mTLS turned on or off every meshed
+/// service's clusters, so everything is translated anew (versions are content hashes, so only
+/// what changed is pushed).
 fn envoy_for<'a>(
     slot: &'a mut Option<EnvoyTranslator>,
     node: NodeLocality,
+    mtls: bool,
     settings: &EnvoySettings,
 ) -> &'a mut EnvoyTranslator {
-    if slot.as_ref().is_some_and(|envoy| *envoy.node() != node) {
+    if slot
+        .as_ref()
+        .is_some_and(|envoy| *envoy.node() != node || envoy.mesh_mtls() != mtls)
+    {
         *slot = None;
     }
     slot.get_or_insert_with(|| {
         tracing::info!(
             node = node.name.as_deref().unwrap_or("-"),
             zone = node.zone.as_deref().unwrap_or("-"),
-            "endpoint priorities follow this node"
+            mesh_mtls = mtls,
+            "endpoint priorities follow this node; services of meshed pods are called over mutual TLS if mesh_mtls"
         );
         EnvoyTranslator::new(node, settings.external_dns.clone())
             .with_capture_port(settings.capture_port)
-            .with_mesh_mtls(settings.mesh_mtls)
+            .with_inbound_listeners(settings.inbound_listeners)
+            .with_mesh_mtls(mtls)
             .with_trust_domain(&settings.trust_domain)
     })
 }
@@ -613,6 +664,60 @@ mod tests {
         let version = publish(&mut state, &mesh, "10.0.0.2:80");
         out.xds.changed().await.unwrap();
         assert_eq!(out.xds.borrow().as_ref().map(|x| x.version), Some(version));
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// Until the agent knows whether it has a CA, nothing settled goes out (plaintext clusters
+    /// for a meshed service would be taken back a moment later); then a meshed service's
+    /// clusters follow the switch both ways, without a mesh change, and the switch's sender
+    /// going away does not stop the pipeline.
+    #[tokio::test(start_paused = true)]
+    async fn calls_to_meshed_services_wait_for_the_ca_and_follow_it_both_ways() {
+        let (mesh, mesh_rx) = mesh::channel();
+        let (_locality, locality_rx) =
+            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
+        let (switch, switch_rx) = watch::channel(None);
+        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
+        let pipeline = pipeline.with_mesh_mtls(switch_rx);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .upsert(
+                http_service("/shop/web", "10.0.0.1:8080")
+                    .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]),
+            )
+            .unwrap();
+        mesh.send_replace(Some(state.snapshot()));
+        tokio::time::sleep(PERIOD * 3).await;
+        assert!(out.xds.borrow().is_none(), "settled before the CA was read");
+        assert!(readiness.pending().contains(&"envoy resources".to_string()));
+        let tls = |out: &mut Published| -> bool {
+            use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+            use prost::Message as _;
+            let xds = out.xds.borrow_and_update();
+            let xds = xds.as_ref().expect("a snapshot");
+            let resource = &xds.of(ResourceType::Cluster)["web.shop.system.internal|8080"];
+            Cluster::decode(resource.body.value.as_slice())
+                .unwrap()
+                .transport_socket
+                .is_some()
+        };
+        switch.send_replace(Some(true));
+        out.xds.changed().await.unwrap();
+        assert!(tls(&mut out), "a CA: mutual TLS");
+        switch.send_replace(Some(false));
+        out.xds.changed().await.unwrap();
+        assert!(!tls(&mut out), "no CA any more: plaintext");
+        switch.send_replace(Some(true));
+        out.xds.changed().await.unwrap();
+        assert!(tls(&mut out), "a CA again");
+        drop(switch);
+        let version = publish(&mut state, &mesh, "10.0.0.2:8080");
+        out.xds.changed().await.unwrap();
+        assert_eq!(out.xds.borrow().as_ref().map(|x| x.version), Some(version));
+        assert!(tls(&mut out));
         shutdown.cancel();
         task.await.unwrap();
     }

@@ -59,9 +59,15 @@ pub struct TrustMetrics {
     refusals: Family<ReasonLabel, Counter>,
     pub(super) leaf_expiry: Family<IdentityLabel, Gauge>,
     pub(super) leaf_failures: Family<ReasonLabel, Counter>,
+    mesh_mtls: Gauge,
 }
 
 impl TrustMetrics {
+    /// Whether services of meshed pods are called over mutual TLS.
+    pub fn set_mesh_mtls(&self, on: bool) {
+        self.mesh_mtls.set(i64::from(on));
+    }
+
     pub fn register(registry: &mut Registry) -> TrustMetrics {
         let metrics = TrustMetrics::default();
         let identity = registry.sub_registry_with_prefix("lattice_identity");
@@ -90,6 +96,11 @@ impl TrustMetrics {
             "Leaves that could not be issued or renewed, by reason (a leaf held stays in use)",
             metrics.leaf_failures.clone(),
         );
+        identity.register(
+            "mesh_mtls",
+            "1 while services of meshed pods are called over mutual TLS (a CA is in use), else 0",
+            metrics.mesh_mtls.clone(),
+        );
         metrics
     }
 }
@@ -104,6 +115,14 @@ pub struct AuthorityState {
     pub present: bool,
     /// Whether the Secret has been listed at all.
     pub listed: bool,
+}
+
+impl AuthorityState {
+    /// Whether proxies call the services of meshed pods over mutual TLS: when there is a CA to
+    /// issue every proxy its leaf. `None` until the Secret (or the roots file) is first read.
+    pub fn mesh_mtls(&self) -> Option<bool> {
+        self.listed.then_some(self.signer.is_some())
+    }
 }
 
 /// The issuer in use, for the rest of the agent to read.
@@ -248,6 +267,23 @@ impl Authority {
         self.record();
     }
 
+    /// The Secret cannot be read at all (the API server refuses the agent, as a missing RBAC
+    /// grant does): before it was ever listed, taken as no CA, so the agent does not wait for
+    /// it forever; afterwards the issuer read before stays in use.
+    pub fn unreadable(&self, why: &str) {
+        let first = self.tx.send_if_modified(|state| {
+            if state.listed {
+                return false;
+            }
+            state.listed = true;
+            state.refused = Some(why.to_string());
+            true
+        });
+        if first {
+            tracing::warn!(secret = %self.secret.as_ref().map(ToString::to_string).unwrap_or_default(), why, "the issuer Secret cannot be read: workload certificates are off until it can be");
+        }
+    }
+
     /// The Secret was listed (whether it exists or not).
     pub fn listed(&self) {
         let first = !self.tx.borrow().listed;
@@ -288,6 +324,7 @@ impl Authority {
             "secret": self.secret.as_ref().map(ToString::to_string),
             "listed": state.listed,
             "present": state.present,
+            "mesh_mtls": state.mesh_mtls(),
             "issuer": issuer,
             "refused": state.refused,
         })
@@ -330,5 +367,65 @@ pub async fn follow_roots(
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(ROOTS_EVERY) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::registry::Registry;
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, KeyUsagePurpose};
+
+    use super::*;
+
+    fn authority() -> Authority {
+        Authority::new(
+            "cluster.local".into(),
+            Some(SecretRef {
+                namespace: "lattice-system".into(),
+                name: "lattice-ca".into(),
+            }),
+            TrustMetrics::register(&mut Registry::default()),
+        )
+    }
+
+    /// A self-signed CA's certificate and PKCS#8 key, as PEM.
+    fn ca() -> (String, String) {
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    #[test]
+    fn calls_are_mutual_tls_while_there_is_a_ca_and_unknown_before_it_is_read() {
+        let authority = authority();
+        let state = authority.subscribe();
+        let mtls = || state.borrow().mesh_mtls();
+        assert_eq!(mtls(), None, "not read yet");
+        authority.listed();
+        assert_eq!(mtls(), Some(false), "listed, no Secret");
+        let (crt, key) = ca();
+        authority.seen(crt.as_bytes(), key.as_bytes(), crt.as_bytes());
+        assert_eq!(mtls(), Some(true));
+        authority.incomplete("tls.key");
+        assert_eq!(mtls(), Some(true), "a bad version keeps the CA in use");
+        authority.unreadable("403");
+        assert_eq!(mtls(), Some(true), "a refused watch keeps the CA in use");
+        authority.gone();
+        assert_eq!(mtls(), Some(false), "deleted");
+    }
+
+    #[test]
+    fn a_secret_the_agent_may_not_read_is_no_ca_rather_than_a_wait() {
+        let authority = authority();
+        let state = authority.subscribe();
+        authority.unreadable("403");
+        assert_eq!(state.borrow().mesh_mtls(), Some(false));
+        assert!(state.borrow().refused.is_some());
+        let (crt, key) = ca();
+        authority.seen(crt.as_bytes(), key.as_bytes(), crt.as_bytes());
+        assert_eq!(state.borrow().mesh_mtls(), Some(true), "readable later");
     }
 }

@@ -49,6 +49,12 @@ pub async fn watch_ca(
             Ok(watcher::Event::Delete(_)) => authority.gone(),
             Err(error) => {
                 warn!(%error, %secret, "watching the issuer's Secret failed; retrying, the issuer read before stays in use");
+                // Refused, not unreachable: no RBAC grant. Waiting for it would keep the
+                // agent from ever serving; an API server that does not answer keeps the
+                // providers from listing anyway.
+                if super::status_code(&error) == Some(403) {
+                    authority.unreadable("the API server refuses to let the agent read it (403)");
+                }
             }
         }
     }

@@ -25,9 +25,9 @@ pub const USES_ANNOTATION: &str = "lattice.mlab.com/uses";
 /// default).
 pub const SCOPE_ANNOTATION: &str = "lattice.mlab.com/scope";
 
-/// `enabled`: the pod's inbound TCP is captured to its proxy (`lattice-init
-/// --inbound-capture`, which the injector adds for this annotation), so its proxy gets an
-/// inbound listener.
+/// `enabled`, as the pod's annotation or label: the pod's inbound TCP is captured to its proxy
+/// (`lattice-init --inbound-capture`, which the injector adds unless the annotation says
+/// `disabled`, labelling the pod so), so its proxy gets an inbound listener.
 pub const INBOUND_CAPTURE_ANNOTATION: &str = "lattice.mlab.com/inbound-capture";
 /// `permissive` (the default) or `strict`: whether the pod's inbound listener hands on
 /// connections that are not mesh mTLS, or refuses them.
@@ -91,15 +91,16 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
         .collect()
 }
 
-/// The pod's inbound mode when it asks for inbound capture, as its own annotation says it
-/// (`permissive` without one; see [`explicit_mode`] for its namespace's say).
+/// The pod's inbound mode when its inbound TCP is captured, as its own annotation says it
+/// (`permissive` without one; see [`explicit_mode`] for its namespace's say). Captured: the
+/// injector's label says so (it captures by default, and labels every pod it captures), or
+/// the pod's annotation asks for it.
 fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
-    let annotations = pod.metadata.annotations.as_ref()?;
-    if annotations
-        .get(INBOUND_CAPTURE_ANNOTATION)
-        .map(|v| v.trim())
-        != Some("enabled")
-    {
+    let enabled = |map: Option<&std::collections::BTreeMap<String, String>>| {
+        map.and_then(|m| m.get(INBOUND_CAPTURE_ANNOTATION))
+            .is_some_and(|v| v.trim() == "enabled")
+    };
+    if !enabled(pod.metadata.labels.as_ref()) && !enabled(pod.metadata.annotations.as_ref()) {
         return None;
     }
     Some(explicit_mode(pod, key).unwrap_or(InboundMode::Permissive))
@@ -541,6 +542,22 @@ mod tests {
             Some(InboundMode::Strict),
             "a typo closes, never opens"
         );
+        // Captured by the injector's default: its label alone says so.
+        let labelled = |labels: serde_json::Value| {
+            pod_entries(&pod(json!({
+                "metadata": {"namespace": "shop", "name": "web-1", "labels": labels,
+                             "annotations": {MTLS_MODE_ANNOTATION: "strict"}},
+                "spec": {"containers": []},
+                "status": {"phase": "Running", "podIP": "10.0.0.2"},
+            })))
+            .remove(0)
+            .inbound
+        };
+        assert_eq!(
+            labelled(json!({INBOUND_CAPTURE_ANNOTATION: "enabled"})),
+            Some(InboundMode::Strict)
+        );
+        assert_eq!(labelled(json!({INBOUND_CAPTURE_ANNOTATION: "no"})), None);
     }
 
     /// The probes its inbound listener lets through: by number or by the container's port
