@@ -17,6 +17,8 @@ pub mod last_mesh;
 mod merge;
 mod state_file;
 
+use std::sync::Arc;
+
 use futures::FutureExt as _;
 use lattice_contract::TrapCidrs;
 use serde::Serialize;
@@ -27,7 +29,9 @@ pub use address_record::{AddressRecordFile, RecordStatus};
 pub use last_mesh::{LastMeshFile, LastMeshStatus};
 pub use merge::{Conflict, Merger};
 
-use crate::mesh::{AddressBook, MeshMetrics, MeshTx, Provider, ProviderRx, ServiceSpec, Stale};
+use crate::mesh::{
+    AddressBook, MeshMetrics, MeshSnapshot, MeshTx, Provider, ProviderRx, ServiceSpec, Stale,
+};
 use crate::parallel::BulkThread;
 use crate::readiness::{Readiness, ReadyToken};
 
@@ -187,12 +191,17 @@ impl Catalog {
                         let Some(taken) = merger.take() else { return };
                         let back = tokio::select! {
                             () = shutdown.cancelled() => return,
-                            back = take_in_last_mesh(&thread, taken, status, specs, &mesh) => back,
+                            back = take_in_last_mesh(&thread, taken, status, specs) => back,
                         };
-                        let Some((back, status)) = back else { return };
+                        let Some((back, snapshot, status)) = back else { return };
                         merger = Some(back);
-                        // On to a pass with whatever the providers published meanwhile,
-                        // which also shows the status.
+                        // Shown before anything is answered from it, not with the pass
+                        // below, which waits for the merging thread.
+                        status_tx.send_modify(|shown| shown.last_mesh = Some(status.clone()));
+                        if let Some(snapshot) = snapshot {
+                            mesh.send_replace(Some(snapshot));
+                        }
+                        // On to a pass with whatever the providers published meanwhile.
                         last_mesh_status = Some(status);
                     }
                     (result, index, _) = changed => {
@@ -289,14 +298,14 @@ fn read_last_mesh(file: &LastMeshFile, trap: &TrapCidrs) -> (LastMeshStatus, Vec
 }
 
 /// Takes `specs` into `merger` on the merging thread, if no provider's view was merged
-/// meanwhile, and publishes them as the provisional snapshot. `None` when the thread is gone.
+/// meanwhile: the provisional snapshot to publish, if they were taken. `None` when the
+/// thread is gone.
 async fn take_in_last_mesh(
     thread: &BulkThread,
     merger: Merger,
     mut status: LastMeshStatus,
     specs: Vec<ServiceSpec>,
-    mesh: &MeshTx,
-) -> Option<(Merger, LastMeshStatus)> {
+) -> Option<(Merger, Option<Arc<MeshSnapshot>>, LastMeshStatus)> {
     let job = thread.run(move || {
         if merger.has_merged() {
             if !specs.is_empty() {
@@ -318,16 +327,15 @@ async fn take_in_last_mesh(
             return None;
         }
     };
-    if let Some(snapshot) = snapshot {
+    if snapshot.is_some() {
         tracing::info!(
             path = %status.path.display(),
             restored = status.restored,
             dropped = status.dropped,
             "the node's last mesh answers DNS until the sources report; no proxy is sent it"
         );
-        mesh.send_replace(Some(snapshot));
     }
-    Some((merger, status))
+    Some((merger, snapshot, status))
 }
 
 /// A provider whose first view has not been taken yet is read even if its channel says it has
