@@ -12,7 +12,8 @@
 //! Measures the initial sync, the latency of single-endpoint changes until every client and
 //! Envoy hold the new endpoint, the bytes each change costs a client, and the agent's RSS and
 //! CPU (and Envoy's RSS); once at a small baseline mesh and once at the full size, so the cost
-//! of one change can be compared. Last, the agent is killed (SIGKILL) and started again, and
+//! of one change can be compared. Last, once the node's last mesh is on disk (written after
+//! the changes: `restart.last_mesh_wait_ms`), the agent is killed (SIGKILL) and started again, and
 //! every synthetic client reconnects with what it holds (Delta: `initial_resource_versions`;
 //! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
 //! answered and holding the whole mesh (`restart.agent_ready_ms`: kill → the new agent's
@@ -72,13 +73,14 @@
 //! `LATTICE_BENCH_SERVICES` (10000), `LATTICE_BENCH_BASELINE_SERVICES` (100),
 //! `LATTICE_BENCH_CLIENTS` (100), `LATTICE_BENCH_CHANGES` (1000), `LATTICE_BENCH_SOTW_PERCENT`
 //! (50: the share of clients on SotW, the rest on Delta), `LATTICE_BENCH_SCOPE` (20),
-//! `LATTICE_BENCH_DNS_LOOKUPS` (10); `LATTICE_BENCH_SOURCES` (`kube,file`) chooses the
+//! `LATTICE_BENCH_DNS_LOOKUPS` (10); `LATTICE_BENCH_RESTART_LOG` (a path: the restarted
+//! agent's log is written there); `LATTICE_BENCH_SOURCES` (`kube,file`) chooses the
 //! sources, `LATTICE_BENCH_ENVOY` (`delta`) Envoy's ADS flavour: `delta`, `sotw`, or `none`
 //! for no Envoy; `LATTICE_BENCH_SCOPED` (`1`) the scoped run.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use lattice_e2e::ads_client::{AdsClient, ClientView, EDS, Options, RDS};
@@ -719,7 +721,8 @@ async fn run(
         (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
         _ => None,
     };
-    let mut restart = restart(&mut agent, &mut fleet, &modes, services).await;
+    let state = feed.dir.path().join("state");
+    let mut restart = restart(&mut agent, &mut fleet, &modes, services, &state).await;
     if matches!(feed.sink, Sink::Kube(_)) {
         restart["api_server_away"] =
             crash_with_the_api_server_away(&mut agent, feed.server()).await;
@@ -789,7 +792,12 @@ async fn restart(
     fleet: &mut [AdsClient],
     modes: &[AdsMode],
     services: usize,
+    state: &Path,
 ) -> Value {
+    // A crash of an agent that has run a while: its node's last mesh is on disk. Written at
+    // most every 5 s on a thread that yields to every other, it may not be yet right after a
+    // large sync on a busy machine; then the figure would be that of a node's first start.
+    let last_mesh_wait = wait_for_last_mesh(state).await;
     let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
     let killed = Instant::now();
     agent.restart();
@@ -843,7 +851,15 @@ async fn restart(
         "restart: every client consistent {:?} after kill -9",
         consistent_at.duration_since(killed)
     );
+    // The restarted agent's own account of its start (the node's last mesh read, the lists,
+    // the first translation), for whoever profiles it.
+    if let Ok(path) = std::env::var("LATTICE_BENCH_RESTART_LOG")
+        && let Err(e) = std::fs::write(&path, agent.log())
+    {
+        eprintln!("LATTICE_BENCH_RESTART_LOG: cannot write {path}: {e}");
+    }
     json!({
+        "last_mesh_wait_ms": last_mesh_wait.map(ms),
         "consistent_ms": ms(consistent_at.duration_since(killed)),
         "agent_ready_ms": ms(ready.duration_since(killed)),
         "agent_cpu_s": {"ready": cpu_ready, "consistent": cpu_consistent},
@@ -851,6 +867,23 @@ async fn restart(
         "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
         "bytes_per_sotw_client": mean(&sotw),
     })
+}
+
+/// Waits until the node's last mesh (`mesh.json` in `state`) is written after now, so that it
+/// holds the mesh as the changes left it; how long that took, or `None` when it was not
+/// within a minute (the restart then goes ahead without it).
+async fn wait_for_last_mesh(state: &Path) -> Option<Duration> {
+    let since = std::time::SystemTime::now();
+    let started = Instant::now();
+    let file = state.join("mesh.json");
+    while started.elapsed() < Duration::from_secs(60) {
+        let written = std::fs::metadata(&file).and_then(|m| m.modified());
+        if written.is_ok_and(|at| at >= since) {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
 }
 
 /// A crash while the API server cannot be reached: kill -9, the API server stopped, the agent
