@@ -48,6 +48,8 @@ pub struct TrustedNode {
     pub agent: Agent,
     pub mesh: Option<MeshFile>,
     _kubeconfig: tempfile::TempDir,
+    /// `--state-dir`, as the DaemonSet gives it: pods' scopes outlive a restart.
+    _state: tempfile::TempDir,
 }
 
 impl TrustedNode {
@@ -80,7 +82,13 @@ impl TrustedNode {
         }
         let (dir, kubeconfig) = server.kubeconfig_file()?;
         let local = NODE_LOCAL.to_string();
-        let mut args = vec!["--node-local-dns".to_string(), local];
+        let state = tempfile::tempdir()?;
+        let mut args = vec![
+            "--node-local-dns".to_string(),
+            local,
+            "--state-dir".to_string(),
+            state.path().display().to_string(),
+        ];
         let mesh = match mesh {
             Some(text) => {
                 let file = MeshFile::new(&[])?;
@@ -111,6 +119,7 @@ impl TrustedNode {
             agent,
             mesh,
             _kubeconfig: dir,
+            _state: state,
         })
     }
 

@@ -934,3 +934,113 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
     called_as("plaintext");
     assert_eq!(mesh_mtls(), json!(false));
 }
+
+/// A restarted agent pushes nothing before it knows whether it has a CA: if it did, its first
+/// push would turn calls to meshed pods to plaintext until the CA's Secret was read, and a
+/// strict pod would refuse them. Here the Secret cannot be read at all while the agent
+/// restarts (its kind answers 404): a request from front to the strict pod web every 20 ms,
+/// through the kill -9, the new agent waiting for the CA (not ready, and saying so), and the
+/// CA readable again, all pass, and web's Envoy takes none of them in plaintext.
+#[test]
+fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
+    let strict = json!({"lattice.mlab.com/mtls-mode": "strict"});
+    let (front_pod, _) = injected_by_default(&pod("front", "front", front_ip, json!({})));
+    let (web_pod, _) = injected_by_default(&pod("web", "web", web_ip, strict));
+    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
+    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    let objects = vec![
+        front_pod,
+        web_pod,
+        lattice_e2e::k8s_objects::service("default", "web", ports),
+        lattice_e2e::k8s_objects::slice(
+            "default",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": APP_PORT}]),
+            endpoints,
+        ),
+    ];
+    let mut trusted = TrustedNode::start("restartca", objects, None).unwrap();
+    let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
+    let _app = Server::http(&web.pod, "web", APP_PORT).unwrap();
+    let front = trusted.pod("front", 2, &["--inbound-capture"]).unwrap();
+    let host = "web.default.system.internal";
+    let web_at = SocketAddr::from((front.resolve(host).unwrap(), APP_PORT));
+    wait::until("an mTLS call from front", WITHIN, || {
+        front.http(web_at, host)?;
+        web.envoy_log()
+            .contains("[lattice-inbound] mtls peer=spiffe://cluster.local/ns/default/sa/front")
+            .then_some(())
+            .ok_or_else(|| "not mTLS yet".to_string())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", trusted.agent.log()));
+
+    let results: Mutex<Vec<Result<String, String>>> = Mutex::new(Vec::new());
+    let stop = AtomicBool::new(false);
+    let calls = || results.lock().unwrap().len();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let result = front.http(web_at, host);
+                results.lock().unwrap().push(result);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let after = |what: &str, more: usize| {
+            let from = calls();
+            wait::until(what, WITHIN, || {
+                (calls() >= from + more)
+                    .then_some(())
+                    .ok_or(format!("{} calls", calls()))
+            })
+            .unwrap();
+        };
+        after("calls before the restart", 10);
+        trusted
+            .server
+            .uninstall::<k8s_openapi::api::core::v1::Secret>()
+            .unwrap();
+        trusted.agent.restart();
+        wait::until("the new agent waiting for the CA", WITHIN, || match trusted
+            .agent
+            .get("/readyz")
+        {
+            Ok((503, body)) if body.contains("the workload CA") => Ok(()),
+            other => Err(format!("{other:?}")),
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", trusted.agent.log()));
+        after("calls while the CA cannot be read", 50);
+        assert_ne!(trusted.agent.get("/readyz").unwrap().0, 200);
+        trusted
+            .server
+            .install::<k8s_openapi::api::core::v1::Secret>()
+            .unwrap();
+        trusted
+            .server
+            .apply_json(ca_secret(&trusted.chain, &[&trusted.chain]))
+            .unwrap();
+        trusted.agent.wait_ready().unwrap();
+        after("calls once the CA is read again", 50);
+        stop.store(true, Ordering::Relaxed);
+    });
+    let results = results.into_inner().unwrap();
+    let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed, first: {:?}\n{}",
+        failed.len(),
+        results.len(),
+        failed.first(),
+        trusted.agent.log()
+    );
+    let log = web.envoy_log();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("[lattice-inbound] plaintext") && l.contains("from=10.200.0.2")),
+        "web took front's call in plaintext: {log}"
+    );
+}
