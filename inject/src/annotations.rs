@@ -61,7 +61,7 @@ impl Wish {
 }
 
 /// What a pod's annotations ask of its injection.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Overrides {
     pub cpu: Option<String>,
     pub memory: Option<String>,
@@ -72,13 +72,25 @@ pub struct Overrides {
     pub exclude_inbound_ports: Vec<u16>,
 }
 
+/// What a pod without annotations of ours gets: inbound capture, and nothing else changed.
+impl Default for Overrides {
+    fn default() -> Self {
+        Overrides {
+            cpu: None,
+            memory: None,
+            memory_limit: None,
+            exclude_uids: Vec::new(),
+            xds_mode: None,
+            inbound_capture: true,
+            exclude_inbound_ports: Vec::new(),
+        }
+    }
+}
+
 impl Overrides {
     /// Reads `annotations`, refusing the first value that does not parse.
     pub fn read(annotations: &BTreeMap<String, String>) -> Result<Overrides, BadAnnotation> {
-        let mut overrides = Overrides {
-            inbound_capture: true,
-            ..Overrides::default()
-        };
+        let mut overrides = Overrides::default();
         for (key, slot) in [
             (PROXY_CPU, &mut overrides.cpu),
             (PROXY_MEMORY, &mut overrides.memory),

@@ -886,26 +886,6 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         wait::until("the inbound listener", WITHIN, || inbound_listening(pod))
             .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
     }
-    let url = format!("http://web.default.system.internal:{APP_PORT}/");
-    let called_as = |chain: &str| {
-        let before = app.stats.served();
-        wait::until(&format!("a {chain} call from front"), WITHIN, || {
-            let body = front.curl(&url)?;
-            let log = web.envoy_log();
-            let line = log
-                .lines()
-                .rev()
-                .find(|l| l.contains("[lattice-inbound]") && l.contains("from=10.200.0.2"))
-                .unwrap_or_default();
-            if body.trim() == "web" && line.contains(&format!("[lattice-inbound] {chain} ")) {
-                Ok(line.to_string())
-            } else {
-                Err(format!("{body:?}, last line: {line}"))
-            }
-        })
-        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
-        assert!(app.stats.served() > before);
-    };
     // As `/debug/identity` and the metric show it.
     let mesh_mtls = || -> Value {
         let (_, identity) = agent.get("/debug/identity").unwrap();
@@ -914,25 +894,125 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         assert_eq!(identity["mesh_mtls"] == json!(true), gauge == 1.0);
         identity["mesh_mtls"].clone()
     };
-    called_as("plaintext");
-    assert_eq!(mesh_mtls(), json!(false));
-    let (_, mesh) = agent.get("/debug/mesh").unwrap();
-    assert!(
-        mesh.contains("spiffe://cluster.local/ns/default/sa/web"),
-        "the Service names its meshed pod's identity all the same: {mesh}"
-    );
-
-    server.apply_json(ca_secret(chain, &[chain])).unwrap();
-    called_as("mtls peer=spiffe://cluster.local/ns/default/sa/front");
-    assert_eq!(mesh_mtls(), json!(true));
-
-    assert!(
+    // Whether web's Envoy took a call of front's as `chain` after the first `from` bytes of
+    // its log.
+    let front_calls_since = |from: usize, chain: &str| {
+        let log = web.envoy_log();
+        log.get(from..).unwrap_or_default().lines().any(|l| {
+            l.contains(&format!("[lattice-inbound] {chain} ")) && l.contains("from=10.200.0.2")
+        })
+    };
+    let taken_as = |from: usize, chain: &str, within: Duration| {
+        wait::until(&format!("a {chain} call from front"), within, || {
+            front_calls_since(from, chain)
+                .then_some(())
+                .ok_or_else(|| "not yet".to_string())
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}\n{}", agent.log(), web.envoy_log()));
+    };
+    let host = "web.default.system.internal";
+    let web_at = SocketAddr::from((front.resolve(host).unwrap(), APP_PORT));
+    let served = app.stats.served();
+    let delete_ca = || {
         server
             .delete::<k8s_openapi::api::core::v1::Secret>("lattice-system", "lattice-ca")
             .unwrap()
+    };
+    let results = calling_throughout(&front, web_at, host, |calls| {
+        taken_as(0, "plaintext", WITHIN);
+        assert_eq!(mesh_mtls(), json!(false));
+        let (_, mesh) = agent.get("/debug/mesh").unwrap();
+        assert!(
+            mesh.contains("spiffe://cluster.local/ns/default/sa/web"),
+            "the Service names its meshed pod's identity all the same: {mesh}"
+        );
+
+        // The CA created: once it has held, calls are mTLS with front's identity.
+        server.apply_json(ca_secret(chain, &[chain])).unwrap();
+        let mtls = "mtls peer=spiffe://cluster.local/ns/default/sa/front";
+        taken_as(web.envoy_log().len(), mtls, HOLD + WITHIN);
+        assert_eq!(mesh_mtls(), json!(true));
+
+        // Deleted, and created again once the agent has seen it gone: nothing changes,
+        // through more than the hold.
+        let mark = web.envoy_log().len();
+        assert!(delete_ca());
+        wait::until("the agent sees the CA gone", WITHIN, || {
+            let (_, identity) = agent.get("/debug/identity").map_err(|e| e.to_string())?;
+            let identity: Value = serde_json::from_str(&identity).map_err(|e| e.to_string())?;
+            (identity["present"] == json!(false))
+                .then_some(())
+                .ok_or(identity.to_string())
+        })
+        .unwrap();
+        server.apply_json(ca_secret(chain, &[chain])).unwrap();
+        more_calls(calls, "calls through the hold", HOLD_CALLS);
+        assert!(!front_calls_since(mark, "plaintext"), "{}", web.envoy_log());
+        assert_eq!(mesh_mtls(), json!(true));
+
+        // Deleted for good: once that has held, plaintext again, which web takes.
+        assert!(delete_ca());
+        taken_as(web.envoy_log().len(), "plaintext", HOLD + WITHIN);
+        assert_eq!(mesh_mtls(), json!(false));
+        more_calls(calls, "calls in plaintext", 10);
+    });
+    let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed, first: {:?}\n{}",
+        failed.len(),
+        results.len(),
+        failed.first(),
+        agent.log()
     );
-    called_as("plaintext");
-    assert_eq!(mesh_mtls(), json!(false));
+    assert!(app.stats.served() >= served + results.len() as u64);
+}
+
+/// How long the agent holds a change of CA before calls follow it (`MESH_MTLS_HOLD`).
+const HOLD: Duration = Duration::from_secs(10);
+/// Calls at one every 20 ms (and the time each takes) that outlast [`HOLD`].
+const HOLD_CALLS: usize = 600;
+
+/// Calls `host` at `to` from `from`, one every 20 ms, while `during` runs, which is given how
+/// many calls have been made so far; every call's result.
+fn calling_throughout(
+    from: &ClientPod,
+    to: SocketAddr,
+    host: &str,
+    during: impl FnOnce(&dyn Fn() -> usize),
+) -> Vec<Result<String, String>> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let results: Mutex<Vec<Result<String, String>>> = Mutex::new(Vec::new());
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let result = from.http(to, host);
+                results.lock().unwrap().push(result);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let calls = || results.lock().unwrap().len();
+        // Whatever `during` asserts, the caller stops.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| during(&calls)));
+        stop.store(true, Ordering::Relaxed);
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    results.into_inner().unwrap()
+}
+
+/// Waits until `more` calls beyond those made so far are made.
+fn more_calls(calls: &dyn Fn() -> usize, what: &str, more: usize) {
+    let from = calls();
+    wait::until(what, HOLD + WITHIN, || {
+        (calls() >= from + more)
+            .then_some(())
+            .ok_or(format!("{} calls", calls()))
+    })
+    .unwrap();
 }
 
 /// A restarted agent pushes nothing before it knows whether it has a CA: if it did, its first
@@ -943,8 +1023,6 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
 /// CA readable again, all pass, and web's Envoy takes none of them in plaintext.
 #[test]
 fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicBool, Ordering};
     let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
     let strict = json!({"lattice.mlab.com/mtls-mode": "strict"});
     let (front_pod, _) = injected_by_default(&pod("front", "front", front_ip, json!({})));
@@ -979,41 +1057,29 @@ fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", trusted.agent.log()));
 
-    let results: Mutex<Vec<Result<String, String>>> = Mutex::new(Vec::new());
-    let stop = AtomicBool::new(false);
-    let calls = || results.lock().unwrap().len();
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                let result = front.http(web_at, host);
-                results.lock().unwrap().push(result);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        });
-        let after = |what: &str, more: usize| {
-            let from = calls();
-            wait::until(what, WITHIN, || {
-                (calls() >= from + more)
-                    .then_some(())
-                    .ok_or(format!("{} calls", calls()))
-            })
-            .unwrap();
-        };
-        after("calls before the restart", 10);
+    let results = calling_throughout(&front, web_at, host, |calls| {
+        more_calls(calls, "calls before the restart", 10);
         trusted
             .server
             .uninstall::<k8s_openapi::api::core::v1::Secret>()
             .unwrap();
         trusted.agent.restart();
+        // Waiting for the CA, and for nothing else: its mesh translated but held back.
         wait::until("the new agent waiting for the CA", WITHIN, || match trusted
             .agent
             .get("/readyz")
         {
-            Ok((503, body)) if body.contains("the workload CA") => Ok(()),
+            Ok((503, body))
+                if body.contains("the workload CA")
+                    && body.contains("envoy resources")
+                    && !body.contains("provider") =>
+            {
+                Ok(())
+            }
             other => Err(format!("{other:?}")),
         })
         .unwrap_or_else(|e| panic!("{e}\n{}", trusted.agent.log()));
-        after("calls while the CA cannot be read", 50);
+        more_calls(calls, "calls while the CA cannot be read", 50);
         assert_ne!(trusted.agent.get("/readyz").unwrap().0, 200);
         trusted
             .server
@@ -1024,10 +1090,8 @@ fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
             .apply_json(ca_secret(&trusted.chain, &[&trusted.chain]))
             .unwrap();
         trusted.agent.wait_ready().unwrap();
-        after("calls once the CA is read again", 50);
-        stop.store(true, Ordering::Relaxed);
+        more_calls(calls, "calls once the CA is read again", 50);
     });
-    let results = results.into_inner().unwrap();
     let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
     assert!(
         failed.is_empty(),

@@ -722,6 +722,57 @@ mod tests {
         task.await.unwrap();
     }
 
+    /// The node's last mesh answers names while the CA is not known yet, and still reaches no
+    /// proxy once it is; the settled mesh then goes out with the switch as it is.
+    #[tokio::test(start_paused = true)]
+    async fn the_nodes_last_mesh_answers_names_before_the_ca_is_known() {
+        let (mesh, mesh_rx) = mesh::channel();
+        let (_locality, locality_rx) =
+            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
+        let (switch, switch_rx) = watch::channel(None);
+        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
+        let pipeline = pipeline.with_mesh_mtls(switch_rx);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
+        state
+            .upsert(
+                http_service("/shop/web", "10.0.0.1:8080")
+                    .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]),
+            )
+            .unwrap();
+        let mut last = Arc::unwrap_or_clone(state.snapshot());
+        last.provisional = true;
+        mesh.send_replace(Some(Arc::new(last)));
+        out.names.changed().await.unwrap();
+        assert!(out.names.borrow_and_update().is_provisional());
+        switch.send_replace(Some(true));
+        tokio::time::sleep(PERIOD * 3).await;
+        assert!(
+            out.xds.borrow().is_none(),
+            "a proxy was offered the last mesh"
+        );
+        assert_eq!(readiness.pending(), ["dns names", "envoy resources"]);
+
+        mesh.send_replace(Some(state.snapshot()));
+        out.xds.changed().await.unwrap();
+        assert!(out.names.borrow_and_update().is_settled());
+        let xds = out.xds.borrow_and_update().clone().expect("a snapshot");
+        let resource = &xds.of(ResourceType::Cluster)["web.shop.system.internal|8080"];
+        use prost::Message as _;
+        let cluster = envoy_types::pb::envoy::config::cluster::v3::Cluster::decode(
+            resource.body.value.as_slice(),
+        )
+        .unwrap();
+        assert!(
+            cluster.transport_socket.is_some(),
+            "mutual TLS, as the switch says"
+        );
+        assert!(readiness.pending().is_empty());
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
     /// A DNS thread holds the table it answers from until it takes the next one: the pipeline
     /// must hold the replaced one too, or that thread's letting go frees it (milliseconds for
     /// a large mesh, with its socket unread). Freed once the reader lets go.

@@ -96,11 +96,18 @@ pub fn pod_entries(pod: &Pod) -> Vec<PodEntry> {
 /// injector's label says so (it captures by default, and labels every pod it captures), or
 /// the pod's annotation asks for it.
 fn inbound_mode(pod: &Pod, key: &PodKey) -> Option<InboundMode> {
-    let enabled = |map: Option<&std::collections::BTreeMap<String, String>>| {
+    fn said(map: Option<&std::collections::BTreeMap<String, String>>) -> Option<&str> {
         map.and_then(|m| m.get(INBOUND_CAPTURE_ANNOTATION))
-            .is_some_and(|v| v.trim() == "enabled")
-    };
-    if !enabled(pod.metadata.labels.as_ref()) && !enabled(pod.metadata.annotations.as_ref()) {
+            .map(|v| v.trim())
+    }
+    let (labelled, annotated) = (
+        said(pod.metadata.labels.as_ref()),
+        said(pod.metadata.annotations.as_ref()),
+    );
+    // The injector captures no pod whose annotation says `disabled`, whatever its labels.
+    if annotated == Some("disabled")
+        || (labelled != Some("enabled") && annotated != Some("enabled"))
+    {
         return None;
     }
     Some(explicit_mode(pod, key).unwrap_or(InboundMode::Permissive))
@@ -558,6 +565,14 @@ mod tests {
             Some(InboundMode::Strict)
         );
         assert_eq!(labelled(json!({INBOUND_CAPTURE_ANNOTATION: "no"})), None);
+        let opted_out = pod(json!({
+            "metadata": {"namespace": "shop", "name": "web-1",
+                         "labels": {INBOUND_CAPTURE_ANNOTATION: "enabled"},
+                         "annotations": {INBOUND_CAPTURE_ANNOTATION: "disabled"}},
+            "spec": {"containers": []},
+            "status": {"phase": "Running", "podIP": "10.0.0.2"},
+        }));
+        assert_eq!(pod_entries(&opted_out)[0].inbound, None, "opted out");
     }
 
     /// The probes its inbound listener lets through: by number or by the container's port
