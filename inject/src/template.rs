@@ -39,7 +39,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::annotations::{
-    BadAnnotation, INJECT, INJECTED, MESHED_LABEL, Overrides, SERVICE_ACCOUNT, Wish, shown,
+    BadAnnotation, INBOUND_CAPTURE, INJECT, INJECTED, MESHED_LABEL, Overrides, SERVICE_ACCOUNT,
+    Wish, shown,
 };
 use crate::config::InjectConfig;
 
@@ -113,6 +114,9 @@ pub enum NotInjected {
     #[error("not a pod: {0}")]
     NotAPod(String),
 }
+
+/// In [`Record::created`]: the injector wrote the pod's [`INBOUND_CAPTURE`] annotation.
+const CAPTURE_ANNOTATION_CREATED: &str = "annotations.inbound-capture";
 
 /// What [`inject`] records in [`INJECTED`]: the pod's DNS settings before, and the fields it
 /// created (absent before), which [`uninject`] removes again once the mesh's entries go.
@@ -213,6 +217,13 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
             ));
         }
     }
+    // Captured by default: the pod says so itself too, for an agent older than this injector,
+    // which reads only the annotation (and would give the pod no inbound listener). Recorded,
+    // so that uninjecting removes it and never a user's own.
+    let capture_said = meshed.is_some() && !annotations.contains_key(INBOUND_CAPTURE);
+    if capture_said {
+        created.push(CAPTURE_ANNOTATION_CREATED.to_string());
+    }
     let record = Record {
         dns_policy: raw_spec.get("dnsPolicy").cloned(),
         dns_config: raw_spec.get("dnsConfig").cloned(),
@@ -223,6 +234,9 @@ pub fn inject(pod: &Value, namespace: &str, config: &InjectConfig) -> Result<Pat
     ours.insert(INJECTED.to_string(), json!(text));
     if let Some(account) = &meshed {
         ours.insert(SERVICE_ACCOUNT.to_string(), json!(account));
+    }
+    if capture_said {
+        ours.insert(INBOUND_CAPTURE.to_string(), json!("enabled"));
     }
     if !has_metadata {
         let mut metadata = json!({"annotations": ours});
@@ -288,7 +302,11 @@ pub fn uninject(pod: &Value) -> Result<Patch, NotInjected> {
     }
     let annotations = pod["metadata"]["annotations"].as_object();
     let our_account = annotations.is_some_and(|a| a.contains_key(SERVICE_ACCOUNT));
-    let others = annotations.map_or(0, |a| a.len() - 1 - usize::from(our_account));
+    let our_capture = created(CAPTURE_ANNOTATION_CREATED)
+        && annotations.is_some_and(|a| a.contains_key(INBOUND_CAPTURE));
+    let others = annotations.map_or(0, |a| {
+        a.len() - 1 - usize::from(our_account) - usize::from(our_capture)
+    });
     let labels = pod["metadata"]["labels"].as_object();
     let our_label = labels.is_some_and(|l| l.contains_key(MESHED_LABEL));
     let other_labels = labels.map_or(0, |l| l.len() - usize::from(our_label));
@@ -306,6 +324,9 @@ pub fn uninject(pod: &Value) -> Result<Patch, NotInjected> {
         ops.push(remove(&["metadata", "annotations", INJECTED]));
         if our_account {
             ops.push(remove(&["metadata", "annotations", SERVICE_ACCOUNT]));
+        }
+        if our_capture {
+            ops.push(remove(&["metadata", "annotations", INBOUND_CAPTURE]));
         }
     }
     if labels_go {

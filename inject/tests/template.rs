@@ -430,6 +430,11 @@ proptest! {
         let labelled = out["metadata"]["labels"]["lattice.mlab.com/inbound-capture"] == "enabled";
         prop_assert_eq!(labelled, inbound);
         if inbound {
+            // The pod says it is captured, for agents that read only the annotation.
+            prop_assert_eq!(
+                out["metadata"]["annotations"]["lattice.mlab.com/inbound-capture"].as_str(),
+                Some("enabled")
+            );
             let account = pod["spec"]["serviceAccountName"].as_str().unwrap_or("default");
             prop_assert_eq!(
                 out["metadata"]["annotations"]["lattice.mlab.com/service-account"].as_str(),
