@@ -135,7 +135,8 @@ pub struct AgentConfig {
     /// PKCS#8, ca.crt the trust bundle) of the CA that signs workload certificates, as a
     /// cert-manager Certificate with isCA: true writes it. Watched by name (RBAC grants this
     /// Secret alone), held in memory, never written to the node; a version that does not hold
-    /// together is refused and the one before stays in use. Absent: no workload certificates.
+    /// together is refused and the one before stays in use. Absent: no workload certificates,
+    /// and calls to meshed pods are plaintext.
     #[arg(
         long,
         env = "LATTICE_CA_SECRET",

@@ -29,14 +29,12 @@ use lattice_agent::mesh::locality::{ZoneSource, place_name};
 use lattice_agent::mesh::{self, NodeLocality, Provider};
 use lattice_agent::metrics::Metrics;
 use lattice_agent::node_local_address;
-use lattice_agent::readiness::{Readiness, ReadyToken};
+use lattice_agent::readiness::Readiness;
 use lattice_agent::scope::{ScopeRegistry, ScopeStore, ScopedPod};
 use lattice_agent::source::{self, file::FileSource, kube::KubeSourceConfig};
 use lattice_agent::translate::envoy::ExternalDns;
 use lattice_agent::translate::pipeline::Pipeline;
-use lattice_agent::trust::{
-    Authority, AuthorityState, LeafPolicy, NodeSecrets, SecretRef, TrustMetrics,
-};
+use lattice_agent::trust::{Authority, LeafPolicy, NodeSecrets, SecretRef, switch_mesh_mtls};
 use lattice_agent::xds::{
     AdsService, Caps, Limits, ProxyRegistry, RequestBound, XdsLimits, XdsServer,
 };
@@ -410,7 +408,8 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             shutdown.clone(),
         );
         tasks.spawn(async move {
-            switch_mesh_mtls(authority, mesh_mtls_tx, waiting, metrics, token).await;
+            let known = move || drop(waiting);
+            switch_mesh_mtls(authority, mesh_mtls_tx, known, metrics, token).await;
             Ok("mesh mTLS switch")
         });
     }
@@ -718,87 +717,13 @@ impl lattice_dns::LookupObserver for ScopeObserver {
     }
 }
 
-/// How long a CA must have appeared, or have gone, before calls to meshed pods change: long
-/// enough for every agent of the cluster to read the change and give its proxies their leaves
-/// (a callee without its leaf closes mesh mTLS), and for a Secret deleted and created again
-/// (`kubectl replace --force`, a chart reinstalled) to change nothing.
-const MESH_MTLS_HOLD: Duration = Duration::from_secs(10);
-
-/// Turns mesh mTLS on while there is a CA and off while there is none: at once the first time
-/// the CA's Secret is looked up (the agent is not ready before: `waiting`), then once a change
-/// has held for [`MESH_MTLS_HOLD`]. Off, calls to meshed pods are plaintext, which their
-/// inbound listeners take in permissive mode and refuse in strict mode: a cluster without a CA
-/// works as it did before pods were meshed, and a deleted CA is said loudly (its leaves stay
-/// until they end, but no proxy is given one without a CA).
-async fn switch_mesh_mtls(
-    mut authority: watch::Receiver<AuthorityState>,
-    switch: watch::Sender<Option<bool>>,
-    waiting: ReadyToken,
-    metrics: TrustMetrics,
-    shutdown: CancellationToken,
-) {
-    let mut waiting = Some(waiting);
-    let apply = |on: bool| {
-        metrics.set_mesh_mtls(on);
-        switch.send_replace(Some(on));
-        if on {
-            tracing::info!("mesh mTLS on: services of meshed pods are called over mutual TLS");
-        } else {
-            tracing::warn!(
-                "mesh mTLS off: no CA, so services of meshed pods are called in plaintext (permissive pods take it, strict pods refuse it)"
-            );
-        }
-    };
-    // A change that waits out the hold: the state it goes to, and when.
-    let mut pending: Option<(bool, tokio::time::Instant)> = None;
-    loop {
-        let wanted = authority.borrow_and_update().mesh_mtls();
-        let current = *switch.borrow();
-        match (current, wanted) {
-            (_, None) => {}
-            (None, Some(on)) => {
-                waiting.take();
-                apply(on);
-            }
-            (Some(now), Some(on)) if now == on => {
-                if pending.take().is_some() {
-                    tracing::info!(
-                        mesh_mtls = on,
-                        "the CA is back as it was: calls to meshed pods stay as they are"
-                    );
-                }
-            }
-            (Some(_), Some(on)) => {
-                if pending.is_none_or(|(to, _)| to != on) {
-                    pending = Some((on, tokio::time::Instant::now() + MESH_MTLS_HOLD));
-                    tracing::info!(
-                        mesh_mtls = on,
-                        hold_secs = MESH_MTLS_HOLD.as_secs(),
-                        "the CA changed: calls to meshed pods follow if it holds"
-                    );
-                }
-            }
-        }
-        let due = pending.map(|(_, at)| at);
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = authority.changed() => if changed.is_err() { return },
-            () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
-                if let Some((on, _)) = pending.take() {
-                    apply(on);
-                }
-            }
-        }
-    }
-}
-
-/// The mesh file reader's bounds, from the flags.
 /// Whether proxies verified as this node's pods are served workload certificates: only where
 /// pods are checked (Kubernetes and a node name).
 fn serves_secrets(config: &AgentConfig) -> bool {
     config.watches_kubernetes() && config.node_name.is_some()
 }
 
+/// The mesh file reader's bounds, from the flags.
 fn mesh_file_limits(config: &AgentConfig) -> lattice_agent::source::file::Limits {
     lattice_agent::source::file::Limits {
         max_bytes: config.mesh_file_max_mib.saturating_mul(1 << 20),
@@ -815,72 +740,5 @@ mod tests {
     fn the_xds_flags_defaults_are_the_servers() {
         let config = AgentConfig::try_parse_from(["lattice-agent"]).unwrap();
         assert_eq!(xds_limits(&config.xds_limits), XdsLimits::default());
-    }
-
-    /// A self-signed CA's certificate and key, as PEM.
-    fn ca() -> (String, String) {
-        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, KeyUsagePurpose};
-        let mut params = CertificateParams::default();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate().unwrap();
-        (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
-    }
-
-    /// The first lookup of the CA decides at once (and makes the agent ready); a change after
-    /// it takes effect once it has held for the hold, so a Secret deleted and created again
-    /// changes nothing.
-    #[tokio::test(start_paused = true)]
-    async fn mesh_mtls_follows_the_ca_at_once_first_then_once_a_change_holds() {
-        let metrics = Metrics::new();
-        let authority = Authority::new(
-            "cluster.local".into(),
-            Some(SecretRef {
-                namespace: "lattice-system".into(),
-                name: "lattice-ca".into(),
-            }),
-            metrics.trust.clone(),
-        );
-        let readiness = Readiness::new();
-        let (switch, mut rx) = watch::channel(None);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(switch_mesh_mtls(
-            authority.subscribe(),
-            switch,
-            readiness.register("the workload CA"),
-            metrics.trust.clone(),
-            shutdown.clone(),
-        ));
-        let settle = || tokio::time::sleep(Duration::from_millis(1));
-        settle().await;
-        assert_eq!(*rx.borrow_and_update(), None);
-        assert_eq!(readiness.pending(), ["the workload CA"]);
-
-        authority.listed();
-        settle().await;
-        assert_eq!(*rx.borrow_and_update(), Some(false), "at once: no CA");
-        assert!(readiness.pending().is_empty());
-
-        let (crt, key) = ca();
-        authority.seen(crt.as_bytes(), key.as_bytes(), crt.as_bytes());
-        tokio::time::sleep(MESH_MTLS_HOLD - Duration::from_secs(1)).await;
-        assert_eq!(*rx.borrow(), Some(false), "not before the hold");
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(*rx.borrow_and_update(), Some(true), "the CA held");
-
-        authority.gone();
-        tokio::time::sleep(MESH_MTLS_HOLD / 2).await;
-        authority.seen(crt.as_bytes(), key.as_bytes(), crt.as_bytes());
-        tokio::time::sleep(MESH_MTLS_HOLD * 2).await;
-        assert!(
-            !rx.has_changed().unwrap(),
-            "deleted and created again: no change"
-        );
-
-        authority.gone();
-        tokio::time::sleep(MESH_MTLS_HOLD + Duration::from_secs(1)).await;
-        assert_eq!(*rx.borrow_and_update(), Some(false), "gone for good");
-        shutdown.cancel();
-        task.await.unwrap();
     }
 }

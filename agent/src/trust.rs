@@ -15,6 +15,7 @@ mod leaves;
 mod secrets;
 mod signer;
 mod spiffe;
+mod switch;
 
 pub use authority::{Authority, AuthorityState, SecretRef, TrustMetrics, follow_roots};
 pub use issuer::{Issuer, IssuerError, Leaf, LeafPolicy};
@@ -23,3 +24,4 @@ pub use leaves::{LeafError, Leaves};
 pub use secrets::{NodeSecrets, ProxySecrets, SecretsRx, SecretsWatch};
 pub use signer::Signer;
 pub use spiffe::{SpiffeError, SpiffeId, check_trust_domain};
+pub use switch::{MESH_MTLS_HOLD, switch_mesh_mtls};

@@ -436,6 +436,38 @@ fn two_meshed_pods_talk_mutual_tls_with_their_identities_checked() {
     );
 }
 
+/// `front` and `web` (pod objects, web's at `web_ip`), and the Service `default/web` with its
+/// EndpointSlice, whose one endpoint names web's pod.
+fn front_and_web(front: Value, web: Value, web_ip: Ipv4Addr) -> Vec<Value> {
+    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
+    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
+                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
+    vec![
+        front,
+        web,
+        lattice_e2e::k8s_objects::service("default", "web", ports),
+        lattice_e2e::k8s_objects::slice(
+            "default",
+            "web-1",
+            "web",
+            json!([{"name": "http", "port": APP_PORT}]),
+            endpoints,
+        ),
+    ]
+}
+
+/// Every call of [`calling_throughout`] passed; `log` says why when not.
+fn assert_every_call_passed(results: &[Result<String, String>], log: &str) {
+    let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} calls failed, first: {:?}\n{log}",
+        failed.len(),
+        results.len(),
+        failed.first(),
+    );
+}
+
 /// A pod as the injector admits it with inbound capture: the label the agents' metadata-only
 /// watch selects, and its service account beside it (`labelled: false`: not yet meshed).
 fn meshed_pod(name: &str, account: &str, ip: Ipv4Addr, labelled: bool) -> Value {
@@ -454,21 +486,11 @@ fn meshed_pod(name: &str, account: &str, ip: Ipv4Addr, labelled: bool) -> Value 
 #[test]
 fn a_kubernetes_service_of_meshed_pods_is_called_over_mutual_tls() {
     let (front_ip, web_ip) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 3));
-    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
-    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
-                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
-    let objects = vec![
+    let objects = front_and_web(
         pod("front", "front", front_ip, json!({})),
         meshed_pod("web", "web", web_ip, false),
-        lattice_e2e::k8s_objects::service("default", "web", ports),
-        lattice_e2e::k8s_objects::slice(
-            "default",
-            "web-1",
-            "web",
-            json!([{"name": "http", "port": APP_PORT}]),
-            endpoints,
-        ),
-    ];
+        web_ip,
+    );
     let trusted = TrustedNode::start("mtlskube", objects, None).unwrap();
     let (server, agent) = (&trusted.server, &trusted.agent);
     let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
@@ -862,21 +884,7 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         web_pod["metadata"]["labels"]["lattice.mlab.com/inbound-capture"],
         "enabled"
     );
-    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
-    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
-                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
-    let objects = vec![
-        front_pod,
-        web_pod,
-        lattice_e2e::k8s_objects::service("default", "web", ports),
-        lattice_e2e::k8s_objects::slice(
-            "default",
-            "web-1",
-            "web",
-            json!([{"name": "http", "port": APP_PORT}]),
-            endpoints,
-        ),
-    ];
+    let objects = front_and_web(front_pod, web_pod, web_ip);
     let trusted = TrustedNode::start_without_ca("bydefault", objects).unwrap();
     let (server, agent, chain) = (&trusted.server, &trusted.agent, &trusted.chain);
     let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
@@ -956,15 +964,7 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         assert_eq!(mesh_mtls(), json!(false));
         more_calls(calls, "calls in plaintext", 10);
     });
-    let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(
-        failed.is_empty(),
-        "{} of {} calls failed, first: {:?}\n{}",
-        failed.len(),
-        results.len(),
-        failed.first(),
-        agent.log()
-    );
+    assert_every_call_passed(&results, &agent.log());
     assert!(app.stats.served() >= served + results.len() as u64);
 }
 
@@ -1027,21 +1027,7 @@ fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
     let strict = json!({"lattice.mlab.com/mtls-mode": "strict"});
     let (front_pod, _) = injected_by_default(&pod("front", "front", front_ip, json!({})));
     let (web_pod, _) = injected_by_default(&pod("web", "web", web_ip, strict));
-    let ports = json!([{"name": "http", "port": APP_PORT, "appProtocol": "http"}]);
-    let endpoints = json!([{"addresses": [web_ip.to_string()], "conditions": {"ready": true},
-                            "targetRef": {"kind": "Pod", "namespace": "default", "name": "web"}}]);
-    let objects = vec![
-        front_pod,
-        web_pod,
-        lattice_e2e::k8s_objects::service("default", "web", ports),
-        lattice_e2e::k8s_objects::slice(
-            "default",
-            "web-1",
-            "web",
-            json!([{"name": "http", "port": APP_PORT}]),
-            endpoints,
-        ),
-    ];
+    let objects = front_and_web(front_pod, web_pod, web_ip);
     let mut trusted = TrustedNode::start("restartca", objects, None).unwrap();
     let web = trusted.pod("web", 3, &["--inbound-capture"]).unwrap();
     let _app = Server::http(&web.pod, "web", APP_PORT).unwrap();
@@ -1092,15 +1078,7 @@ fn a_restarted_agent_never_calls_a_strict_pod_in_plaintext() {
         trusted.agent.wait_ready().unwrap();
         more_calls(calls, "calls once the CA is read again", 50);
     });
-    let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(
-        failed.is_empty(),
-        "{} of {} calls failed, first: {:?}\n{}",
-        failed.len(),
-        results.len(),
-        failed.first(),
-        trusted.agent.log()
-    );
+    assert_every_call_passed(&results, &trusted.agent.log());
     let log = web.envoy_log();
     assert!(
         !log.lines()

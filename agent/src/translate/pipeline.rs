@@ -668,20 +668,29 @@ mod tests {
         task.await.unwrap();
     }
 
-    /// Until the agent knows whether it has a CA, nothing settled goes out (plaintext clusters
-    /// for a meshed service would be taken back a moment later); then a meshed service's
-    /// clusters follow the switch both ways, without a mesh change, and the switch's sender
-    /// going away does not stop the pipeline.
-    #[tokio::test(start_paused = true)]
-    async fn calls_to_meshed_services_wait_for_the_ca_and_follow_it_both_ways() {
+    /// A running pipeline whose mTLS switch is not known yet, and the mesh state it is fed
+    /// from, holding `/shop/web`, whose endpoint presents an identity.
+    struct Switched {
+        mesh: MeshTx,
+        switch: watch::Sender<Option<bool>>,
+        out: Published,
+        readiness: Readiness,
+        state: MeshState,
+        shutdown: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    fn switched() -> Switched {
         let (mesh, mesh_rx) = mesh::channel();
-        let (_locality, locality_rx) =
+        let (locality, locality_rx) =
             watch::channel(Some(NodeLocality::without_zone(None, "a test")));
         let (switch, switch_rx) = watch::channel(None);
-        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
+        let (pipeline, out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
         let pipeline = pipeline.with_mesh_mtls(switch_rx);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(pipeline.run(shutdown.clone()));
+        // The locality stays known (its sender going means that).
+        drop(locality);
         let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
         state
             .upsert(
@@ -689,35 +698,63 @@ mod tests {
                     .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]),
             )
             .unwrap();
+        Switched {
+            mesh,
+            switch,
+            out,
+            readiness,
+            state,
+            shutdown,
+            task,
+        }
+    }
+
+    /// Whether `/shop/web`'s cluster, as last published, is called over mutual TLS.
+    fn web_is_mtls(out: &mut Published) -> bool {
+        use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+        use prost::Message as _;
+        let xds = out.xds.borrow_and_update();
+        let xds = xds.as_ref().expect("a snapshot");
+        let resource = &xds.of(ResourceType::Cluster)["web.shop.system.internal|8080"];
+        Cluster::decode(resource.body.value.as_slice())
+            .unwrap()
+            .transport_socket
+            .is_some()
+    }
+
+    /// Until the agent knows whether it has a CA, nothing settled goes out (plaintext clusters
+    /// for a meshed service would be taken back a moment later); then a meshed service's
+    /// clusters follow the switch both ways, without a mesh change, and the switch's sender
+    /// going away does not stop the pipeline.
+    #[tokio::test(start_paused = true)]
+    async fn calls_to_meshed_services_wait_for_the_ca_and_follow_it_both_ways() {
+        let Switched {
+            mesh,
+            switch,
+            mut out,
+            readiness,
+            mut state,
+            shutdown,
+            task,
+        } = switched();
         mesh.send_replace(Some(state.snapshot()));
         tokio::time::sleep(PERIOD * 3).await;
         assert!(out.xds.borrow().is_none(), "settled before the CA was read");
         assert!(readiness.pending().contains(&"envoy resources".to_string()));
-        let tls = |out: &mut Published| -> bool {
-            use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-            use prost::Message as _;
-            let xds = out.xds.borrow_and_update();
-            let xds = xds.as_ref().expect("a snapshot");
-            let resource = &xds.of(ResourceType::Cluster)["web.shop.system.internal|8080"];
-            Cluster::decode(resource.body.value.as_slice())
-                .unwrap()
-                .transport_socket
-                .is_some()
-        };
         switch.send_replace(Some(true));
         out.xds.changed().await.unwrap();
-        assert!(tls(&mut out), "a CA: mutual TLS");
+        assert!(web_is_mtls(&mut out), "a CA: mutual TLS");
         switch.send_replace(Some(false));
         out.xds.changed().await.unwrap();
-        assert!(!tls(&mut out), "no CA any more: plaintext");
+        assert!(!web_is_mtls(&mut out), "no CA any more: plaintext");
         switch.send_replace(Some(true));
         out.xds.changed().await.unwrap();
-        assert!(tls(&mut out), "a CA again");
+        assert!(web_is_mtls(&mut out), "a CA again");
         drop(switch);
         let version = publish(&mut state, &mesh, "10.0.0.2:8080");
         out.xds.changed().await.unwrap();
         assert_eq!(out.xds.borrow().as_ref().map(|x| x.version), Some(version));
-        assert!(tls(&mut out));
+        assert!(web_is_mtls(&mut out));
         shutdown.cancel();
         task.await.unwrap();
     }
@@ -726,21 +763,15 @@ mod tests {
     /// proxy once it is; the settled mesh then goes out with the switch as it is.
     #[tokio::test(start_paused = true)]
     async fn the_nodes_last_mesh_answers_names_before_the_ca_is_known() {
-        let (mesh, mesh_rx) = mesh::channel();
-        let (_locality, locality_rx) =
-            watch::channel(Some(NodeLocality::without_zone(None, "a test")));
-        let (switch, switch_rx) = watch::channel(None);
-        let (pipeline, mut out, readiness) = pipeline(mesh_rx, locality_rx, PERIOD);
-        let pipeline = pipeline.with_mesh_mtls(switch_rx);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(pipeline.run(shutdown.clone()));
-        let mut state = MeshState::new("240.240.0.0/16".parse().unwrap());
-        state
-            .upsert(
-                http_service("/shop/web", "10.0.0.1:8080")
-                    .with_identities(vec![Arc::from("spiffe://cluster.local/ns/shop/sa/web")]),
-            )
-            .unwrap();
+        let Switched {
+            mesh,
+            switch,
+            mut out,
+            readiness,
+            mut state,
+            shutdown,
+            task,
+        } = switched();
         let mut last = Arc::unwrap_or_clone(state.snapshot());
         last.provisional = true;
         mesh.send_replace(Some(Arc::new(last)));
@@ -757,17 +788,7 @@ mod tests {
         mesh.send_replace(Some(state.snapshot()));
         out.xds.changed().await.unwrap();
         assert!(out.names.borrow_and_update().is_settled());
-        let xds = out.xds.borrow_and_update().clone().expect("a snapshot");
-        let resource = &xds.of(ResourceType::Cluster)["web.shop.system.internal|8080"];
-        use prost::Message as _;
-        let cluster = envoy_types::pb::envoy::config::cluster::v3::Cluster::decode(
-            resource.body.value.as_slice(),
-        )
-        .unwrap();
-        assert!(
-            cluster.transport_socket.is_some(),
-            "mutual TLS, as the switch says"
-        );
+        assert!(web_is_mtls(&mut out), "mutual TLS, as the switch says");
         assert!(readiness.pending().is_empty());
         shutdown.cancel();
         task.await.unwrap();

@@ -371,7 +371,7 @@ pub async fn follow_roots(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use prometheus_client::registry::Registry;
     use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, KeyUsagePurpose};
 
@@ -389,7 +389,7 @@ mod tests {
     }
 
     /// A self-signed CA's certificate and PKCS#8 key, as PEM.
-    fn ca() -> (String, String) {
+    pub(in crate::trust) fn ca() -> (String, String) {
         let mut params = CertificateParams::default();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
