@@ -235,24 +235,33 @@ impl EnvoyTranslator {
         }
         // The clusters and assignments of every added or changed service, built first: on
         // every core when there are many (the first snapshot builds 10k services' worth).
+        // So are their parts (listener chains, virtual hosts), which a changed shape, routing
+        // rules or clients call for: made serially, they were most of a 50k-service first
+        // translation's one-core tail while the other core idled.
         let (dns, node, mtls) = (&self.dns, &self.node, self.mesh_mtls);
         let built = parallel::map_on_every_core(&changes, |change| match change {
-            DiffItem::Add(_, service) => Some(Built::of(service, true, dns, node, mtls)),
+            DiffItem::Add(_, service) => (
+                Some(Built::of(service, true, dns, node, mtls)),
+                Some(parts_of(service, mesh)),
+            ),
             DiffItem::Update {
                 old: (_, old),
                 new: (_, new),
             } => {
                 let same_shape = old.same_shape(new);
-                (!same_shape || !old.same_endpoints(new))
-                    .then(|| Built::of(new, !same_shape, dns, node, mtls))
+                let built = (!same_shape || !old.same_endpoints(new))
+                    .then(|| Built::of(new, !same_shape, dns, node, mtls));
+                let parts = (!same_shape || old.routes != new.routes || old.clients != new.clients)
+                    .then(|| parts_of(new, mesh));
+                (built, parts)
             }
-            DiffItem::Remove(..) => None,
+            DiffItem::Remove(..) => (None, None),
         });
-        for (change, built) in changes.into_iter().zip(built) {
+        for (change, (built, parts)) in changes.into_iter().zip(built) {
             match change {
                 DiffItem::Add(_, service) => {
                     self.put_built(built);
-                    self.insert_parts(service, mesh);
+                    self.insert_parts(service, parts);
                 }
                 DiffItem::Update {
                     old: (_, old),
@@ -266,9 +275,7 @@ impl EnvoyTranslator {
                     if old.routes != new.routes {
                         rerouted.extend(new.ports.iter().map(|p| Arc::from(route_name(p.port))));
                     }
-                    if !same_shape || old.routes != new.routes || old.clients != new.clients {
-                        self.insert_parts(new, mesh);
-                    }
+                    self.insert_parts(new, parts);
                 }
                 DiffItem::Remove(_, service) => {
                     self.remove(service);
@@ -341,22 +348,16 @@ impl EnvoyTranslator {
     }
 
     /// Records what `service` adds to the listener and the route configurations, and its
-    /// clusters (named as the cluster map names them, sharing those strings).
-    fn insert_parts(&mut self, service: &Service, mesh: &MeshSnapshot) {
+    /// clusters, from `parts` (`None`: its parts stand as they are), named as the cluster map
+    /// names them, sharing those strings.
+    fn insert_parts(&mut self, service: &Service, parts: Option<ServiceParts>) {
+        let Some(mut parts) = parts else { return };
         let clusters = &self.resources[ResourceType::Cluster.index()];
-        let parts = ServiceParts {
-            clusters: cluster_names(service)
-                .map(|name| {
-                    clusters
-                        .get_key_value(name.as_str())
-                        .map_or_else(|| Arc::from(name.as_str()), |(key, _)| key.clone())
-                })
-                .collect(),
-            chains: chains_for(service, mesh.trap.shared()),
-            virtual_hosts: routes::virtual_hosts(service),
-            backends: backends_of(service),
-            clients: service.clients.clone(),
-        };
+        for name in &mut parts.clusters {
+            if let Some((key, _)) = clusters.get_key_value(&**name) {
+                *name = key.clone();
+            }
+        }
         self.parts
             .insert(Arc::from(service.dns_name.as_str()), parts);
     }
@@ -390,6 +391,19 @@ impl EnvoyTranslator {
             self.resources[ResourceType::Cluster.index()].remove(name.as_str());
             self.resources[ResourceType::Endpoint.index()].remove(name.as_str());
         }
+    }
+}
+
+/// A service's parts, but for the cluster names' keys (see `EnvoyTranslator::insert_parts`).
+fn parts_of(service: &Service, mesh: &MeshSnapshot) -> ServiceParts {
+    ServiceParts {
+        clusters: cluster_names(service)
+            .map(|name| Arc::from(name.as_str()))
+            .collect(),
+        chains: chains_for(service, mesh.trap.shared()),
+        virtual_hosts: routes::virtual_hosts(service),
+        backends: backends_of(service),
+        clients: service.clients.clone(),
     }
 }
 
