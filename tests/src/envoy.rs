@@ -96,10 +96,13 @@ fn move_static(
 }
 
 /// How every test Envoy runs: no hot-restart shared memory (several Envoys on one machine),
-/// one worker thread (two cores for everything), and a replaced listener's connections
-/// drained as the injector's sidecars drain them.
-pub const ARGS: [&str; 9] = [
+/// one worker thread (two cores for everything), a replaced listener's connections drained
+/// as the injector's sidecars drain them, and access log lines written within 200 ms (Envoy
+/// buffers them for 10 s by default, half of what most tests wait for one).
+pub const ARGS: [&str; 11] = [
     "--disable-hot-restart",
+    "--file-flush-interval-msec",
+    "200",
     "--log-level",
     "info",
     "--concurrency",
