@@ -317,7 +317,7 @@ mod tests {
     ) -> DeltaRequest {
         DeltaRequest {
             type_url: type_url.to_string(),
-            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            resource_names_subscribe: subscribe.iter().collect(),
             resource_names_unsubscribe: unsubscribe.iter().map(|s| s.to_string()).collect(),
             response_nonce: nonce.to_string(),
             ..DeltaRequest::default()

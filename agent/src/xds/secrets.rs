@@ -93,7 +93,7 @@ mod tests {
     fn delta(subscribe: &[&str], nonce: &str) -> DeltaRequest {
         DeltaRequest {
             type_url: SDS.to_string(),
-            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            resource_names_subscribe: subscribe.iter().collect(),
             response_nonce: nonce.to_string(),
             ..DeltaRequest::default()
         }

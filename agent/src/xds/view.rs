@@ -250,7 +250,7 @@ mod tests {
     fn delta(type_url: &str, subscribe: &[&str], nonce: &str) -> DeltaRequest {
         DeltaRequest {
             type_url: type_url.to_string(),
-            resource_names_subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            resource_names_subscribe: subscribe.iter().collect(),
             response_nonce: nonce.to_string(),
             ..DeltaRequest::default()
         }

@@ -243,6 +243,75 @@ mod tests {
         assert!(DeltaRequest::decode(&bytes[..bytes.len() - 3]).is_err());
     }
 
+    /// Held versions in the form Envoy writes them are read a run at a time; an entry in any
+    /// other form (its version left out, its fields reversed or repeated, another field, a
+    /// name of 128 bytes or more) is read as the generated type reads it, whatever the split,
+    /// and a bad one amid a run is rejected as it is alone.
+    #[test]
+    fn held_versions_read_alike_whatever_their_form_and_split() {
+        use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
+        fn field(tag: u8, bytes: &[u8]) -> Vec<u8> {
+            let mut out = vec![(tag << 3) | 2];
+            prost::encoding::encode_varint(bytes.len() as u64, &mut out);
+            out.extend_from_slice(bytes);
+            out
+        }
+        let entry = |parts: &[(u8, &str)]| {
+            let inner: Vec<u8> = parts
+                .iter()
+                .flat_map(|(tag, text)| field(*tag, text.as_bytes()))
+                .collect();
+            field(5, &inner)
+        };
+        let long = "l".repeat(130);
+        let mut bytes = field(2, b"type.googleapis.com/envoy.config.cluster.v3.Cluster");
+        for part in [
+            entry(&[(1, "a"), (2, "1")]),
+            entry(&[(1, "b"), (2, "2")]),
+            entry(&[(1, "no-version")]),
+            entry(&[(2, "3"), (1, "reversed")]),
+            entry(&[(1, "c"), (2, "4")]),
+            entry(&[(1, "twice"), (2, "5"), (2, "6")]),
+            entry(&[(1, "other"), (3, "x"), (2, "7")]),
+            entry(&[(1, &long), (2, "8")]),
+            entry(&[(1, "ü"), (2, "9")]),
+            entry(&[(1, "a"), (2, "10")]),
+            field(6, b"nonce"),
+            entry(&[(1, "after"), (2, "11")]),
+        ] {
+            bytes.extend(part);
+        }
+        let generated = DeltaDiscoveryRequest::decode(bytes.as_slice()).unwrap();
+        assert_eq!(generated.initial_resource_versions.len(), 10);
+        assert_eq!(generated.initial_resource_versions["a"], "10");
+        assert_eq!(generated.initial_resource_versions["twice"], "6");
+        let expected: HashMap<&str, &str> = generated
+            .initial_resource_versions
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        let whole = DeltaRequest::decode(bytes.as_slice()).unwrap();
+        assert_eq!(
+            whole.initial_resource_versions.len(),
+            11,
+            "a is listed twice"
+        );
+        for chained in every_split(&bytes) {
+            let ours = DeltaRequest::decode(chained).unwrap();
+            let versions: HashMap<&str, &str> = ours.initial_resource_versions.iter().collect();
+            assert_eq!(versions, expected);
+            assert_eq!(ours.response_nonce, "nonce");
+            assert_eq!(ours, whole);
+        }
+        // The version of "c" (amid a run) made invalid UTF-8.
+        let at = bytes.windows(3).position(|w| w == b"c\x12\x01").unwrap() + 3;
+        bytes[at] = 0xff;
+        assert!(DeltaDiscoveryRequest::decode(bytes.as_slice()).is_err());
+        for chained in every_split(&bytes) {
+            assert!(DeltaRequest::decode(chained).is_err());
+        }
+    }
+
     #[test]
     fn decodes_across_buffer_chunks() {
         // tonic hands the decoder a buffer of several chunks: a name may straddle two.

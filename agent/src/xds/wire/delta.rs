@@ -2,7 +2,9 @@
 //! reconnecting client names every resource it holds with its version (20k at 10k services, per
 //! stream); the generated type decodes them into a SipHash `HashMap` of `String` pairs grown
 //! entry by entry, which a profile of the agent's restart showed among the Delta streams'
-//! largest costs (docs/benchmarks.md, "Delta reconnects read packed").
+//! largest costs (docs/benchmarks.md, "Agent restart"). Its subscriptions are
+//! kept as a state-of-the-world request's names are ([`NameList`]), and both lists are read a
+//! run of entries at a time where they lie whole in the buffer's current chunk.
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::ResourceLocator;
@@ -14,7 +16,14 @@ use prost::encoding::{
     skip_field, string,
 };
 
+use super::names::NameList;
 use crate::xds::proto::{encode_string, string_len};
+
+/// Field 5 (`initial_resource_versions`), length-delimited: the key of each entry.
+const VERSION_KEY: u8 = (5 << 3) | 2;
+/// A map entry's key (1) and value (2), length-delimited: the name and its version.
+const ENTRY_NAME_KEY: u8 = (1 << 3) | 2;
+const ENTRY_VERSION_KEY: u8 = (2 << 3) | 2;
 
 /// An ADS `DeltaDiscoveryRequest` (envoy.service.discovery.v3) with `initial_resource_versions`
 /// packed.
@@ -25,7 +34,7 @@ pub struct DeltaRequest {
     /// Field 2.
     pub type_url: String,
     /// Field 3, packed.
-    pub resource_names_subscribe: PackedNames,
+    pub resource_names_subscribe: NameList,
     /// Field 4.
     pub resource_names_unsubscribe: Vec<String>,
     /// Field 5, a map.
@@ -34,93 +43,6 @@ pub struct DeltaRequest {
     pub response_nonce: String,
     /// Field 7.
     pub error_detail: Option<Status>,
-}
-
-/// Names in one buffer, in the order received. A whole-mesh proxy's first endpoint request
-/// subscribes to every cluster (50k names at 50k services): decoded as the generated type
-/// does, a `String` each, allocated and freed once per name.
-#[derive(Clone, Debug, Default)]
-pub struct PackedNames {
-    text: String,
-    /// Per name, the end offset of it in `text`.
-    ends: Vec<u32>,
-    /// Reused for each name while decoding.
-    scratch: String,
-}
-
-impl PackedNames {
-    pub fn len(&self) -> usize {
-        self.ends.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
-    }
-
-    /// The names, in the order received.
-    pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
-        let mut start = 0;
-        self.ends.iter().map(move |&end| {
-            let name = &self.text[start..end as usize];
-            start = end as usize;
-            name
-        })
-    }
-
-    pub fn push(&mut self, name: &str) {
-        // One gRPC message is bounded far below 4 GiB by its size limit.
-        self.text.push_str(name);
-        self.ends
-            .push(u32::try_from(self.text.len()).unwrap_or(u32::MAX));
-    }
-
-    /// Reads one name of the field, as prost reads a repeated string's element.
-    fn merge(
-        &mut self,
-        wire_type: WireType,
-        buf: &mut impl Buf,
-        ctx: DecodeContext,
-    ) -> Result<(), DecodeError> {
-        let mut name = std::mem::take(&mut self.scratch);
-        name.clear();
-        let merged = string::merge(wire_type, &mut name, buf, ctx);
-        if merged.is_ok() {
-            self.push(&name);
-        }
-        self.scratch = name;
-        merged
-    }
-
-    fn encode(&self, tag: u32, buf: &mut impl BufMut) {
-        // Every element, empty or not, as prost writes a repeated string.
-        for name in self.iter() {
-            encode_key(tag, WireType::LengthDelimited, buf);
-            encode_varint(name.len() as u64, buf);
-            buf.put_slice(name.as_bytes());
-        }
-    }
-
-    fn encoded_len(&self, tag: u32) -> usize {
-        self.iter()
-            .map(|name| key_len(tag) + encoded_len_varint(name.len() as u64) + name.len())
-            .sum()
-    }
-}
-
-impl PartialEq for PackedNames {
-    fn eq(&self, other: &Self) -> bool {
-        self.text == other.text && self.ends == other.ends
-    }
-}
-
-impl<S: AsRef<str>> FromIterator<S> for PackedNames {
-    fn from_iter<I: IntoIterator<Item = S>>(names: I) -> Self {
-        let mut list = PackedNames::default();
-        for name in names {
-            list.push(name.as_ref());
-        }
-        list
-    }
 }
 
 /// Names and their versions in one buffer, in the order received. A name given twice is
@@ -173,6 +95,78 @@ impl VersionList {
         self.text.push_str(version);
         self.ends.push((name_end, end(&self.text)));
     }
+
+    /// Reads one entry of field 5, whose key was just read (as length-delimited whatever wire
+    /// type the key says, as prost reads a map entry: its generated decoder does not check
+    /// it), and the run of entries after it that lie whole in `buf`'s current chunk. An entry
+    /// as Envoy and prost write it (its name, then its version, nothing else) is read in place;
+    /// any other (a field left out or repeated, another field, one across chunks, bad UTF-8)
+    /// through prost's map-entry decoding, with its bounds and errors. At 50k services the
+    /// entries read one by one through prost, each copied twice, were half of the agent's CPU
+    /// while a hundred whole-mesh proxies reconnected (docs/benchmarks.md, "The 50k restart").
+    fn merge(&mut self, buf: &mut impl Buf, ctx: DecodeContext) -> Result<(), DecodeError> {
+        if self.read_run(buf) {
+            return Ok(());
+        }
+        let mut entry = std::mem::take(&mut self.scratch);
+        // A field an entry leaves out is empty, not the previous entry's.
+        prost::Message::clear(&mut entry);
+        let merged = message::merge(WireType::LengthDelimited, &mut entry, buf, ctx);
+        if merged.is_ok() {
+            self.push(&entry.name, &entry.version);
+        }
+        self.scratch = entry;
+        merged
+    }
+
+    /// The entries read in place by [`VersionList::merge`]: whether it read any. It stops
+    /// before the first entry that is not whole in the chunk or not in the plain form, and
+    /// after the last one of the run (the next field's key is not field 5's).
+    fn read_run(&mut self, buf: &mut impl Buf) -> bool {
+        let chunk = buf.chunk();
+        let (mut at, mut read) = (0, 0);
+        while let Some((name, version, end)) = plain_entry(chunk, at) {
+            self.push(name, version);
+            read = end;
+            if chunk.get(end) != Some(&VERSION_KEY) {
+                break;
+            }
+            at = end + 1;
+        }
+        buf.advance(read);
+        read > 0
+    }
+}
+
+/// The entry whose length is at `at` in `chunk`: its name, its version and where it ends,
+/// when it lies whole in `chunk` as its name (field 1) then its version (field 2), each once
+/// and valid UTF-8, and nothing else.
+fn plain_entry(chunk: &[u8], at: usize) -> Option<(&str, &str, usize)> {
+    let (entry, end) = delimited(chunk, at)?;
+    if entry.first() != Some(&ENTRY_NAME_KEY) {
+        return None;
+    }
+    let (name, name_end) = delimited(entry, 1)?;
+    if entry.get(name_end) != Some(&ENTRY_VERSION_KEY) {
+        return None;
+    }
+    let (version, version_end) = delimited(entry, name_end + 1)?;
+    if version_end != entry.len() {
+        return None;
+    }
+    let text = |bytes| std::str::from_utf8(bytes).ok();
+    Some((text(name)?, text(version)?, end))
+}
+
+/// The length-delimited bytes whose length (a varint, read as prost reads it) is at `at` in
+/// `bytes`, and where they end, when they lie whole in `bytes`.
+fn delimited(bytes: &[u8], at: usize) -> Option<(&[u8], usize)> {
+    let mut rest = bytes.get(at..)?;
+    let before = rest.len();
+    let len = usize::try_from(prost::encoding::decode_varint(&mut rest).ok()?).ok()?;
+    let start = at + before - rest.len();
+    let end = start.checked_add(len)?;
+    Some((bytes.get(start..end)?, end))
 }
 
 impl PartialEq for VersionList {
@@ -201,7 +195,7 @@ impl prost::Message for DeltaRequest {
             message::encode(1, node, buf);
         }
         encode_string(2, &self.type_url, buf);
-        self.resource_names_subscribe.encode(3, buf);
+        self.resource_names_subscribe.encode(buf);
         string::encode_repeated(4, &self.resource_names_unsubscribe, buf);
         for (name, version) in self.initial_resource_versions.iter() {
             // A map entry is a message of its key (1) and value (2).
@@ -233,21 +227,7 @@ impl prost::Message for DeltaRequest {
             2 => string::merge(wire_type, &mut self.type_url, buf, ctx),
             3 => self.resource_names_subscribe.merge(wire_type, buf, ctx),
             4 => string::merge_repeated(wire_type, &mut self.resource_names_unsubscribe, buf, ctx),
-            5 => {
-                let list = &mut self.initial_resource_versions;
-                let mut entry = std::mem::take(&mut list.scratch);
-                // A field an entry leaves out is empty, not the previous entry's.
-                prost::Message::clear(&mut entry);
-                // Read as length-delimited whatever wire type the key says, as prost reads a
-                // map entry (its generated decoder does not check it).
-                let _ = wire_type;
-                let merged = message::merge(WireType::LengthDelimited, &mut entry, buf, ctx);
-                if merged.is_ok() {
-                    list.push(&entry.name, &entry.version);
-                }
-                list.scratch = entry;
-                merged
-            }
+            5 => self.initial_resource_versions.merge(buf, ctx),
             6 => string::merge(wire_type, &mut self.response_nonce, buf, ctx),
             7 => message::merge(
                 wire_type,
@@ -273,7 +253,7 @@ impl prost::Message for DeltaRequest {
             .sum();
         self.node.as_ref().map_or(0, |n| message::encoded_len(1, n))
             + string_len(2, &self.type_url)
-            + self.resource_names_subscribe.encoded_len(3)
+            + self.resource_names_subscribe.encoded_len()
             + string::encoded_len_repeated(4, &self.resource_names_unsubscribe)
             + versions
             + string_len(6, &self.response_nonce)

@@ -58,24 +58,7 @@ impl prost::Message for SotwRequest {
                 buf,
                 ctx,
             ),
-            3 => {
-                // Envoy writes its names one after another, and most lie whole in the buffer's
-                // current chunk: read the run of them in place, validated as UTF-8 and copied
-                // into the list at once (docs/benchmarks.md, "SotW ACKs read a run of names at
-                // a time").
-                if wire_type == WireType::LengthDelimited && self.resource_names.read_run(buf) {
-                    return Ok(());
-                }
-                // Else (a name across chunks, one of 128 bytes or more, or a bad one) prost's
-                // own string decoding (bounds, UTF-8, its errors) into a reused buffer.
-                let mut scratch = std::mem::take(&mut self.resource_names.scratch);
-                let merged = string::merge(wire_type, &mut scratch, buf, ctx);
-                if merged.is_ok() {
-                    self.resource_names.push(&scratch);
-                }
-                self.resource_names.scratch = scratch;
-                merged
-            }
+            3 => self.resource_names.merge(wire_type, buf, ctx),
             4 => string::merge(wire_type, &mut self.type_url, buf, ctx),
             5 => string::merge(wire_type, &mut self.response_nonce, buf, ctx),
             6 => message::merge(
