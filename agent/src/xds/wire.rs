@@ -245,7 +245,7 @@ mod tests {
 
     /// Held versions in the form Envoy writes them are read a run at a time; an entry in any
     /// other form (its version left out, its fields reversed or repeated, another field, a
-    /// name of 128 bytes or more) is read as the generated type reads it, whatever the split,
+    /// name or an entry of 128 bytes or more) is read as the generated type reads it, whatever the split,
     /// and a bad one amid a run is rejected as it is alone.
     #[test]
     fn held_versions_read_alike_whatever_their_form_and_split() {
@@ -263,7 +263,7 @@ mod tests {
                 .collect();
             field(5, &inner)
         };
-        let long = "l".repeat(130);
+        let (long, entry_long) = ("l".repeat(130), "e".repeat(110));
         let mut bytes = field(2, b"type.googleapis.com/envoy.config.cluster.v3.Cluster");
         for part in [
             entry(&[(1, "a"), (2, "1")]),
@@ -274,6 +274,7 @@ mod tests {
             entry(&[(1, "twice"), (2, "5"), (2, "6")]),
             entry(&[(1, "other"), (3, "x"), (2, "7")]),
             entry(&[(1, &long), (2, "8")]),
+            entry(&[(1, &entry_long), (2, "0123456789abcdef")]),
             entry(&[(1, "ü"), (2, "9")]),
             entry(&[(1, "a"), (2, "10")]),
             field(6, b"nonce"),
@@ -282,7 +283,7 @@ mod tests {
             bytes.extend(part);
         }
         let generated = DeltaDiscoveryRequest::decode(bytes.as_slice()).unwrap();
-        assert_eq!(generated.initial_resource_versions.len(), 10);
+        assert_eq!(generated.initial_resource_versions.len(), 11);
         assert_eq!(generated.initial_resource_versions["a"], "10");
         assert_eq!(generated.initial_resource_versions["twice"], "6");
         let expected: HashMap<&str, &str> = generated
@@ -293,7 +294,7 @@ mod tests {
         let whole = DeltaRequest::decode(bytes.as_slice()).unwrap();
         assert_eq!(
             whole.initial_resource_versions.len(),
-            11,
+            12,
             "a is listed twice"
         );
         for chained in every_split(&bytes) {

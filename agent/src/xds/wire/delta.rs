@@ -108,6 +108,12 @@ impl VersionList {
         if self.read_run(buf) {
             return Ok(());
         }
+        // One entry with a length of two bytes or more (a name of about 100 bytes or more).
+        if let Some((name, version, end)) = plain_entry(buf.chunk(), 0) {
+            self.push(name, version);
+            buf.advance(end);
+            return Ok(());
+        }
         let mut entry = std::mem::take(&mut self.scratch);
         // A field an entry leaves out is empty, not the previous entry's.
         prost::Message::clear(&mut entry);
@@ -119,23 +125,83 @@ impl VersionList {
         merged
     }
 
-    /// The entries read in place by [`VersionList::merge`]: whether it read any. It stops
-    /// before the first entry that is not whole in the chunk or not in the plain form, and
-    /// after the last one of the run (the next field's key is not field 5's).
+    /// The entries read in place by [`VersionList::merge`]: whether it read any. The run
+    /// stops before the first entry that is not whole in the chunk, not in the plain form, or
+    /// with a length of two bytes or more, and after the last entry of the field (the next
+    /// key is not field 5's). Every key and one-byte length is an ASCII byte, a whole
+    /// character, so the run is checked as UTF-8 at once, as a run of SotW names is (see
+    /// [`NameList`]): its names and versions start and end on character boundaries.
     fn read_run(&mut self, buf: &mut impl Buf) -> bool {
         let chunk = buf.chunk();
-        let (mut at, mut read) = (0, 0);
-        while let Some((name, version, end)) = plain_entry(chunk, at) {
-            self.push(name, version);
-            read = end;
-            if chunk.get(end) != Some(&VERSION_KEY) {
-                break;
+        // Where the run of entries within the first `limit` bytes ends (0: no entry).
+        let run = |limit: usize| {
+            let (mut at, mut last) = (0, 0);
+            while let Some(entry) = short_entry(chunk, at, limit) {
+                last = entry.end;
+                if chunk.get(last) != Some(&VERSION_KEY) {
+                    break;
+                }
+                at = last + 1;
             }
-            at = end + 1;
+            last
+        };
+        let mut last = run(chunk.len());
+        let text = match std::str::from_utf8(&chunk[..last]) {
+            Ok(text) => text,
+            // Up to the entry before the first invalid byte: the bad one is left to prost,
+            // which rejects it.
+            Err(error) => {
+                last = run(error.valid_up_to());
+                match std::str::from_utf8(&chunk[..last]) {
+                    Ok(text) => text,
+                    Err(_) => return false,
+                }
+            }
+        };
+        let mut at = 0;
+        while let Some(entry) = short_entry(chunk, at, last) {
+            // Slices of `text` at ASCII bytes, so at character boundaries.
+            let (Some(name), Some(version)) = (text.get(entry.name), text.get(entry.version))
+            else {
+                break;
+            };
+            self.push(name, version);
+            at = entry.end + 1;
         }
-        buf.advance(read);
-        read > 0
+        buf.advance(last);
+        last > 0
     }
+}
+
+/// Where an entry of the short, plain form lies: its name and version, and its end.
+struct ShortEntry {
+    name: std::ops::Range<usize>,
+    version: std::ops::Range<usize>,
+    end: usize,
+}
+
+/// The entry whose length is the byte at `at` in `chunk`, when it ends within `limit`, as its
+/// name (field 1) then its version (field 2) and nothing else, with every length under 128
+/// (one byte). Its text is not checked here.
+fn short_entry(chunk: &[u8], at: usize, limit: usize) -> Option<ShortEntry> {
+    let short = |at: usize| {
+        chunk
+            .get(at)
+            .filter(|&&len| len < 0x80)
+            .map(|&len| usize::from(len))
+    };
+    let end = at + 1 + short(at)?;
+    let name_key = at + 1;
+    if end > limit || chunk.get(name_key) != Some(&ENTRY_NAME_KEY) {
+        return None;
+    }
+    let name = name_key + 2..name_key + 2 + short(name_key + 1)?;
+    let version_key = name.end;
+    if chunk.get(version_key) != Some(&ENTRY_VERSION_KEY) {
+        return None;
+    }
+    let version = version_key + 2..version_key + 2 + short(version_key + 1)?;
+    (version.end == end).then_some(ShortEntry { name, version, end })
 }
 
 /// The entry whose length is at `at` in `chunk`: its name, its version and where it ends,
