@@ -507,10 +507,7 @@ fn a_kubernetes_service_of_meshed_pods_is_called_over_mutual_tls() {
         let before = app.stats.served();
         wait::until(&format!("a {chain} call from front"), WITHIN, || {
             let body = front.curl(&url)?;
-            let log = web.envoy_log();
-            let taken = log.get(from.0..).unwrap_or_default().lines().any(|l| {
-                l.contains(&format!("[lattice-inbound] {chain} ")) && l.contains("from=10.200.0.2")
-            });
+            let taken = front_taken_since(&web, from.0, chain);
             if body.trim() == "web" && taken {
                 Ok(())
             } else {
@@ -535,6 +532,15 @@ fn a_kubernetes_service_of_meshed_pods_is_called_over_mutual_tls() {
         mesh.contains("spiffe://cluster.local/ns/default/sa/web"),
         "/debug/mesh shows the Service's identities: {mesh}"
     );
+}
+
+/// Whether web's Envoy took a call of front's (10.200.0.2) as `chain` after the first `from`
+/// bytes of its log.
+fn front_taken_since(web: &ClientPod, from: usize, chain: &str) -> bool {
+    let log = web.envoy_log();
+    log.get(from..).unwrap_or_default().lines().any(|l| {
+        l.contains(&format!("[lattice-inbound] {chain} ")) && l.contains("from=10.200.0.2")
+    })
 }
 
 /// Why front's calls are not yet what a test waits for, shortest first (a CI summary keeps a
@@ -952,17 +958,9 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         assert_eq!(identity["mesh_mtls"] == json!(true), gauge == 1.0);
         identity["mesh_mtls"].clone()
     };
-    // Whether web's Envoy took a call of front's as `chain` after the first `from` bytes of
-    // its log.
-    let front_calls_since = |from: usize, chain: &str| {
-        let log = web.envoy_log();
-        log.get(from..).unwrap_or_default().lines().any(|l| {
-            l.contains(&format!("[lattice-inbound] {chain} ")) && l.contains("from=10.200.0.2")
-        })
-    };
     let taken_as = |from: usize, chain: &str, within: Duration| {
         wait::until(&format!("a {chain} call from front"), within, || {
-            front_calls_since(from, chain)
+            front_taken_since(&web, from, chain)
                 .then_some(())
                 .ok_or_else(|| "not yet".to_string())
         })
@@ -1005,7 +1003,11 @@ fn pods_captured_by_default_talk_plaintext_without_a_ca_and_mutual_tls_with_one(
         .unwrap();
         server.apply_json(ca_secret(chain, &[chain])).unwrap();
         more_calls(calls, "calls through the hold", HOLD_CALLS);
-        assert!(!front_calls_since(mark, "plaintext"), "{}", web.envoy_log());
+        assert!(
+            !front_taken_since(&web, mark, "plaintext"),
+            "{}",
+            web.envoy_log()
+        );
         assert_eq!(mesh_mtls(), json!(true));
 
         // Deleted for good: once that has held, plaintext again, which web takes.
