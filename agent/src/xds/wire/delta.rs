@@ -99,19 +99,14 @@ impl VersionList {
     /// Reads one entry of field 5, whose key was just read (as length-delimited whatever wire
     /// type the key says, as prost reads a map entry: its generated decoder does not check
     /// it), and the run of entries after it that lie whole in `buf`'s current chunk. An entry
-    /// as Envoy and prost write it (its name, then its version, nothing else) is read in place;
-    /// any other (a field left out or repeated, another field, one across chunks, bad UTF-8)
-    /// through prost's map-entry decoding, with its bounds and errors. At 50k services the
+    /// as Envoy and prost write it (its name, then its version, nothing else, each length one
+    /// byte) is read in place; any other (a field left out or repeated, another field, a name
+    /// of about 100 bytes or more, one across chunks, bad UTF-8) through prost's map-entry
+    /// decoding, with its bounds and errors. At 50k services the
     /// entries read one by one through prost, each copied twice, were half of the agent's CPU
     /// while a hundred whole-mesh proxies reconnected (docs/benchmarks.md, "The 50k restart").
     fn merge(&mut self, buf: &mut impl Buf, ctx: DecodeContext) -> Result<(), DecodeError> {
         if self.read_run(buf) {
-            return Ok(());
-        }
-        // One entry with a length of two bytes or more (a name of about 100 bytes or more).
-        if let Some((name, version, end)) = plain_entry(buf.chunk(), 0) {
-            self.push(name, version);
-            buf.advance(end);
             return Ok(());
         }
         let mut entry = std::mem::take(&mut self.scratch);
@@ -202,37 +197,6 @@ fn short_entry(chunk: &[u8], at: usize, limit: usize) -> Option<ShortEntry> {
     }
     let version = version_key + 2..version_key + 2 + short(version_key + 1)?;
     (version.end == end).then_some(ShortEntry { name, version, end })
-}
-
-/// The entry whose length is at `at` in `chunk`: its name, its version and where it ends,
-/// when it lies whole in `chunk` as its name (field 1) then its version (field 2), each once
-/// and valid UTF-8, and nothing else.
-fn plain_entry(chunk: &[u8], at: usize) -> Option<(&str, &str, usize)> {
-    let (entry, end) = delimited(chunk, at)?;
-    if entry.first() != Some(&ENTRY_NAME_KEY) {
-        return None;
-    }
-    let (name, name_end) = delimited(entry, 1)?;
-    if entry.get(name_end) != Some(&ENTRY_VERSION_KEY) {
-        return None;
-    }
-    let (version, version_end) = delimited(entry, name_end + 1)?;
-    if version_end != entry.len() {
-        return None;
-    }
-    let text = |bytes| std::str::from_utf8(bytes).ok();
-    Some((text(name)?, text(version)?, end))
-}
-
-/// The length-delimited bytes whose length (a varint, read as prost reads it) is at `at` in
-/// `bytes`, and where they end, when they lie whole in `bytes`.
-fn delimited(bytes: &[u8], at: usize) -> Option<(&[u8], usize)> {
-    let mut rest = bytes.get(at..)?;
-    let before = rest.len();
-    let len = usize::try_from(prost::encoding::decode_varint(&mut rest).ok()?).ok()?;
-    let start = at + before - rest.len();
-    let end = start.checked_add(len)?;
-    Some((bytes.get(start..end)?, end))
 }
 
 impl PartialEq for VersionList {
