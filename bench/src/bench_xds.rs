@@ -32,6 +32,7 @@ pub fn run(smoke: bool) -> anyhow::Result<serde_json::Value> {
         ("LATTICE_BENCH_SCOPE", "5", "20"),
         ("LATTICE_BENCH_DNS_LOOKUPS", "3", "10"),
         ("LATTICE_BENCH_SCOPED", "1", "1"),
+        ("LATTICE_BENCH_RESTARTS", "1", "3"),
     ];
     let envs = crate::scale_test::sizes(smoke, &sizes);
     let mut report = SCALE.run(smoke, envs)?;
@@ -134,6 +135,7 @@ fn print_table(report: &serde_json::Value) {
         "services",
         "clients",
         "ms",
+        "runs ms",
         "ready ms",
         "delta B",
         "delta max B",
@@ -146,6 +148,7 @@ fn print_table(report: &serde_json::Value) {
             r["services"].to_string(),
             r["clients"].to_string(),
             ms(&restart["consistent_ms"]),
+            run_range(&restart["runs"]),
             ms(&restart["agent_ready_ms"]),
             ms(&restart["bytes_per_delta_client"]),
             ms(&restart["bytes_per_delta_client_max"]),
@@ -161,6 +164,22 @@ fn print_table(report: &serde_json::Value) {
         }
     }
     print_scoped(report);
+}
+
+/// The least and the most `consistent_ms` of a restart's runs (the row shows the median).
+fn run_range(runs: &serde_json::Value) -> String {
+    let times: Vec<f64> = runs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|run| run["consistent_ms"].as_f64())
+        .collect();
+    let least = times.iter().copied().reduce(f64::min);
+    let most = times.iter().copied().reduce(f64::max);
+    match least.zip(most) {
+        Some((least, most)) => format!("{least:.0}–{most:.0}"),
+        None => "-".into(),
+    }
 }
 
 /// The scoped run beside the unscoped full run of the same source and size.
