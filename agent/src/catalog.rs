@@ -144,7 +144,8 @@ impl Catalog {
             mut record,
             last_mesh,
         } = self;
-        let thread = match BulkThread::spawn("lattice-merge") {
+        // At normal policy until the first settled snapshot: the agent's start waits on it.
+        let thread = match BulkThread::spawn_urgent("lattice-merge") {
             Ok(thread) => thread,
             Err(error) => {
                 tracing::error!(%error, "the catalog cannot merge");
@@ -152,20 +153,22 @@ impl Catalog {
             }
         };
         let mut merger = Some(merger);
+        let mut settled = false;
         // The node's last mesh is read beside the providers' first lists, on a thread of its
         // own, and taken in only if it comes before every provider's first view: it never
         // delays them. Not at all when every provider has already reported (mesh files alone,
         // read before the catalog starts).
         let reported = feeds.iter().all(|feed| feed.borrow().view.is_some());
-        let reader = last_mesh.filter(|_| !reported).and_then(|file| {
-            match BulkThread::spawn("lattice-last-mesh") {
-                Ok(thread) => Some((thread, file)),
-                Err(error) => {
-                    tracing::warn!(%error, "the node's last mesh cannot be read");
-                    None
+        let reader =
+            last_mesh.filter(|_| !reported).and_then(|file| {
+                match BulkThread::spawn_urgent("lattice-last-mesh") {
+                    Ok(thread) => Some((thread, file)),
+                    Err(error) => {
+                        tracing::warn!(%error, "the node's last mesh cannot be read");
+                        None
+                    }
                 }
-            }
-        });
+            });
         let mut reading = reader
             .as_ref()
             .zip(merger.as_ref())
@@ -255,6 +258,9 @@ impl Catalog {
                 // Before anyone can resolve a new address: a restart must give it back.
                 if let Some(record) = &mut record {
                     record.save(back.address_book()).await;
+                }
+                if !snapshot.provisional && !std::mem::replace(&mut settled, true) {
+                    thread.settle();
                 }
                 mesh.send_replace(Some(snapshot));
             }

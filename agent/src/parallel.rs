@@ -4,7 +4,8 @@
 //! large mesh file), and [`Retiring`] for what a translation replaced, freed there too. The
 //! runtime's worker threads and the DNS threads serve; work that holds one for 100 ms (a
 //! 10k-service translation) delays every query queued behind it, so none runs there, and the
-//! bulk threads run at `SCHED_IDLE` ([`yield_to_serving`]).
+//! bulk threads run at `SCHED_IDLE` ([`yield_to_serving`]), those the agent's start waits on
+//! from when it first serves ([`BulkThread::spawn_urgent`]).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, mpsc};
@@ -96,12 +97,28 @@ pub enum BulkThreadError {
 }
 
 impl BulkThread {
+    /// A bulk thread at `SCHED_IDLE` from its start.
     pub fn spawn(name: &str) -> Result<BulkThread, BulkThreadError> {
+        Self::spawn_at(name, true)
+    }
+
+    /// A bulk thread that starts at normal policy, for work the agent's start waits on: an
+    /// agent that serves nothing yet has no query to yield to but those its node's last mesh
+    /// answers, and its first snapshot is what every reconnecting proxy waits for. At
+    /// `SCHED_IDLE` the first lists' decoding and the proxies' reconnect requests, at normal
+    /// policy, left it only what they did not use. [`BulkThread::settle`] lowers it for good.
+    pub fn spawn_urgent(name: &str) -> Result<BulkThread, BulkThreadError> {
+        Self::spawn_at(name, false)
+    }
+
+    fn spawn_at(name: &str, idle: bool) -> Result<BulkThread, BulkThreadError> {
         let (jobs, queue) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                yield_to_serving();
+                if idle {
+                    yield_to_serving();
+                }
                 for job in queue {
                     job();
                 }
@@ -111,6 +128,12 @@ impl BulkThread {
                 source,
             })?;
         Ok(BulkThread { jobs })
+    }
+
+    /// Puts the thread at `SCHED_IDLE` after the jobs before it, for good (a thread cannot
+    /// raise its own policy back without privilege): once the agent serves.
+    pub fn settle(&self) {
+        let _ = self.jobs.send(Box::new(yield_to_serving));
     }
 
     /// Drops `value` on the thread, after the jobs before it, without waiting: for large
@@ -228,6 +251,26 @@ mod tests {
             idle,
             "the awaiting thread's own policy was changed"
         );
+    }
+
+    /// An urgent bulk thread, and the threads it splits work across, run at normal policy
+    /// until it is settled, and at `SCHED_IDLE` from then on.
+    #[tokio::test]
+    async fn an_urgent_bulk_thread_yields_once_settled() {
+        use thread_priority::unix::{
+            NormalThreadSchedulePolicy, ThreadSchedulePolicy, thread_schedule_policy,
+        };
+        let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+        let policies = || {
+            let items: Vec<usize> = (0..2 * PARALLEL_FROM).collect();
+            map_on_every_core(&items, |_| thread_schedule_policy().unwrap())
+        };
+        let thread = BulkThread::spawn_urgent("test-urgent").unwrap();
+        let before = thread.run(policies).await.unwrap();
+        assert!(before.iter().all(|policy| *policy != idle), "{before:?}");
+        thread.settle();
+        let after = thread.run(policies).await.unwrap();
+        assert!(after.iter().all(|policy| *policy == idle), "{after:?}");
     }
 
     #[tokio::test]

@@ -130,21 +130,57 @@ fn hostile_files_are_refused_and_the_last_good_mesh_serves() {
     wait_for_service(&agent, "better");
 }
 
-/// The agent's thread named `name`: its CPU time (user and system ticks).
-fn thread_ticks(pid: u32, name: &str) -> Option<u64> {
+/// Field `n` (numbered from 1, as in proc(5)) of the `stat` of the agent's thread named `name`.
+fn thread_stat(pid: u32, name: &str, n: usize) -> Option<u64> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
         let task = task.ok()?.path();
         let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
-        if comm.trim() != name {
+        // The kernel keeps a thread's name to 15 bytes.
+        if comm.trim() != &name[..name.len().min(15)] {
             continue;
         }
         let stat = std::fs::read_to_string(task.join("stat")).ok()?;
-        // Fields after the command's closing parenthesis; utime and stime are 14th and 15th.
+        // Fields after the command's closing parenthesis, the second, start at the third.
         let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let ticks = |i: usize| fields.get(i - 3)?.parse::<u64>().ok();
-        return Some(ticks(14)? + ticks(15)?);
+        return fields.get(n.checked_sub(3)?)?.parse().ok();
     }
     None
+}
+
+/// The agent's thread named `name`: its CPU time (user and system ticks).
+fn thread_ticks(pid: u32, name: &str) -> Option<u64> {
+    Some(thread_stat(pid, name, 14)? + thread_stat(pid, name, 15)?)
+}
+
+/// Once the agent serves, the threads its start waited on (merging, translating) run at
+/// `SCHED_IDLE`, behind the threads that serve DNS and xDS: a later translation must not
+/// delay a query.
+#[test]
+fn once_the_agent_serves_its_bulk_threads_yield_to_serving() {
+    /// `SCHED_IDLE` in `stat`'s `policy` field (the 41st).
+    const SCHED_IDLE: u64 = 5;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mesh.yaml");
+    std::fs::write(&path, mesh("idle")).unwrap();
+    let agent = agent(&path, &[]);
+    let pid = agent.pid().unwrap();
+    wait::until(
+        "the merging and translating threads at SCHED_IDLE",
+        Duration::from_secs(10),
+        || {
+            let policies = ["lattice-merge", "lattice-translate"]
+                .map(|name| (name, thread_stat(pid, name, 41)));
+            if policies
+                .iter()
+                .all(|(_, policy)| *policy == Some(SCHED_IDLE))
+            {
+                Ok(())
+            } else {
+                Err(format!("{policies:?}"))
+            }
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
 }
 
 #[test]

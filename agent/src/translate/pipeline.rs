@@ -132,7 +132,9 @@ impl Pipeline {
     }
 
     pub async fn run(mut self, shutdown: CancellationToken) {
-        let thread = match BulkThread::spawn("lattice-translate") {
+        // At normal policy until the first settled snapshot is out: until then every proxy
+        // waits for it, and DNS answers from the node's last mesh at most.
+        let thread = match BulkThread::spawn_urgent("lattice-translate") {
             Ok(thread) => thread,
             Err(error) => {
                 tracing::error!(%error, "the translators cannot run");
@@ -246,7 +248,9 @@ impl Pipeline {
             if let Some(xds) = self.xds.send_replace(Some(Arc::new(translated.xds))) {
                 replaced.xds.retire(xds);
             }
-            self.xds_ready.take();
+            if self.xds_ready.take().is_some() {
+                thread.settle();
+            }
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
             self.mesh_metrics.observe(&mesh);
