@@ -25,7 +25,7 @@ use super::stream::NameMap;
 /// During a first sync the client receives the snapshot's resources in name order, a budget's
 /// worth per response: it then holds the first part of a map, up to a name (`held`), which
 /// grows response by response ([`ClientView::extend`]) instead of a map of its own growing by a
-/// name at a time (docs/benchmarks.md, "The first sync's per-stream maps").
+/// name at a time (docs/benchmarks.md, "Agent memory").
 #[derive(Debug, Default)]
 pub(super) struct ClientView {
     base: ResourceMap,

@@ -149,7 +149,7 @@ pub(super) type NameMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 /// endpoints and routes, sent by change): the rest follows after the ACK. This paces a large
 /// first sync and bounds the memory in flight; 1 MiB measured best for SotW, whose ACKs repeat
 /// the whole subscription, and costs Delta no memory since the streams of a sync share their
-/// large responses' bytes (docs/benchmarks.md, "SotW responses of 1 MiB").
+/// large responses' bytes (docs/benchmarks.md, "The initial sync on two cores").
 pub(super) const RESPONSE_BUDGET: usize = 1 << 20;
 
 /// How one type of the snapshot differs from what the client holds: what a push must say.
