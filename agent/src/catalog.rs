@@ -153,7 +153,6 @@ impl Catalog {
             }
         };
         let mut merger = Some(merger);
-        let mut settled = false;
         // The node's last mesh is read beside the providers' first lists, on a thread of its
         // own, and taken in only if it comes before every provider's first view: it never
         // delays them. Not at all when every provider has already reported (mesh files alone,
@@ -259,7 +258,7 @@ impl Catalog {
                 if let Some(record) = &mut record {
                     record.save(back.address_book()).await;
                 }
-                if !snapshot.provisional && !std::mem::replace(&mut settled, true) {
+                if !snapshot.provisional {
                     thread.settle();
                 }
                 mesh.send_replace(Some(snapshot));

@@ -8,6 +8,7 @@
 //! from when it first serves ([`BulkThread::spawn_urgent`]).
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 
 /// Below this many items one thread does it all: spawning threads costs more than it saves.
@@ -82,6 +83,8 @@ type Job = Box<dyn FnOnce() + Send>;
 /// queue is empty.
 pub struct BulkThread {
     jobs: mpsc::Sender<Job>,
+    /// Whether the thread is (or has been asked to go) at `SCHED_IDLE`.
+    settled: AtomicBool,
 }
 
 /// The bulk thread is gone: it could not be started, or it ended.
@@ -127,13 +130,19 @@ impl BulkThread {
                 name: name.to_string(),
                 source,
             })?;
-        Ok(BulkThread { jobs })
+        Ok(BulkThread {
+            jobs,
+            settled: AtomicBool::new(idle),
+        })
     }
 
     /// Puts the thread at `SCHED_IDLE` after the jobs before it, for good (a thread cannot
-    /// raise its own policy back without privilege): once the agent serves.
+    /// raise its own policy back without privilege): once the agent serves. Only the first
+    /// call does anything, so a caller may call it on every snapshot.
     pub fn settle(&self) {
-        let _ = self.jobs.send(Box::new(yield_to_serving));
+        if !self.settled.swap(true, Ordering::Relaxed) {
+            let _ = self.jobs.send(Box::new(yield_to_serving));
+        }
     }
 
     /// Drops `value` on the thread, after the jobs before it, without waiting: for large

@@ -77,9 +77,9 @@
 //! (50: the share of clients on SotW, the rest on Delta), `LATTICE_BENCH_SCOPE` (20),
 //! `LATTICE_BENCH_DNS_LOOKUPS` (10), `LATTICE_BENCH_RESTARTS` (3: restarts, the median
 //! reported); `LATTICE_BENCH_RESTART_LOG` (a path: each restarted agent's log is written
-//! there, the run's number appended: `PATH.1`, `PATH.2`…); `LATTICE_BENCH_SOURCES` (`kube,file`) chooses the
-//! sources, `LATTICE_BENCH_ENVOY` (`delta`) Envoy's ADS flavour: `delta`, `sotw`, or `none`
-//! for no Envoy; `LATTICE_BENCH_SCOPED` (`1`) the scoped run.
+//! there, the run's number appended: `PATH.1`, `PATH.2`…); `LATTICE_BENCH_SOURCES`
+//! (`kube,file`) chooses the sources, `LATTICE_BENCH_ENVOY` (`delta`) Envoy's ADS flavour:
+//! `delta`, `sotw`, or `none` for no Envoy; `LATTICE_BENCH_SCOPED` (`1`) the scoped run.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

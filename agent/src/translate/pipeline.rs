@@ -248,9 +248,8 @@ impl Pipeline {
             if let Some(xds) = self.xds.send_replace(Some(Arc::new(translated.xds))) {
                 replaced.xds.retire(xds);
             }
-            if self.xds_ready.take().is_some() {
-                thread.settle();
-            }
+            self.xds_ready.take();
+            thread.settle();
             last_push = Some(tokio::time::Instant::now());
             self.metrics.serving(mesh.version);
             self.mesh_metrics.observe(&mesh);
