@@ -353,7 +353,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     });
     let admin_state = AdminState {
         mesh: mesh_rx.clone(),
-        catalog: catalog_status,
+        catalog: catalog_status.clone(),
         node: locality_rx.clone(),
         metrics: metrics.clone(),
         proxies: proxies.clone(),
@@ -506,14 +506,15 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         Ok("catalog")
     });
     if let Some(dir) = &config.state_dir {
-        let (file, mesh, metrics, token) = (
+        let (file, mesh, status, metrics, token) = (
             LastMeshFile::in_dir(dir),
             mesh_rx.clone(),
+            catalog_status.clone(),
             metrics.mesh.clone(),
             shutdown.clone(),
         );
         tasks.spawn(async move {
-            file.keep(mesh, metrics, token).await;
+            file.keep(mesh, status, metrics, token).await;
             Ok("the node's last mesh")
         });
     }

@@ -1211,3 +1211,65 @@ fn a_restarted_agent_answers_the_nodes_last_mesh_until_the_api_server_answers() 
     assert_eq!(agent.dig_a(web), before.0);
     assert!(agent.mesh().unwrap().get("provisional").is_none());
 }
+
+/// A restart that changed nothing leaves the node's last mesh as it was: its first settled
+/// mesh is the one read back, so the file is found current rather than written again. A
+/// change after that is written as before.
+#[test]
+fn a_restart_that_changed_nothing_leaves_the_nodes_last_mesh_alone() {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let mut cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
+    let last_mesh = state.path().join("mesh.json");
+    let holds = |agent: &Agent| agent.metric("lattice_mesh_last_mesh_version");
+    wait::until("the node's last mesh written", RECOVER, || {
+        (holds(&cluster.agent) > 0.0)
+            .then_some(())
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .unwrap();
+
+    // The API server away until the file is read back, so the restarted agent takes it in
+    // before the lists come.
+    cluster.server.stop();
+    cluster.agent.restart();
+    let written = std::fs::metadata(&last_mesh)
+        .and_then(|m| m.modified())
+        .unwrap();
+    let agent = &cluster.agent;
+    wait::until("the last mesh read back", RECOVER, || {
+        let mesh = agent.mesh().map_err(|e| e.to_string())?;
+        (mesh["last_mesh"]["restored"] == json!(2))
+            .then_some(())
+            .ok_or(mesh.to_string())
+    })
+    .unwrap();
+    cluster.server.restart().unwrap();
+    agent.wait_ready().unwrap();
+    wait::until("the file found current", RECOVER, || {
+        (holds(agent) > 0.0)
+            .then_some(())
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .unwrap();
+    let now = std::fs::metadata(&last_mesh)
+        .and_then(|m| m.modified())
+        .unwrap();
+    assert_eq!(now, written, "the unchanged mesh was written again");
+
+    cluster
+        .server
+        .apply_json(service(
+            "shop",
+            "new",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+    wait::until("the change written", RECOVER, || {
+        let text = std::fs::read_to_string(&last_mesh).unwrap_or_default();
+        text.contains("/shop/new").then_some(()).ok_or(text)
+    })
+    .unwrap();
+}

@@ -83,7 +83,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use lattice_e2e::ads_client::{AdsClient, ClientView, EDS, Options, RDS};
@@ -724,8 +724,7 @@ async fn run(
         (Some(a), Some(b)) if changes > 0 => Some((b - a) / changes as f64 * 1e3),
         _ => None,
     };
-    let state = feed.dir.path().join("state");
-    let mut restart = restarts(&mut agent, &mut fleet, &modes, services, &state).await;
+    let mut restart = restarts(&mut agent, &mut fleet, &modes, services).await;
     if matches!(feed.sink, Sink::Kube(_)) {
         restart["api_server_away"] =
             crash_with_the_api_server_away(&mut agent, feed.server()).await;
@@ -792,17 +791,11 @@ async fn restarts(
     fleet: &mut [AdsClient],
     modes: &[AdsMode],
     services: usize,
-    state: &Path,
 ) -> Value {
     let count = env_or("LATTICE_BENCH_RESTARTS", 3).max(1);
     let mut runs = Vec::with_capacity(count);
-    // The first restart waits for the file written after the changes; each next one, for
-    // the file the agent it restarted wrote once it had its settled mesh.
-    let mut since = std::time::SystemTime::now();
     for run in 1..=count {
-        let (figures, killed) = restart(agent, fleet, modes, services, state, since, run).await;
-        runs.push(figures);
-        since = killed;
+        runs.push(restart(agent, fleet, modes, services, run).await);
     }
     let figures: Vec<Value> = runs
         .iter()
@@ -836,19 +829,16 @@ async fn restart(
     fleet: &mut [AdsClient],
     modes: &[AdsMode],
     services: usize,
-    state: &Path,
-    written_since: std::time::SystemTime,
     run: usize,
-) -> (Value, std::time::SystemTime) {
+) -> Value {
     // A crash of an agent that has run a while: its node's last mesh is on disk. Written at
     // most every 5 s on a thread that yields to every other, it may not be yet right after a
     // large sync on a busy machine; then the figure would be that of a node's first start.
-    let last_mesh_wait = wait_for_last_mesh(state, written_since).await;
+    let last_mesh_wait = wait_for_last_mesh(agent.admin).await;
     let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
     // This process's CPU meanwhile: its 100 clients rebuild and send what they hold on the
     // two cores the agent starts on.
     let harness_before = cpu_seconds(std::process::id());
-    let killed_at = std::time::SystemTime::now();
     let killed = Instant::now();
     agent.restart();
     let pid = agent.pid();
@@ -921,18 +911,30 @@ async fn restart(
         "bytes_per_delta_client_max": delta.iter().copied().reduce(f64::max),
         "bytes_per_sotw_client": mean(&sotw),
     });
-    (figures, killed_at)
+    figures
 }
 
-/// Waits until the node's last mesh (`mesh.json` in `state`) is written after `since`, so
-/// that it holds the mesh as the changes left it; how long that took, or `None` when it was
-/// not within a minute (the restart then goes ahead without it).
-async fn wait_for_last_mesh(state: &Path, since: std::time::SystemTime) -> Option<Duration> {
+/// Waits until the agent says the node's last mesh holds the mesh it serves (written, or
+/// found to hold it already after a restart), so that it holds the mesh as the changes left
+/// it; how long that took, or `None` when it was not within a minute (the restart then goes
+/// ahead without it).
+async fn wait_for_last_mesh(admin: SocketAddr) -> Option<Duration> {
     let started = Instant::now();
-    let file = state.join("mesh.json");
     while started.elapsed() < Duration::from_secs(60) {
-        let written = std::fs::metadata(&file).and_then(|m| m.modified());
-        if written.is_ok_and(|at| at >= since) {
+        let current = tokio::task::spawn_blocking(move || {
+            let (_, text) = http_get(admin, "/metrics").ok()?;
+            let value = |name: &str| -> Option<f64> {
+                text.lines()
+                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            let held = value("lattice_mesh_last_mesh_version")?;
+            Some(held > 0.0 && Some(held) == value("lattice_xds_snapshot_version"))
+        })
+        .await;
+        if matches!(current, Ok(Some(true))) {
             return Some(started.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

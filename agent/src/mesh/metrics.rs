@@ -17,6 +17,7 @@ pub struct MeshMetrics {
     stale_providers: Gauge,
     address_record_write_failures: Counter,
     last_mesh_write_failures: Counter,
+    last_mesh_version: Gauge,
 }
 
 impl MeshMetrics {
@@ -69,6 +70,12 @@ impl MeshMetrics {
             "Writes of the node's last mesh (--state-dir) that failed; the agent's log says why",
             metrics.last_mesh_write_failures.clone(),
         );
+        mesh.register(
+            "last_mesh_version",
+            "Version of the mesh snapshot the node's last mesh (--state-dir) holds: written, or \
+             found to hold it already; 0 until then",
+            metrics.last_mesh_version.clone(),
+        );
         metrics
     }
 
@@ -80,6 +87,12 @@ impl MeshMetrics {
     /// Counts a failed write of the node's last mesh.
     pub fn last_mesh_write_failed(&self) {
         self.last_mesh_write_failures.inc();
+    }
+
+    /// The node's last mesh holds the snapshot of `version`.
+    pub fn last_mesh_holds(&self, version: u64) {
+        self.last_mesh_version
+            .set(i64::try_from(version).unwrap_or(i64::MAX));
     }
 
     /// Records what the catalog reports: paths in conflict and stale providers.
