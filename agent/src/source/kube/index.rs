@@ -35,12 +35,16 @@ pub struct Ownership {
     pub grants_from: String,
 }
 
+/// Keyed by what the API server names: a fast hash, randomly seeded (SipHash, in
+/// applying a 50k-service list: about 6% of it).
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 #[derive(Debug)]
 pub struct MeshIndex {
-    services: HashMap<ObjectKey, ServiceEntry>,
-    slices: HashMap<ObjectKey, SliceEntry>,
+    services: Map<ObjectKey, ServiceEntry>,
+    slices: Map<ObjectKey, SliceEntry>,
     /// Service → names of its slices (same namespace).
-    slices_of: HashMap<ObjectKey, BTreeSet<String>>,
+    slices_of: Map<ObjectKey, BTreeSet<String>>,
     claims: HashMap<MeshPath, BTreeSet<Claim>>,
     ownership: Ownership,
     /// Services whose path their namespace may not claim, and why.
@@ -55,6 +59,11 @@ pub struct MeshIndex {
     /// What was refused of the routes at the last snapshot, to log changes once.
     rejected: Vec<RejectedRoute>,
     mesh: MeshState,
+    /// Paths to recompute in the mesh at the next snapshot, each once, in the order they were
+    /// first touched: a list touches each Service twice, once for itself and once for its
+    /// slices (about 0.1 s of CPU at 50k services when each touch recomputed).
+    stale: Vec<MeshPath>,
+    stale_set: HashSet<MeshPath, foldhash::fast::RandomState>,
     changed: bool,
     /// The pods that take mesh mTLS, when the agent serves certificates: a Service all of
     /// whose endpoints are such pods is called over mTLS.
@@ -66,9 +75,9 @@ pub struct MeshIndex {
 impl MeshIndex {
     pub fn new(trap: TrapCidrs, ownership: Ownership) -> Self {
         MeshIndex {
-            services: HashMap::new(),
-            slices: HashMap::new(),
-            slices_of: HashMap::new(),
+            services: Map::default(),
+            slices: Map::default(),
+            slices_of: Map::default(),
             claims: HashMap::new(),
             ownership,
             refused: BTreeMap::new(),
@@ -78,6 +87,8 @@ impl MeshIndex {
             routes: RouteIndex::default(),
             rejected: Vec::new(),
             mesh: MeshState::new(trap),
+            stale: Vec::new(),
+            stale_set: HashSet::default(),
             changed: true,
             meshed: None,
             authorizations: AuthorizationIndex::default(),
@@ -336,6 +347,7 @@ impl MeshIndex {
         self.refresh_meshed();
         self.update_rejections();
         self.update_refused_paths();
+        self.recompute_stale();
         if !self.changed {
             return None;
         }
@@ -541,8 +553,23 @@ impl MeshIndex {
         }
     }
 
-    /// Recomputes the one Service that holds `path` (or removes the path) in the mesh.
+    /// Marks `path` for [`Self::recompute`] at the next snapshot.
     fn refresh(&mut self, path: &MeshPath) {
+        if self.stale_set.insert(path.clone()) {
+            self.stale.push(path.clone());
+        }
+    }
+
+    fn recompute_stale(&mut self) {
+        let stale = std::mem::take(&mut self.stale);
+        self.stale_set.clear();
+        for path in &stale {
+            self.recompute(path);
+        }
+    }
+
+    /// Recomputes the one Service that holds `path` (or removes the path) in the mesh.
+    fn recompute(&mut self, path: &MeshPath) {
         let owner = self
             .claims
             .get(path)
