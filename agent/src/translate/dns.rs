@@ -10,7 +10,11 @@ use lattice_dns::{MeshRecord, NameTable, SrvRecord};
 use crate::mesh::{MeshSnapshot, Service};
 
 pub fn name_table(mesh: &MeshSnapshot) -> NameTable {
-    NameTable::from_records(mesh.services.values().flat_map(|s| records(s)))
+    // Most services have a name and one named port's SRV owner.
+    NameTable::from_records_sized(
+        mesh.services.len() * 2,
+        mesh.services.values().flat_map(|s| records(s)),
+    )
 }
 
 /// The records of one service, as (name, record).
