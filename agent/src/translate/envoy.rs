@@ -48,6 +48,7 @@ use imbl::ordmap::DiffItem;
 use lattice_contract::CapturePort;
 use prost::Message;
 
+mod assignment;
 pub mod authorization;
 mod inbound;
 mod mtls;
@@ -699,13 +700,15 @@ fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>
     let instances = service.instances.iter().flat_map(|instance| {
         service.ports.iter().map(|port| {
             let name = cluster_name(&instance.dns_name, port.port);
-            let endpoint = instance.endpoint(port.port).map(|address| Placed {
-                address: ip_address(address),
-                zone: None,
-                priority: 0,
-            });
-            let assignment = load_assignment(name.clone(), endpoint);
-            XdsResource::new(name, assignment)
+            let endpoint = instance
+                .endpoint(port.port)
+                .map(|address| assignment::PlacedIp {
+                    address,
+                    zone: None,
+                    priority: 0,
+                });
+            let assignment = assignment::encode(&name, endpoint);
+            XdsResource::encoded::<ClusterLoadAssignment>(name, assignment)
         })
     });
     let distribution = preference(service);
@@ -717,17 +720,17 @@ fn endpoints_for(service: &Service, node: &NodeLocality) -> Vec<Arc<XdsResource>
         .map(|port| {
             let name = cluster_name(&service.dns_name, port.port);
             let priorities = node.priorities(distribution, port.endpoints.iter());
-            let endpoints = port
-                .endpoints
-                .iter()
-                .zip(priorities)
-                .map(|(e, priority)| Placed {
-                    address: ip_address(e.address),
-                    zone: e.zone.as_deref(),
-                    priority,
-                });
-            let assignment = load_assignment(name.clone(), endpoints);
-            XdsResource::new(name, assignment)
+            let endpoints =
+                port.endpoints
+                    .iter()
+                    .zip(priorities)
+                    .map(|(e, priority)| assignment::PlacedIp {
+                        address: e.address,
+                        zone: e.zone.as_deref(),
+                        priority,
+                    });
+            let assignment = assignment::encode(&name, endpoints);
+            XdsResource::encoded::<ClusterLoadAssignment>(name, assignment)
         })
         .chain(instances)
         .collect()
@@ -758,6 +761,7 @@ struct Placed<'a> {
     priority: u32,
 }
 
+#[cfg(test)]
 fn ip_address(address: SocketAddr) -> Address {
     socket_address(address.ip().to_string(), address.port())
 }

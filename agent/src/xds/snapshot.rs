@@ -113,6 +113,19 @@ impl XdsResource {
         })
     }
 
+    /// A resource of type `M` written already: `value` is the message's encoding.
+    pub fn encoded<M: prost::Name>(name: impl Into<Arc<str>>, value: Vec<u8>) -> Arc<XdsResource> {
+        let version = fnv1a(&value);
+        Arc::new(XdsResource {
+            name: name.into(),
+            version,
+            body: Any {
+                type_url: M::type_url(),
+                value,
+            },
+        })
+    }
+
     /// A resource known only by its name and version: what a reconnecting Delta client says it
     /// holds of a version no snapshot here has. Never sent (it has no content); held so that
     /// what the client holds is known exactly.
