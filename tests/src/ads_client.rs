@@ -93,6 +93,9 @@ pub struct ClientView {
     pub answered: BTreeMap<String, Instant>,
     /// SotW: the last version accepted per type.
     sotw_versions: HashMap<String, String>,
+    /// SotW: the endpoint subscription as last sent, encoded. A reconnecting client sends it
+    /// again as it is, as Envoy re-sends the request it keeps per type.
+    sotw_endpoint_names: Option<Bytes>,
     /// Delta: per type, the version of every resource held.
     delta_versions: HashMap<String, Versions>,
     /// With [`Options::routes`]: the route configurations each listener names, and their
@@ -639,14 +642,29 @@ fn node_field(node: &Node) -> Vec<u8> {
 
 /// A `DiscoveryRequest`'s `resource_names` (field 3), encoded.
 fn names_field<S: AsRef<str>>(names: &[S]) -> Bytes {
-    let mut buf = Vec::new();
+    let mut buf = Vec::with_capacity(names_len(names));
+    put_names(names, &mut buf);
+    Bytes::from(buf)
+}
+
+/// The encoded length of [`names_field`].
+fn names_len<S: AsRef<str>>(names: &[S]) -> usize {
+    names
+        .iter()
+        .map(|name| {
+            let len = name.as_ref().len();
+            1 + prost::encoding::encoded_len_varint(len as u64) + len
+        })
+        .sum()
+}
+
+fn put_names<S: AsRef<str>>(names: &[S], buf: &mut Vec<u8>) {
     for name in names {
         let name = name.as_ref();
-        prost::encoding::encode_key(3, WireType::LengthDelimited, &mut buf);
-        prost::encoding::encode_varint(name.len() as u64, &mut buf);
+        prost::encoding::encode_key(3, WireType::LengthDelimited, buf);
+        prost::encoding::encode_varint(name.len() as u64, buf);
         buf.put_slice(name.as_bytes());
     }
-    Bytes::from(buf)
 }
 
 /// Opens the ADS method at `path` on `channel`: the requests `rx` yields, the responses read as
@@ -683,7 +701,7 @@ async fn run_sotw(
     // What it holds from an earlier stream (nothing on the first): the versions it accepted,
     // and the clusters whose endpoints (and the route configurations) it wants.
     let held_routes: Vec<String> = lock(&view).route_names.iter().cloned().collect();
-    let (mut types, held): (HashMap<String, SotwType>, Vec<Arc<str>>) = {
+    let (mut types, held, held_names) = {
         let v = lock(&view);
         let types = v
             .sotw_versions
@@ -695,8 +713,14 @@ async fn run_sotw(
                 };
                 (type_url.clone(), state)
             })
-            .collect();
-        (types, v.clusters.iter().cloned().collect())
+            .collect::<HashMap<String, SotwType>>();
+        let held_names = v.sotw_endpoint_names.clone();
+        // Encoded again only when the client kept no subscription (none sent yet).
+        let held: Vec<Arc<str>> = match held_names {
+            Some(_) => Vec::new(),
+            None => v.clusters.iter().cloned().collect(),
+        };
+        (types, held, held_names)
     };
     // Every request of the stream is written from parts encoded ahead: the node once, and each
     // subscription once when it changes. An endpoint ACK repeats the whole EDS subscription
@@ -723,8 +747,10 @@ async fn run_sotw(
     }
     // The current EDS subscription, encoded; `None` until the first CDS response.
     let mut eds_names: Option<Bytes> = None;
-    if !held.is_empty() {
-        let names = names_field(&held);
+    let held_names = held_names
+        .filter(|names| !names.is_empty())
+        .or_else(|| (!held.is_empty()).then(|| names_field(&held)));
+    if let Some(names) = held_names {
         tx.send(request(
             types.entry(EDS.to_string()).or_default(),
             EDS,
@@ -786,6 +812,7 @@ async fn run_sotw(
             let names = names_field(&names);
             let state = types.entry(EDS.to_string()).or_default();
             tx.send(request(state, EDS, &names))?;
+            lock(&view).sotw_endpoint_names = Some(names.clone());
             eds_names = Some(names);
         }
         if let Some(names) = subscribe.rds {
@@ -936,16 +963,16 @@ fn reconnect_fields(names: &[&str], versions: Option<&Versions>) -> Vec<u8> {
             .flatten()
             .map(|(name, version)| [name.as_bytes(), version.as_bytes()])
     };
-    let mut buf = Vec::from(names_field(names));
-    // Sized at once: 100k versions at 50k services.
-    buf.reserve(
-        entries()
-            .map(|entry| {
-                let len = entry_len(&entry);
-                1 + prost::encoding::encoded_len_varint(len as u64) + len
-            })
-            .sum(),
-    );
+    // Sized at once, names and versions: 50k and 100k at 50k services. Grown as written, the
+    // names were copied again, into fresh pages, by every reconnecting client.
+    let versions_len: usize = entries()
+        .map(|entry| {
+            let len = entry_len(&entry);
+            1 + prost::encoding::encoded_len_varint(len as u64) + len
+        })
+        .sum();
+    let mut buf = Vec::with_capacity(names_len(names) + versions_len);
+    put_names(names, &mut buf);
     for entry in entries() {
         prost::encoding::encode_key(5, WireType::LengthDelimited, &mut buf);
         prost::encoding::encode_varint(entry_len(&entry) as u64, &mut buf);
