@@ -146,14 +146,10 @@ impl Endpoint {
         &self.ip[..usize::from(self.ip_len)]
     }
 
-    /// `SocketAddress { address (2), port_value (3) }`.
+    /// `SocketAddress { address (2), port_value (3) }`. The port is one of a oneof, so it is
+    /// written even when 0.
     fn socket_address_len(&self) -> usize {
-        let port = if self.port == 0 {
-            0
-        } else {
-            1 + encoded_len_varint(u64::from(self.port))
-        };
-        delimited_len(self.ip().len()) + port
+        delimited_len(self.ip().len()) + 1 + encoded_len_varint(u64::from(self.port))
     }
 
     /// `Address { socket_address (1) }`.
@@ -182,10 +178,8 @@ impl Endpoint {
         put_delimited(out, KEY_1_BYTES, socket_address);
         put_delimited(out, KEY_2_BYTES, self.ip().len());
         out.extend_from_slice(self.ip());
-        if self.port != 0 {
-            out.push(KEY_3_VARINT);
-            encode_varint(u64::from(self.port), out);
-        }
+        out.push(KEY_3_VARINT);
+        encode_varint(u64::from(self.port), out);
     }
 }
 
@@ -224,10 +218,13 @@ mod tests {
     const ZONES: [&str; 3] = ["", "zone-a", "zone-b"];
 
     fn address() -> impl Strategy<Value = SocketAddr> {
+        // The edges often: a port of 0 is written all the same (a oneof), 65535 is the
+        // longest varint.
+        let port = || prop_oneof![1 => Just(0u16), 1 => Just(u16::MAX), 8 => any::<u16>()];
         prop_oneof![
-            4 => (any::<[u8; 4]>(), any::<u16>())
+            4 => (any::<[u8; 4]>(), port())
                 .prop_map(|(ip, port)| SocketAddr::new(Ipv4Addr::from(ip).into(), port)),
-            1 => (any::<[u16; 8]>(), any::<u16>())
+            1 => (any::<[u16; 8]>(), port())
                 .prop_map(|(ip, port)| SocketAddr::new(Ipv6Addr::from(ip).into(), port)),
         ]
     }
@@ -261,6 +258,30 @@ mod tests {
             .encode_to_vec();
             prop_assert_eq!(ours, theirs);
         }
+    }
+
+    /// The port is a oneof: prost writes it even when 0.
+    #[test]
+    fn a_port_of_zero_is_written() {
+        let address = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), 0);
+        let ours = encode(
+            "",
+            [PlacedIp {
+                address,
+                zone: None,
+                priority: 0,
+            }],
+        );
+        let theirs = load_assignment(
+            String::new(),
+            [Placed {
+                address: ip_address(address),
+                zone: None,
+                priority: 0,
+            }],
+        )
+        .encode_to_vec();
+        assert_eq!(ours, theirs);
     }
 
     #[test]
