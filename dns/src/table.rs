@@ -81,8 +81,8 @@ pub struct NameTable {
     provisional: bool,
 }
 
-/// Keyed by names from the mesh, never by a query's: a fast hash, randomly seeded. SipHash
-/// was a sixth of building the table at 50k services.
+/// Filled with the mesh's names, which a query only looks up: a fast hash, randomly seeded.
+/// SipHash was a sixth of building the table at 50k services.
 type Hasher = foldhash::fast::RandomState;
 
 #[derive(Debug)]

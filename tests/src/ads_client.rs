@@ -701,7 +701,7 @@ async fn run_sotw(
     // What it holds from an earlier stream (nothing on the first): the versions it accepted,
     // and the clusters whose endpoints (and the route configurations) it wants.
     let held_routes: Vec<String> = lock(&view).route_names.iter().cloned().collect();
-    let (mut types, held, held_names) = {
+    let (mut types, kept, held) = {
         let v = lock(&view);
         let types = v
             .sotw_versions
@@ -714,13 +714,13 @@ async fn run_sotw(
                 (type_url.clone(), state)
             })
             .collect::<HashMap<String, SotwType>>();
-        let held_names = v.sotw_endpoint_names.clone();
-        // Encoded again only when the client kept no subscription (none sent yet).
-        let held: Vec<Arc<str>> = match held_names {
+        let kept = v.sotw_endpoint_names.clone();
+        // The clusters, to encode, only when the client kept no subscription (none sent yet).
+        let held: Vec<Arc<str>> = match kept {
             Some(_) => Vec::new(),
             None => v.clusters.iter().cloned().collect(),
         };
-        (types, held, held_names)
+        (types, kept, held)
     };
     // Every request of the stream is written from parts encoded ahead: the node once, and each
     // subscription once when it changes. An endpoint ACK repeats the whole EDS subscription
@@ -747,10 +747,8 @@ async fn run_sotw(
     }
     // The current EDS subscription, encoded; `None` until the first CDS response.
     let mut eds_names: Option<Bytes> = None;
-    let held_names = held_names
-        .filter(|names| !names.is_empty())
-        .or_else(|| (!held.is_empty()).then(|| names_field(&held)));
-    if let Some(names) = held_names {
+    let names = kept.unwrap_or_else(|| names_field(&held));
+    if !names.is_empty() {
         tx.send(request(
             types.entry(EDS.to_string()).or_default(),
             EDS,

@@ -180,10 +180,7 @@ impl Agent {
         let Ok((_, text)) = self.get("/metrics") else {
             return 0.0;
         };
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
+        metric_in(&text, name).unwrap_or(0.0)
     }
 
     /// A GET on the shared admin address, which either of two agents in an upgrade may answer.
@@ -317,6 +314,16 @@ impl Drop for Agent {
             eprintln!("--- lattice-agent log ---\n{}", self.log());
         }
     }
+}
+
+/// The value of the metric `name` (with its labels, as `/metrics` prints them) in `text`, a
+/// `/metrics` page.
+pub fn metric_in(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The status of a `dig` answer (`NOERROR`, `SERVFAIL`…), `no answer` when it holds none.

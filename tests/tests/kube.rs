@@ -1190,14 +1190,7 @@ fn a_restarted_agent_answers_the_nodes_last_mesh_until_the_api_server_answers() 
     assert_eq!(mesh["last_mesh"]["restored"], json!(2), "{mesh}");
 
     // Meanwhile the cluster changed: a new service, and the database gone.
-    cluster
-        .server
-        .apply_json(service(
-            "shop",
-            "new",
-            json!([{"name": "http", "port": 80}]),
-        ))
-        .unwrap();
+    add_new_service(&cluster.server);
     cluster.server.delete::<Service>("shop", "db").unwrap();
     cluster.server.restart().unwrap();
     agent.wait_ready().unwrap();
@@ -1212,6 +1205,17 @@ fn a_restarted_agent_answers_the_nodes_last_mesh_until_the_api_server_answers() 
     assert!(agent.mesh().unwrap().get("provisional").is_none());
 }
 
+/// A Service that `seed` does not make: `/shop/new`.
+fn add_new_service(server: &FakeApiServer) {
+    server
+        .apply_json(service(
+            "shop",
+            "new",
+            json!([{"name": "http", "port": 80}]),
+        ))
+        .unwrap();
+}
+
 /// A restart that changed nothing leaves the node's last mesh as it was: its first settled
 /// mesh is the one read back, so the file is found current rather than written again. A
 /// change after that is written as before.
@@ -1223,13 +1227,17 @@ fn a_restart_that_changed_nothing_leaves_the_nodes_last_mesh_alone() {
     let state_dir = state.path().to_str().unwrap();
     let mut cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
     let last_mesh = state.path().join("mesh.json");
-    let holds = |agent: &Agent| agent.metric("lattice_mesh_last_mesh_version");
-    wait::until("the node's last mesh written", RECOVER, || {
-        (holds(&cluster.agent) > 0.0)
-            .then_some(())
-            .ok_or_else(|| "not yet".to_string())
-    })
-    .unwrap();
+    // The agent says the file holds a settled mesh: written, or found to hold it already.
+    let file_holds = |agent: &Agent, what: &str| {
+        wait::until(what, RECOVER, || {
+            let version = agent.metric("lattice_mesh_last_mesh_version");
+            (version > 0.0)
+                .then_some(())
+                .ok_or(format!("version {version}"))
+        })
+        .unwrap();
+    };
+    file_holds(&cluster.agent, "the node's last mesh written");
 
     // The API server away until the file is read back, so the restarted agent takes it in
     // before the lists come.
@@ -1248,25 +1256,13 @@ fn a_restart_that_changed_nothing_leaves_the_nodes_last_mesh_alone() {
     .unwrap();
     cluster.server.restart().unwrap();
     agent.wait_ready().unwrap();
-    wait::until("the file found current", RECOVER, || {
-        (holds(agent) > 0.0)
-            .then_some(())
-            .ok_or_else(|| "not yet".to_string())
-    })
-    .unwrap();
+    file_holds(agent, "the file found current");
     let now = std::fs::metadata(&last_mesh)
         .and_then(|m| m.modified())
         .unwrap();
     assert_eq!(now, written, "the unchanged mesh was written again");
 
-    cluster
-        .server
-        .apply_json(service(
-            "shop",
-            "new",
-            json!([{"name": "http", "port": 80}]),
-        ))
-        .unwrap();
+    add_new_service(&cluster.server);
     wait::until("the change written", RECOVER, || {
         let text = std::fs::read_to_string(&last_mesh).unwrap_or_default();
         text.contains("/shop/new").then_some(()).ok_or(text)

@@ -88,7 +88,7 @@ use std::time::{Duration, Instant};
 
 use lattice_e2e::ads_client::{AdsClient, ClientView, EDS, Options, RDS};
 use lattice_e2e::ads_tap::AdsTap;
-use lattice_e2e::agent::{Agent, http_get};
+use lattice_e2e::agent::{Agent, http_get, metric_in};
 use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::k8s_objects::{generated, generated_slice, ip, populate};
@@ -923,15 +923,8 @@ async fn wait_for_last_mesh(admin: SocketAddr) -> Option<Duration> {
     while started.elapsed() < Duration::from_secs(60) {
         let current = tokio::task::spawn_blocking(move || {
             let (_, text) = http_get(admin, "/metrics").ok()?;
-            let value = |name: &str| -> Option<f64> {
-                text.lines()
-                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))?
-                    .trim()
-                    .parse()
-                    .ok()
-            };
-            let held = value("lattice_mesh_last_mesh_version")?;
-            Some(held > 0.0 && Some(held) == value("lattice_xds_snapshot_version"))
+            let held = metric_in(&text, "lattice_mesh_last_mesh_version")?;
+            Some(held > 0.0 && Some(held) == metric_in(&text, "lattice_xds_snapshot_version"))
         })
         .await;
         if matches!(current, Ok(Some(true))) {

@@ -747,8 +747,9 @@ fn preference(service: &Service) -> TrafficDistribution {
     service.traffic_distribution
 }
 
-/// One endpoint of an assignment: where it is (an IP or, in a DNS cluster, a host name), its
-/// zone and its priority.
+/// One endpoint of an assignment as a message: where it is (a host name, in a DNS cluster's
+/// inline assignment), its zone and its priority. Assignments of IPs, EDS's, are written
+/// straight to bytes ([`assignment`]), the same bytes as this message's.
 ///
 /// Nothing else: Envoy copies an endpoint's metadata into each of its hosts, and the
 /// provider that reported each endpoint, which endpoints once carried as metadata for

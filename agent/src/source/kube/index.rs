@@ -63,6 +63,7 @@ pub struct MeshIndex {
     /// first touched: a list touches each Service twice, once for itself and once for its
     /// slices (about 0.1 s of CPU at 50k services when each touch recomputed).
     stale: Vec<MeshPath>,
+    /// The paths in `stale`, to mark each once.
     stale_set: HashSet<MeshPath, foldhash::fast::RandomState>,
     changed: bool,
     /// The pods that take mesh mTLS, when the agent serves certificates: a Service all of
