@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hickory_proto::rr::Name;
 use lattice_contract::ZONE;
 
-use crate::wire::lowercase_wire_name_from_dotted;
+use crate::wire::{lowercase_wire_name_from_dotted, lowercase_wire_name_into};
 
 /// Size of one A record in an answer whose owner is the question name (compression pointer to
 /// offset 12): pointer 2, type 2, class 2, TTL 4, rdlength 2, address 4.
@@ -92,6 +92,24 @@ struct Records {
     serial: u32,
 }
 
+/// Writes the table's key for a mesh name (lower-cased wire form) into `key`; `false`, with a
+/// warning, for a name it cannot hold.
+fn mesh_key(name: &str, zone: &[u8], key: &mut Vec<u8>) -> bool {
+    if !lowercase_wire_name_into(name, key) {
+        tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
+        return false;
+    }
+    if key == zone || !in_zone(key) {
+        tracing::warn!(%name, zone = ZONE, "skipping mesh name: not below the zone");
+        return false;
+    }
+    if key == NAMESERVER_WIRE {
+        tracing::warn!(%name, "skipping mesh name: it is the zone's name server, whose address is the DNS server's own (rename the service)");
+        return false;
+    }
+    true
+}
+
 impl NameTable {
     /// The table before the mesh is known: it holds no name, and every name of the zone is
     /// answered SERVFAIL (retryable) rather than NXDOMAIN, which resolvers would cache as the
@@ -154,42 +172,52 @@ impl NameTable {
 
     /// Like [`NameTable::new`], with every kind of [`MeshRecord`]. An SRV record whose target
     /// is not a valid name is skipped with a warning.
-    pub fn from_records(entries: impl IntoIterator<Item = (String, MeshRecord)>) -> Self {
+    pub fn from_records<N: AsRef<str>>(entries: impl IntoIterator<Item = (N, MeshRecord)>) -> Self {
         let entries = entries.into_iter();
         let names = entries.size_hint().0 / 2;
         Self::from_records_sized(names, entries)
     }
 
     /// [`NameTable::from_records`] for about `names` names: the table is sized once rather
-    /// than grown, and rehashed, as it fills.
-    pub fn from_records_sized(
+    /// than grown, and rehashed, as it fills. Names may be borrowed; the records of one name
+    /// given one after another are read as one name (its wire form made once).
+    pub fn from_records_sized<N: AsRef<str>>(
         names: usize,
-        entries: impl IntoIterator<Item = (String, MeshRecord)>,
+        entries: impl IntoIterator<Item = (N, MeshRecord)>,
     ) -> Self {
         let zone = lowercase_wire_name_from_dotted(ZONE).unwrap_or_default();
         let mut names: HashMap<Box<[u8]>, NameEntry, Hasher> =
             HashMap::with_capacity_and_hasher(names, Hasher::default());
-        // Scopes are attached once every name is known, as records come in any order: one alone
-        // makes no name exist. The last one of a name wins.
-        let mut scopes = Vec::new();
+        // A scope goes on its name's entry; one that comes before any other record of its
+        // name waits until every name is known (one alone makes no name exist). The last one of
+        // a name wins: a waiting one only ever came before those put on at once.
+        let mut waiting_scopes = Vec::new();
+        // The last name read, and whether its key (in `key`) is one the table can hold: the
+        // records of one name, one after another, make its key once.
+        let mut last: Option<(N, bool)> = None;
+        let mut key = Vec::with_capacity(64);
         for (name, record) in entries {
-            let Some(key) = lowercase_wire_name_from_dotted(&name) else {
-                tracing::warn!(%name, "skipping mesh name: not a valid DNS name");
+            if last
+                .as_ref()
+                .is_none_or(|(last, _)| last.as_ref() != name.as_ref())
+            {
+                let valid = mesh_key(name.as_ref(), &zone, &mut key);
+                last = Some((name, valid));
+            }
+            let Some((name, true)) = &last else {
                 continue;
             };
-            if key == zone || !in_zone(&key) {
-                tracing::warn!(%name, zone = ZONE, "skipping mesh name: not below the zone");
-                continue;
-            }
-            if key == NAMESERVER_WIRE {
-                tracing::warn!(%name, "skipping mesh name: it is the zone's name server, whose address is the DNS server's own (rename the service)");
-                continue;
-            }
             if let MeshRecord::Scope(scope) = record {
-                scopes.push((key, scope));
+                match names.get_mut(key.as_slice()) {
+                    Some(entry) => entry.scope = Some(scope),
+                    None => waiting_scopes.push((Box::<[u8]>::from(key.as_slice()), scope)),
+                }
                 continue;
             }
-            let entry = names.entry(key.into_boxed_slice()).or_default();
+            let entry = match names.get_mut(key.as_slice()) {
+                Some(entry) => entry,
+                None => names.entry(Box::from(key.as_slice())).or_default(),
+            };
             match record {
                 MeshRecord::Address(IpAddr::V4(v4)) if !entry.v4.contains(&v4) => entry.v4.push(v4),
                 MeshRecord::Address(IpAddr::V6(v6)) if !entry.v6.contains(&v6) => entry.v6.push(v6),
@@ -202,25 +230,28 @@ impl NameTable {
                         }
                     }
                     Err(_) => {
+                        let name = name.as_ref();
                         tracing::warn!(%name, target = %srv.target, "skipping SRV record: target is not a valid name")
                     }
                 },
                 MeshRecord::Address(_) | MeshRecord::Exists | MeshRecord::Scope(_) => {}
             }
         }
-        for (key, scope) in scopes {
-            if let Some(entry) = names.get_mut(key.as_slice()) {
-                entry.scope = Some(scope);
+        for (key, scope) in waiting_scopes.into_iter().rev() {
+            if let Some(entry) = names.get_mut(&key) {
+                entry.scope.get_or_insert(scope);
             }
         }
-        let mut empty_non_terminals = HashSet::default();
+        let mut empty_non_terminals: HashSet<Box<[u8]>, Hasher> = HashSet::default();
         for (key, entry) in &mut names {
             entry.a_records = encode_a_records(&entry.v4);
             let mut rest: &[u8] = key;
-            // Walk up from the name to the apex; every ancestor strictly between is a non-terminal.
+            // Walk up from the name to the apex; every ancestor strictly between is a
+            // non-terminal. One already known has its own ancestors known: most names share
+            // their namespace's, so the walk usually ends at the first.
             while let Some((&len, tail)) = rest.split_first() {
                 rest = tail.get(usize::from(len)..).unwrap_or_default();
-                if rest.len() <= zone.len() {
+                if rest.len() <= zone.len() || empty_non_terminals.contains(rest) {
                     break;
                 }
                 empty_non_terminals.insert(Box::<[u8]>::from(rest));
@@ -378,6 +409,33 @@ mod tests {
             assert!(matches!(t.lookup(&key), Lookup::Missing), "{name}");
         }
         assert_eq!(t.records.names.len(), 1);
+
+        // One before the name's address, one after it: still the last.
+        let address = MeshRecord::Address("240.240.0.3".parse().unwrap());
+        for (records, expected) in [
+            (
+                vec![
+                    scope("db.foo.system.internal", &first),
+                    ("db.foo.system.internal".to_string(), address.clone()),
+                    scope("db.foo.system.internal", &last),
+                ],
+                &last,
+            ),
+            (
+                vec![
+                    ("db.foo.system.internal".to_string(), address.clone()),
+                    scope("db.foo.system.internal", &last),
+                    scope("db.foo.system.internal", &first),
+                ],
+                &first,
+            ),
+        ] {
+            let t = NameTable::from_records(records);
+            let Lookup::Service(entry) = t.lookup(&key) else {
+                panic!("db missing")
+            };
+            assert_eq!(entry.scope.as_ref(), Some(expected), "the last scope wins");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! for a stateful service, every instance's name and address, and the ready instances'
 //! addresses under the service's name; SRV records for named ports, in Kubernetes DNS's shape.
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -17,38 +18,31 @@ pub fn name_table(mesh: &MeshSnapshot) -> NameTable {
     )
 }
 
-/// The records of one service, as (name, record).
-fn records(service: &Service) -> Vec<(String, MeshRecord)> {
+/// The records of one service, as (name, record), each name's one after another (the table
+/// reads them as one name) and its scope after the record that makes it exist (the table puts
+/// it on at once), borrowing the names the service has.
+fn records(service: &Service) -> Vec<(Cow<'_, str>, MeshRecord)> {
     let mut out = Vec::new();
+    let own = || Cow::Borrowed(service.dns_name.as_str());
     // Every name of the service reports its lookups as the service's, which is what a pod's
     // proxy must then hold (see the agent's scope module).
     let scope: Arc<str> = Arc::from(service.dns_name.as_str());
-    let scoped = |name: &str| (name.to_string(), MeshRecord::Scope(scope.clone()));
-    out.push(scoped(&service.dns_name));
-    for instance in &service.instances {
-        out.push(scoped(&instance.dns_name));
-    }
-    for port in &service.ports {
-        if let Some(name) = &port.name {
-            out.push(scoped(&format!("_{name}._tcp.{}", service.dns_name)));
-        }
-    }
+    let scoped = || MeshRecord::Scope(scope.clone());
     let address = |ip: std::net::Ipv4Addr| MeshRecord::Address(IpAddr::V4(ip));
     // SRV targets: the service itself, or each ready instance (as Kubernetes DNS does for a
     // headless Service), sharing the weight equally.
     let targets: Vec<&str> = match service.address.ip() {
         Some(ip) => {
-            out.push((service.dns_name.clone(), address(ip)));
+            out.push((own(), address(ip)));
+            out.push((own(), scoped()));
             vec![service.dns_name.as_str()]
         }
         None => {
             // The name exists even when no instance is ready: NODATA, not NXDOMAIN.
-            out.push((service.dns_name.clone(), MeshRecord::Exists));
-            for instance in &service.instances {
-                out.push((instance.dns_name.clone(), address(instance.address)));
-                if instance.ready {
-                    out.push((service.dns_name.clone(), address(instance.address)));
-                }
+            out.push((own(), MeshRecord::Exists));
+            out.push((own(), scoped()));
+            for instance in service.instances.iter().filter(|i| i.ready) {
+                out.push((own(), address(instance.address)));
             }
             service
                 .instances
@@ -58,16 +52,22 @@ fn records(service: &Service) -> Vec<(String, MeshRecord)> {
                 .collect()
         }
     };
+    for instance in &service.instances {
+        let name = || Cow::Borrowed(instance.dns_name.as_str());
+        out.push((name(), address(instance.address)));
+        out.push((name(), scoped()));
+    }
     let weight = u16::try_from(100 / targets.len().max(1))
         .unwrap_or(1)
         .max(1);
     for port in &service.ports {
         let Some(name) = &port.name else { continue };
         let owner = format!("_{name}._tcp.{}", service.dns_name);
-        out.push((owner.clone(), MeshRecord::Exists));
+        out.push((Cow::Owned(owner.clone()), MeshRecord::Exists));
+        out.push((Cow::Owned(owner.clone()), scoped()));
         for target in &targets {
             out.push((
-                owner.clone(),
+                Cow::Owned(owner.clone()),
                 MeshRecord::Srv(SrvRecord {
                     priority: 0,
                     weight,
@@ -147,7 +147,13 @@ mod tests {
         let service = |path: &str| &mesh.services[&path.parse::<crate::mesh::MeshPath>().unwrap()];
         let db = service("/data/db");
         let (db0, db1) = (db.instances[0].address, db.instances[1].address);
-        let mut got: Vec<(String, MeshRecord)> = records(db);
+        let owned = |records: Vec<(Cow<'_, str>, MeshRecord)>| -> Vec<(String, MeshRecord)> {
+            records
+                .into_iter()
+                .map(|(name, record)| (name.into_owned(), record))
+                .collect()
+        };
+        let mut got = owned(records(db));
         got.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
         let a = |ip: std::net::Ipv4Addr| MeshRecord::Address(IpAddr::V4(ip));
         let srv = |target: &str| {
@@ -189,7 +195,7 @@ mod tests {
 
         // A service with an address: SRV points at the service's own name.
         let web = service("/a/web");
-        assert!(records(web).contains(&(
+        assert!(owned(records(web)).contains(&(
             "_http._tcp.web.a.system.internal".to_string(),
             MeshRecord::Srv(SrvRecord {
                 priority: 0,
