@@ -228,17 +228,15 @@ impl MeshIndex {
         scope: Option<&str>,
         listed: Vec<(ObjectKey, MappedService)>,
     ) {
-        let keep: HashSet<ObjectKey> = listed.iter().map(|(k, _)| k.clone()).collect();
-        let gone: Vec<ObjectKey> = self
-            .services
-            .keys()
-            .filter(|k| in_scope(scope, k) && !keep.contains(*k))
-            .cloned()
-            .collect();
+        let gone = gone_from(self.services.keys(), scope, &listed);
         // Removals first, so a path a vanished Service held is free for a listed one.
         for key in gone {
             self.delete_service(key);
         }
+        // Room for the list at once: growing through 50k Services rehashed the map several
+        // times in an agent restart's busiest second (perf).
+        self.services
+            .reserve(listed.len().saturating_sub(self.services.len()));
         for (key, mapped) in listed {
             self.apply_mapped_service(key, mapped);
         }
@@ -246,17 +244,12 @@ impl MeshIndex {
 
     /// Makes the EndpointSlices in `scope` (a namespace, or all) exactly `listed`: a re-list.
     pub fn replace_slices(&mut self, scope: Option<&str>, listed: Vec<(ObjectKey, MappedSlice)>) {
-        let keep: HashSet<ObjectKey> = listed.iter().map(|(k, _)| k.clone()).collect();
-        let gone: Vec<ObjectKey> = self
-            .slices
-            .keys()
-            .chain(&self.skipped)
-            .filter(|k| in_scope(scope, k) && !keep.contains(*k))
-            .cloned()
-            .collect();
+        let gone = gone_from(self.slices.keys().chain(&self.skipped), scope, &listed);
         for key in gone {
             self.delete_slice(key);
         }
+        self.slices
+            .reserve(listed.len().saturating_sub(self.slices.len()));
         for (key, mapped) in listed {
             self.apply_mapped_slice(key, mapped);
         }
@@ -430,7 +423,7 @@ impl MeshIndex {
             return;
         }
         let annotated =
-            *claims == PathClaims::Granted && entry.path.as_str() != ownership::own_path(key);
+            *claims == PathClaims::Granted && !ownership::is_own_path(entry.path.as_str(), key);
         let held = self.claims.entry(entry.path.clone()).or_default();
         held.insert((annotated, entry.created, key.clone()));
         if held.len() > 1 {
@@ -739,6 +732,23 @@ fn instances(entry: &ServiceEntry, slices: &[&SliceEntry]) -> Vec<InstanceSpec> 
         }
     }
     by_name.into_values().collect()
+}
+
+/// The keys of `held` in `scope` that `listed` no longer has: what a re-list removes. The
+/// listed keys are borrowed, not copied (a first list of 50k Services copied every key into a
+/// set of its own), and nothing is looked up when the index holds nothing yet.
+fn gone_from<'a, T>(
+    held: impl Iterator<Item = &'a ObjectKey>,
+    scope: Option<&str>,
+    listed: &[(ObjectKey, T)],
+) -> Vec<ObjectKey> {
+    let mut held = held.filter(|k| in_scope(scope, k)).peekable();
+    if held.peek().is_none() {
+        return Vec::new();
+    }
+    let keep: HashSet<&ObjectKey, foldhash::fast::RandomState> =
+        listed.iter().map(|(k, _)| k).collect();
+    held.filter(|k| !keep.contains(k)).cloned().collect()
 }
 
 fn in_scope(scope: Option<&str>, key: &ObjectKey) -> bool {

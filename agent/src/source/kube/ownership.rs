@@ -69,9 +69,13 @@ impl PathGrants {
     }
 }
 
-/// The path a Service has without the annotation.
-pub fn own_path(key: &ObjectKey) -> String {
-    format!("/{}/{}", key.namespace, key.name)
+/// Whether `path` is the one a Service has without the annotation (`/<namespace>/<name>`).
+/// Compared in place: it is asked of every Service of a list.
+pub fn is_own_path(path: &str, key: &ObjectKey) -> bool {
+    path.strip_prefix('/')
+        .and_then(|rest| rest.strip_prefix(key.namespace.as_str()))
+        .and_then(|rest| rest.strip_prefix('/'))
+        == Some(key.name.as_str())
 }
 
 /// Whether the Service `key` may claim `path`, or why not.
@@ -82,7 +86,7 @@ pub fn may_claim(
     key: &ObjectKey,
     path: &MeshPath,
 ) -> Result<(), String> {
-    if claims == PathClaims::Any || path.as_str() == own_path(key) {
+    if claims == PathClaims::Any || is_own_path(path.as_str(), key) {
         return Ok(());
     }
     let namespace = format!("/{}", key.namespace);
@@ -119,6 +123,24 @@ fn under(path: &str, prefix: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_services_own_path_is_its_namespace_then_its_name_exactly() {
+        let key = ObjectKey::new("shop", "cart");
+        assert!(is_own_path("/shop/cart", &key));
+        for other in [
+            "/shop/carts",
+            "/shop/car",
+            "/shopx/cart",
+            "/shop/cart/x",
+            "shop/cart",
+            "/cart/shop",
+            "/shop",
+            "",
+        ] {
+            assert!(!is_own_path(other, &key), "{other}");
+        }
+    }
 
     fn grants(data: &[(&str, &str)]) -> PathGrants {
         let config_map: ConfigMap = serde_json::from_value(serde_json::json!({
