@@ -76,7 +76,7 @@ const MAX_MESSAGE: usize = 256 << 20;
 pub struct ClientView {
     pub clusters: BTreeSet<Arc<str>>,
     /// Cluster → endpoint addresses (sorted), with when they last changed.
-    pub endpoints: BTreeMap<Arc<str>, (Arc<[SocketAddr]>, Instant)>,
+    pub endpoints: Assignments,
     pub listeners: BTreeSet<String>,
     /// With [`Options::routes`]: route configuration → its number of virtual hosts, with when
     /// it last changed.
@@ -102,6 +102,66 @@ pub struct ClientView {
     /// union, the RDS subscription.
     listener_routes: BTreeMap<String, BTreeSet<String>>,
     route_names: BTreeSet<String>,
+}
+
+/// The assignments a client holds: cluster → endpoint addresses (sorted), with when they last
+/// changed; read as the map, changed through its methods, which count the assignments of each
+/// size as they go. Whether a client holds every assignment whole is then known without a
+/// walk over them: the benchmark's checks walked 50k assignments per client per response
+/// after an agent restart, a tenth of a core on the two the agent reconnects on (perf).
+#[derive(Clone, Debug, Default)]
+pub struct Assignments {
+    map: BTreeMap<Arc<str>, (Arc<[SocketAddr]>, Instant)>,
+    /// Endpoint count → how many assignments have it.
+    sizes: HashMap<usize, usize>,
+}
+
+impl std::ops::Deref for Assignments {
+    type Target = BTreeMap<Arc<str>, (Arc<[SocketAddr]>, Instant)>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl Assignments {
+    /// How many assignments hold exactly `endpoints` endpoints.
+    pub fn of_size(&self, endpoints: usize) -> usize {
+        self.sizes.get(&endpoints).copied().unwrap_or(0)
+    }
+
+    fn count(&mut self, size: usize, up: bool) {
+        let count = self.sizes.entry(size).or_default();
+        if up {
+            *count += 1;
+        } else {
+            *count -= 1;
+        }
+    }
+
+    fn insert(&mut self, cluster: Arc<str>, endpoints: Arc<[SocketAddr]>, at: Instant) {
+        self.count(endpoints.len(), true);
+        if let Some((old, _)) = self.map.insert(cluster, (endpoints, at)) {
+            self.count(old.len(), false);
+        }
+    }
+
+    fn remove(&mut self, cluster: &str) {
+        if let Some((old, _)) = self.map.remove(cluster) {
+            self.count(old.len(), false);
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&Arc<str>) -> bool) {
+        let sizes = &mut self.sizes;
+        self.map.retain(|name, (endpoints, _)| {
+            let kept = keep(name);
+            if !kept && let Some(count) = sizes.get_mut(&endpoints.len()) {
+                *count -= 1;
+            }
+            kept
+        });
+    }
 }
 
 /// A Delta client's versions of the resources of one type it holds, by name.
@@ -533,7 +593,7 @@ fn apply_sotw(
             if clusters == v.clusters {
                 return Ok(out);
             }
-            v.endpoints.retain(|name, _| clusters.contains(name));
+            v.endpoints.retain(|name| clusters.contains(name));
             v.clusters = clusters;
             out.eds = Some(v.clusters.iter().cloned().collect());
             Ok(out)
@@ -548,7 +608,7 @@ fn apply_sotw(
                 .collect::<Result<Vec<_>, String>>()?;
             for (cluster, endpoints) in assignments {
                 if v.endpoints_of(&cluster) != Some(&endpoints[..]) {
-                    v.endpoints.insert(cluster, (endpoints, now));
+                    v.endpoints.insert(cluster, endpoints, now);
                 }
             }
             Ok(out)
@@ -877,7 +937,7 @@ fn apply_delta(
             }
             for (name, endpoints) in assignments {
                 if v.endpoints_of(&name) != Some(&endpoints[..]) {
-                    v.endpoints.insert(name, (endpoints, now));
+                    v.endpoints.insert(name, endpoints, now);
                 }
             }
             for name in &response.removed_resources {
@@ -1073,6 +1133,37 @@ async fn run_delta(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The counts by size follow every insert, replacement, removal and retain: they are
+    /// those of the map, recounted after each step of a mixed sequence.
+    #[test]
+    fn assignment_sizes_follow_the_map() {
+        let mut held = Assignments::default();
+        let endpoints = |n: u16| -> Arc<[SocketAddr]> {
+            (0..n)
+                .map(|p| SocketAddr::from(([10, 0, 0, 1], p)))
+                .collect()
+        };
+        let now = Instant::now();
+        let mut state = 7u64;
+        for step in 0..2000 {
+            // A small LCG: reproducible, no dependency.
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let cluster: Arc<str> = Arc::from(format!("c{}", (state >> 33) % 40));
+            match (state >> 20) % 5 {
+                0 | 1 => held.insert(cluster, endpoints(((state >> 40) % 4) as u16), now),
+                2 => held.remove(&cluster),
+                3 => held.retain(|name| name.len() % 2 == (step % 2)),
+                _ => {}
+            }
+            for size in 0..4 {
+                let recount = held.values().filter(|(e, _)| e.len() == size).count();
+                assert_eq!(held.of_size(size), recount, "size {size} at step {step}");
+            }
+        }
+    }
 
     /// The parts a reconnecting Delta client writes decode as the request they stand for.
     #[test]

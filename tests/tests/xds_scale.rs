@@ -779,7 +779,7 @@ async fn run(
 fn holds_everything(v: &ClientView, services: usize) -> bool {
     v.clusters.len() == services
         && v.endpoints.len() == services
-        && v.endpoints.values().all(|(e, _)| e.len() == PER_SERVICE)
+        && v.endpoints.of_size(PER_SERVICE) == services
 }
 
 /// The restart below, `LATTICE_BENCH_RESTARTS` times (3): on two shared cores one restart's
