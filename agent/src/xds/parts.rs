@@ -48,6 +48,21 @@ impl Part {
         Part::new(&Arc::from(route), key, ROUTE_VIRTUAL_HOSTS, host)
     }
 
+    /// A virtual host of the route configuration `route`, already encoded (`host`: the
+    /// `VirtualHost` message's bytes).
+    pub fn virtual_host_encoded(route: &str, key: &str, host: &[u8]) -> Part {
+        use prost::encoding::{WireType, encode_key, encode_varint};
+        let mut entry = Vec::with_capacity(host.len() + 8);
+        encode_key(ROUTE_VIRTUAL_HOSTS, WireType::LengthDelimited, &mut entry);
+        encode_varint(host.len() as u64, &mut entry);
+        entry.extend_from_slice(host);
+        Part {
+            resource: Arc::from(route),
+            key: Arc::from(key),
+            entry: entry.into(),
+        }
+    }
+
     fn new(resource: &Arc<str>, key: &str, field: u32, message: &impl Message) -> Part {
         let mut entry = Vec::with_capacity(message.encoded_len() + 8);
         prost::encoding::message::encode(field, message, &mut entry);

@@ -46,28 +46,84 @@ pub fn virtual_hosts(service: &Service) -> Vec<Part> {
         .ports
         .iter()
         .map(|port| {
-            let host = virtual_host(service, port.port);
+            let table = RouteTable::new(&service.routes, port.port);
+            if table.is_empty() && !rewrites_host(service) {
+                let name = cluster_name(&service.dns_name, port.port);
+                let host = plain_virtual_host(&service.dns_name, &name, port.port);
+                return Part::virtual_host_encoded(&route_name(port.port), &name, &host);
+            }
+            let host = virtual_host(service, port.port, table);
             Part::virtual_host(&route_name(port.port), &host.name, &host)
         })
         .collect()
 }
 
-/// The service's virtual host on `port`, matched by `name` and `name:port`.
-fn virtual_host(service: &Service, port: u16) -> VirtualHost {
-    let table = RouteTable::new(&service.routes, port);
+/// The one route of a service without routing rules: every path to its own cluster.
+fn plain_route(cluster: String) -> Route {
+    Route {
+        r#match: Some(any_path()),
+        action: Some(route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster)),
+            retry_policy: Some(default_retry(None)),
+            ..RouteAction::default()
+        })),
+        ..Route::default()
+    }
+}
+
+/// The encoded virtual host of a service without routing rules on `port` (`cluster`: its
+/// cluster there), byte for byte what prost makes of [`virtual_host`]'s, written straight:
+/// building and encoding the message was about a tenth of translating a 50k-service mesh
+/// (perf), for the one shape nearly every service has. Fields in the order prost writes
+/// them, by field number, oneofs among them (an action's cluster, 1, before its retry
+/// policy, 9).
+fn plain_virtual_host(dns_name: &str, cluster: &str, port: u16) -> Vec<u8> {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+    // The parts every such host shares, made once with prost: the route's match (field 1),
+    // and its action's retry policy (field 9).
+    static SHARED: std::sync::LazyLock<(Vec<u8>, Vec<u8>)> = std::sync::LazyLock::new(|| {
+        let (mut matched, mut retry) = (Vec::new(), Vec::new());
+        prost::encoding::message::encode(1, &any_path(), &mut matched);
+        prost::encoding::message::encode(9, &default_retry(None), &mut retry);
+        (matched, retry)
+    });
+    let (matched, retry) = &*SHARED;
+    let with_port = format!("{dns_name}:{port}");
+    let text_len = |field: u32, value: &str| {
+        key_len(field) + encoded_len_varint(value.len() as u64) + value.len()
+    };
+    let action_len = retry.len() + text_len(1, cluster);
+    let route_len = matched.len() + key_len(2) + encoded_len_varint(action_len as u64) + action_len;
+    let host_len = text_len(1, cluster)
+        + text_len(2, dns_name)
+        + text_len(2, &with_port)
+        + key_len(3)
+        + encoded_len_varint(route_len as u64)
+        + route_len;
+    let mut out = Vec::with_capacity(host_len);
+    let text = |field: u32, value: &str, out: &mut Vec<u8>| {
+        encode_key(field, WireType::LengthDelimited, out);
+        encode_varint(value.len() as u64, out);
+        out.extend_from_slice(value.as_bytes());
+    };
+    text(1, cluster, &mut out);
+    text(2, dns_name, &mut out);
+    text(2, &with_port, &mut out);
+    encode_key(3, WireType::LengthDelimited, &mut out);
+    encode_varint(route_len as u64, &mut out);
+    out.extend_from_slice(matched);
+    encode_key(2, WireType::LengthDelimited, &mut out);
+    encode_varint(action_len as u64, &mut out);
+    text(1, cluster, &mut out);
+    out.extend_from_slice(retry);
+    out
+}
+
+/// The service's virtual host on `port` (`table`: its rules there), matched by `name` and
+/// `name:port`.
+fn virtual_host(service: &Service, port: u16, table: RouteTable) -> VirtualHost {
     let routes = if table.is_empty() {
-        vec![Route {
-            r#match: Some(any_path()),
-            action: Some(route::Action::Route(RouteAction {
-                cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster_name(
-                    &service.dns_name,
-                    port,
-                ))),
-                retry_policy: Some(default_retry(None)),
-                ..RouteAction::default()
-            })),
-            ..Route::default()
-        }]
+        vec![plain_route(cluster_name(&service.dns_name, port))]
     } else {
         // A request that matches no rule falls off the end: Envoy answers 404, as the Gateway
         // API asks of a service with routes attached.
@@ -337,6 +393,29 @@ mod tests {
     use crate::mesh::{EndpointSet, MeshState, Protocol, ServicePort, ServiceSpec};
     use crate::translate::envoy::EnvoyTranslator;
     use crate::xds::ResourceType;
+
+    proptest::proptest! {
+        /// A service without rules gets the bytes prost makes of its virtual host, names of
+        /// every length (one- and two-byte lengths) and any port; a part of them, as the
+        /// route configuration holds it, decodes as that host.
+        #[test]
+        fn a_plain_virtual_host_is_the_one_prost_makes(
+            dns_name in "[a-z0-9.-]{1,200}",
+            port: u16,
+        ) {
+            let cluster = cluster_name(&dns_name, port);
+            let expected = VirtualHost {
+                name: cluster.clone(),
+                domains: vec![dns_name.clone(), format!("{dns_name}:{port}")],
+                routes: vec![plain_route(cluster.clone())],
+                ..VirtualHost::default()
+            };
+            let written = plain_virtual_host(&dns_name, &cluster, port);
+            proptest::prop_assert_eq!(&written, &expected.encode_to_vec());
+            let part = Part::virtual_host_encoded(&route_name(port), &cluster, &written);
+            proptest::prop_assert_eq!(part, Part::virtual_host(&route_name(port), &cluster, &expected));
+        }
+    }
 
     fn port(number: u16) -> ServicePort {
         ServicePort {
