@@ -243,12 +243,28 @@ pub struct Unbound {
 }
 
 impl Unbound {
+    /// Starts it on a free port. The port is picked by binding and closing a socket, so
+    /// another test may bind it before unbound does: unbound binds it alone (`so-reuseport:
+    /// no`, where its default would share it with a server of another test that set
+    /// `SO_REUSEPORT`, the agent's own DNS server among them, and the kernel would split the
+    /// queries between the two), and it is ready only when it gives its own probe answer. An
+    /// unbound that could not bind exits, and another port is tried.
     pub async fn start(local_config: &str) -> Self {
+        for _ in 0..5 {
+            if let Some(unbound) = Self::try_start(local_config).await {
+                return unbound;
+            }
+        }
+        panic!("unbound did not start on any of five free ports");
+    }
+
+    async fn try_start(local_config: &str) -> Option<Self> {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
+        let marker = format!("unbound-{}-{port}", std::process::id());
         let conf: PathBuf = dir.path().join("unbound.conf");
         let text = format!(
-            "server:\n  interface: 127.0.0.1@{port}\n  port: {port}\n  do-ip6: no\n  do-daemonize: no\n  chroot: \"\"\n  username: \"\"\n  directory: \"{dir}\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 0\n  num-threads: 1\n  access-control: 127.0.0.0/8 allow\n  local-zone: \".\" refuse\n{local_config}\nremote-control:\n  control-enable: no\n",
+            "server:\n  interface: 127.0.0.1@{port}\n  port: {port}\n  so-reuseport: no\n  do-ip6: no\n  do-daemonize: no\n  chroot: \"\"\n  username: \"\"\n  directory: \"{dir}\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 0\n  num-threads: 1\n  access-control: 127.0.0.0/8 allow\n  local-zone: \".\" refuse\n  local-zone: \"unbound-probe.invalid.\" static\n  local-data: \"unbound-probe.invalid. TXT {marker}\"\n{local_config}\nremote-control:\n  control-enable: no\n",
             dir = dir.path().display()
         );
         std::fs::write(&conf, text).unwrap();
@@ -260,19 +276,23 @@ impl Unbound {
             .spawn()
             .expect("unbound starts");
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let unbound = Self {
+        let mut unbound = Self {
             addr,
             child,
             _dir: dir,
         };
-        eventually(Duration::from_secs(10), || async {
-            dig(addr, &["+norec", "version.invalid"])
-                .await
-                .text
-                .contains("status:")
-        })
-        .await;
-        unbound
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if unbound.child.try_wait().ok().flatten().is_some() {
+                return None;
+            }
+            let probe = dig(addr, &["+norec", "+short", "TXT", "unbound-probe.invalid"]).await;
+            if probe.text.contains(&marker) {
+                return Some(unbound);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("unbound on port {port} did not answer its probe within 10 s");
     }
 }
 
