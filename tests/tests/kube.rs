@@ -1149,18 +1149,26 @@ fn with_any_path_claims_the_oldest_claim_wins() {
     .unwrap();
 }
 
+/// A cluster of the `seed` Services whose agent has a state directory: the directory (first,
+/// so that it is removed after the cluster stops), the cluster, and the path of the node's
+/// last mesh in it.
+fn seeded_with_state_dir() -> (tempfile::TempDir, Cluster, std::path::PathBuf) {
+    let server = FakeApiServer::start().unwrap();
+    seed(&server);
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
+    let last_mesh = state.path().join("mesh.json");
+    (state, cluster, last_mesh)
+}
+
 /// After a crash, with the API server away, the restarted agent answers the names of the
 /// node's last mesh at their addresses, fails every other mesh name retryably (never NXDOMAIN)
 /// and is not ready; once the API server answers, the mesh is the cluster's again.
 #[test]
 fn a_restarted_agent_answers_the_nodes_last_mesh_until_the_api_server_answers() {
-    let server = FakeApiServer::start().unwrap();
-    seed(&server);
-    let state = tempfile::tempdir().unwrap();
-    let state_dir = state.path().to_str().unwrap();
-    let mut cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
+    let (_state, mut cluster, last_mesh) = seeded_with_state_dir();
     let (web, db) = ("web.shop.system.internal", "db.shop.system.internal");
-    let last_mesh = state.path().join("mesh.json");
     wait::until("the node's last mesh written", RECOVER, || {
         let text = std::fs::read_to_string(&last_mesh).unwrap_or_default();
         (text.contains("/shop/web") && text.contains("/shop/db"))
@@ -1221,12 +1229,7 @@ fn add_new_service(server: &FakeApiServer) {
 /// change after that is written as before.
 #[test]
 fn a_restart_that_changed_nothing_leaves_the_nodes_last_mesh_alone() {
-    let server = FakeApiServer::start().unwrap();
-    seed(&server);
-    let state = tempfile::tempdir().unwrap();
-    let state_dir = state.path().to_str().unwrap();
-    let mut cluster = Cluster::start_with(server, true, &["--state-dir", state_dir]);
-    let last_mesh = state.path().join("mesh.json");
+    let (_state, mut cluster, last_mesh) = seeded_with_state_dir();
     // The agent says the file holds a settled mesh: written, or found to hold it already.
     let file_holds = |agent: &Agent, what: &str| {
         wait::until(what, RECOVER, || {

@@ -50,6 +50,7 @@ use prost::Message;
 
 mod assignment;
 pub mod authorization;
+mod fields;
 mod inbound;
 mod mtls;
 mod routes;

@@ -14,6 +14,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use prost::encoding::{encode_varint, encoded_len_varint};
 
+use super::fields::{
+    bytes_key, delimited_len, put_delimited, put_text, string_field_len, varint_key,
+};
+
 /// One endpoint of an assignment: its address, zone and priority.
 pub(super) struct PlacedIp<'a> {
     pub address: SocketAddr,
@@ -21,11 +25,10 @@ pub(super) struct PlacedIp<'a> {
     pub priority: u32,
 }
 
-/// Field keys (field number << 3 | wire type): length-delimited (2) and varint (0).
-const KEY_1_BYTES: u8 = 1 << 3 | 2;
-const KEY_2_BYTES: u8 = 2 << 3 | 2;
-const KEY_3_VARINT: u8 = 3 << 3;
-const KEY_5_VARINT: u8 = 5 << 3;
+const KEY_1_BYTES: u8 = bytes_key(1);
+const KEY_2_BYTES: u8 = bytes_key(2);
+const KEY_3_VARINT: u8 = varint_key(3);
+const KEY_5_VARINT: u8 = varint_key(5);
 
 /// The encoded `ClusterLoadAssignment` of `cluster_name`: `endpoints` grouped by priority and
 /// zone, one `LocalityLbEndpoints` each, in (priority, zone) order; an assignment without
@@ -56,8 +59,7 @@ pub(super) fn encode<'a>(
             .sum::<usize>();
     let mut out = Vec::with_capacity(len);
     if !cluster_name.is_empty() {
-        put_delimited(&mut out, KEY_1_BYTES, cluster_name.len());
-        out.extend_from_slice(cluster_name.as_bytes());
+        put_text(&mut out, KEY_1_BYTES, cluster_name);
     }
     for ((&(priority, zone), endpoints), &group) in groups.iter().zip(&group_lens) {
         put_delimited(&mut out, KEY_2_BYTES, group);
@@ -65,8 +67,7 @@ pub(super) fn encode<'a>(
             // `Locality { zone (2) }`: present, even empty, whenever there is a zone.
             put_delimited(&mut out, KEY_1_BYTES, string_field_len(zone));
             if !zone.is_empty() {
-                put_delimited(&mut out, KEY_2_BYTES, zone.len());
-                out.extend_from_slice(zone.as_bytes());
+                put_text(&mut out, KEY_2_BYTES, zone);
             }
         }
         for endpoint in endpoints {
@@ -95,25 +96,6 @@ fn group_len(priority: u32, zone: Option<&str>, endpoints: &[Endpoint]) -> usize
             .map(|e| delimited_len(e.lb_endpoint_len()))
             .sum::<usize>()
         + priority
-}
-
-/// A field of a string of `s.len()` bytes, omitted when empty (proto3).
-fn string_field_len(s: &str) -> usize {
-    if s.is_empty() {
-        0
-    } else {
-        delimited_len(s.len())
-    }
-}
-
-/// A length-delimited field whose body is `len` bytes: key, length, body.
-fn delimited_len(len: usize) -> usize {
-    1 + encoded_len_varint(len as u64) + len
-}
-
-fn put_delimited(out: &mut Vec<u8>, key: u8, len: usize) {
-    out.push(key);
-    encode_varint(len as u64, out);
 }
 
 /// An endpoint's address as text (at most 45 bytes: an IPv6 address) and its port.

@@ -78,7 +78,7 @@ fn plain_route(cluster: String) -> Route {
 /// them, by field number, oneofs among them (an action's cluster, 1, before its retry
 /// policy, 9).
 fn plain_virtual_host(dns_name: &str, cluster: &str, port: u16) -> Vec<u8> {
-    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+    use super::fields::{bytes_key, delimited_len, put_delimited, put_text};
     // The parts every such host shares, made once with prost: the route's match (field 1),
     // and its action's retry policy (field 9).
     static SHARED: std::sync::LazyLock<(Vec<u8>, Vec<u8>)> = std::sync::LazyLock::new(|| {
@@ -89,33 +89,23 @@ fn plain_virtual_host(dns_name: &str, cluster: &str, port: u16) -> Vec<u8> {
     });
     let (matched, retry) = &*SHARED;
     let with_port = format!("{dns_name}:{port}");
-    let text_len = |field: u32, value: &str| {
-        key_len(field) + encoded_len_varint(value.len() as u64) + value.len()
-    };
-    let action_len = retry.len() + text_len(1, cluster);
-    let route_len = matched.len() + key_len(2) + encoded_len_varint(action_len as u64) + action_len;
-    let host_len = text_len(1, cluster)
-        + text_len(2, dns_name)
-        + text_len(2, &with_port)
-        + key_len(3)
-        + encoded_len_varint(route_len as u64)
-        + route_len;
+    // VirtualHost { name 1, domains 2, routes 3 { match 1, route 2 { cluster 1, retry 9 } } }
+    let action_len = delimited_len(cluster.len()) + retry.len();
+    let route_len = matched.len() + delimited_len(action_len);
+    let host_len = delimited_len(cluster.len())
+        + delimited_len(dns_name.len())
+        + delimited_len(with_port.len())
+        + delimited_len(route_len);
     let mut out = Vec::with_capacity(host_len);
-    let text = |field: u32, value: &str, out: &mut Vec<u8>| {
-        encode_key(field, WireType::LengthDelimited, out);
-        encode_varint(value.len() as u64, out);
-        out.extend_from_slice(value.as_bytes());
-    };
-    text(1, cluster, &mut out);
-    text(2, dns_name, &mut out);
-    text(2, &with_port, &mut out);
-    encode_key(3, WireType::LengthDelimited, &mut out);
-    encode_varint(route_len as u64, &mut out);
+    put_text(&mut out, bytes_key(1), cluster);
+    put_text(&mut out, bytes_key(2), dns_name);
+    put_text(&mut out, bytes_key(2), &with_port);
+    put_delimited(&mut out, bytes_key(3), route_len);
     out.extend_from_slice(matched);
-    encode_key(2, WireType::LengthDelimited, &mut out);
-    encode_varint(action_len as u64, &mut out);
-    text(1, cluster, &mut out);
+    put_delimited(&mut out, bytes_key(2), action_len);
+    put_text(&mut out, bytes_key(1), cluster);
     out.extend_from_slice(retry);
+    debug_assert_eq!(out.len(), host_len);
     out
 }
 
