@@ -149,20 +149,40 @@ pub fn format_version(version: u64) -> String {
 }
 
 /// The inverse of [`format_version`]; `None` for a version this agent did not make (of
-/// another length, with another digit, upper case or a sign). By hand: a reconnecting
-/// whole-mesh proxy lists 100k versions at 50k services, and `u64::from_str_radix` was about a
-/// seventh of reading them (perf).
+/// another length, with another digit, upper case or a sign). By hand, through a table and
+/// without a branch per digit: a reconnecting whole-mesh proxy lists 100k versions at 50k
+/// services, and both `u64::from_str_radix` and a `match` per digit spent most of their time
+/// in mispredicted branches (whether a digit is a number or a letter is random), the `match`
+/// about 70 ns a version and 0.34 s of the agent's CPU in a 50k restart (perf).
 pub fn parse_version(version: &str) -> Option<u64> {
     let digits: &[u8; 16] = version.as_bytes().try_into().ok()?;
-    digits.iter().try_fold(0u64, |value, &digit| {
-        let nibble = match digit {
-            b'0'..=b'9' => digit - b'0',
-            b'a'..=b'f' => digit - b'a' + 10,
-            _ => return None,
-        };
-        Some(value << 4 | u64::from(nibble))
-    })
+    let (mut value, mut seen) = (0u64, 0u8);
+    for &digit in digits {
+        let nibble = HEX_DIGIT[usize::from(digit)];
+        seen |= nibble;
+        value = value << 4 | u64::from(nibble & 0xf);
+    }
+    (seen & NOT_HEX == 0).then_some(value)
 }
+
+/// [`HEX_DIGIT`]'s mark of a byte that is not a lower-case hex digit.
+const NOT_HEX: u8 = 0x10;
+
+/// Each byte's value as a lower-case hex digit, or [`NOT_HEX`].
+const HEX_DIGIT: [u8; 256] = {
+    let mut table = [NOT_HEX; 256];
+    let mut value = 0;
+    while value < 16 {
+        let digit = if value < 10 {
+            b'0' + value
+        } else {
+            b'a' + value - 10
+        };
+        table[digit as usize] = value;
+        value += 1;
+    }
+    table
+};
 
 /// FNV-1a: stable across builds and platforms, unlike std's hasher, and fast enough for the
 /// few kilobytes a resource holds.
@@ -448,10 +468,11 @@ mod tests {
 
     proptest::proptest! {
         /// A version reads back as the number it was made from, and a string this agent does
-        /// not make (another length, a digit out of range, upper case, a sign) as none: the
-        /// hand-written reading agrees with the library's, made strict.
+        /// not make (another length, a digit out of range or beside one, upper case, a sign, a
+        /// byte past ASCII) as none: the hand-written reading agrees with the library's, made
+        /// strict.
         #[test]
-        fn a_version_reads_back_and_nothing_else_does(value: u64, text in "[+0-9a-fA-Fg ]{14,18}") {
+        fn a_version_reads_back_and_nothing_else_does(value: u64, text in "[+0-9a-fA-Fg /:@`\u{80}-\u{ff}]{14,18}") {
             proptest::prop_assert_eq!(parse_version(&format_version(value)), Some(value));
             let strict = text.len() == 16
                 && text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
