@@ -20,7 +20,8 @@ pub const PARALLEL_FROM: usize = 512;
 /// agent does, and a pool would keep threads for nothing the rest of the time.
 ///
 /// It blocks its caller until every part is done: call it from a [`BulkThread`] or another
-/// thread of its own, never from an async task.
+/// thread of its own, or from an async task through [`off_the_runtime`], never from an async
+/// task as is.
 pub fn map_on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
     // The count first: `available_parallelism` reads the cgroup's CPU quota from three files
     // on every call, and this runs on every snapshot, almost always with a few items.
@@ -50,6 +51,21 @@ pub fn map_on_every_core<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sy
         }
         all
     })
+}
+
+/// Runs `f`, bulk work of an async task that cannot be handed to a thread of its own (it
+/// needs the task's state), without holding the runtime: on a multi-threaded runtime the
+/// task's worker first hands its other tasks to the rest of the runtime (tokio's
+/// `block_in_place`). On a current-thread runtime, which cannot, or off any runtime, `f` runs
+/// as is. It costs a thread hand-over: for large pieces of work only.
+pub fn off_the_runtime<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 /// Puts the calling thread in `SCHED_IDLE`: a thread of normal policy (the DNS server's, the
@@ -287,6 +303,26 @@ mod tests {
     async fn a_panic_in_a_job_is_raised_in_the_awaiting_task() {
         let thread = BulkThread::spawn("test-bulk").unwrap();
         let _ = thread.run(|| panic!("boom")).await;
+    }
+
+    /// The runtime has one worker, and the task that blocks in `off_the_runtime` runs on it:
+    /// the ticker can tick only if the worker handed it over first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn off_the_runtime_lets_the_runtime_go_on() {
+        let (ticked, tick) = mpsc::channel::<()>();
+        let blocked = tokio::spawn(async move {
+            off_the_runtime(|| tick.recv_timeout(std::time::Duration::from_secs(10)))
+        });
+        tokio::task::yield_now().await;
+        let ticker = tokio::spawn(async move { ticked.send(()) });
+        assert!(blocked.await.unwrap().is_ok(), "the ticker could not tick");
+        ticker.await.unwrap().unwrap();
+    }
+
+    /// On a current-thread runtime, which cannot hand its tasks over, the work just runs.
+    #[tokio::test(flavor = "current_thread")]
+    async fn off_the_runtime_runs_in_place_on_one_thread() {
+        assert_eq!(off_the_runtime(|| 7), 7);
     }
 
     #[test]

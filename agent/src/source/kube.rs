@@ -262,7 +262,14 @@ async fn follow(
             tx.stale(watches.failing().unwrap_or_default());
             return Ok(Followed::Relist);
         }
-        if let Some(snapshot) = watches.publishable() {
+        // A snapshot of many changed Services (a first list's: every one) builds their specs
+        // on every core, off the runtime.
+        let snapshot = if watches.publishes_many() {
+            crate::parallel::off_the_runtime(|| watches.publishable())
+        } else {
+            watches.publishable()
+        };
+        if let Some(snapshot) = snapshot {
             tx.view(snapshot);
         }
         match watches.failing() {
@@ -577,6 +584,11 @@ impl WatchSet {
 
     /// The snapshot to publish now: none before every initial list is complete, and none
     /// when nothing changed.
+    /// Whether [`WatchSet::publishable`] would take a snapshot of many changed Services.
+    fn publishes_many(&self) -> bool {
+        self.index.stale_count() >= crate::parallel::PARALLEL_FROM && self.listed.iter().all(|l| *l)
+    }
+
     fn publishable(&mut self) -> Option<std::sync::Arc<MeshSnapshot>> {
         if self.relisting.is_some() {
             if !self.listed.iter().all(|l| *l) {
