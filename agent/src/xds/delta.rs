@@ -7,7 +7,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::held::ClientView;
-use super::inbound::Plain;
+use super::inbound::Presized;
 use super::interest::{Subscription, UnknownNames};
 use super::response::DeltaResponse;
 use super::snapshot::{Names, ResourceType, TYPES, XdsResource, XdsSnapshot, parse_version};
@@ -31,7 +31,7 @@ pub struct DeltaStream {
 impl Ads for DeltaStream {
     type Request = DeltaRequest;
     type Response = DeltaResponse;
-    type Decoder = Plain<DeltaRequest>;
+    type Decoder = Presized<DeltaRequest>;
     const MODE: &'static str = "delta";
 
     fn new(limits: Limits) -> Self {

@@ -10,7 +10,7 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 use super::held::ClientView;
-use super::inbound::Plain;
+use super::inbound::Presized;
 use super::interest::Subscription;
 use super::response::SotwResponse;
 use super::snapshot::{
@@ -48,7 +48,7 @@ pub struct SotwStream {
 impl Ads for SotwStream {
     type Request = SotwRequest;
     type Response = SotwResponse;
-    type Decoder = Plain<SotwRequest>;
+    type Decoder = Presized<SotwRequest>;
     const MODE: &'static str = "sotw";
 
     fn new(limits: Limits) -> Self {

@@ -27,6 +27,9 @@ pub struct NameList {
     len: usize,
     /// How many names are 128 bytes or longer (a length of two bytes or more).
     long: usize,
+    /// The room made at once when the entries first get a buffer of their own: the length of
+    /// the message they come in, which holds them all (see [`NameList::with_room`]).
+    room: usize,
     /// Reused for a name read through prost's path, so it costs no allocation of its own.
     scratch: String,
 }
@@ -53,19 +56,36 @@ impl Entries {
         }
     }
 
-    /// The entries as a buffer of their own, to append to.
-    fn owned(&mut self) -> &mut Vec<u8> {
+    /// The entries as a buffer of their own, to append to, with room for `room` bytes when it
+    /// is first made.
+    fn owned(&mut self, room: usize) -> &mut Vec<u8> {
         if let Entries::Borrowed(bytes) = self {
-            *self = Entries::Owned(bytes.to_vec());
+            let mut owned = Vec::with_capacity(room.max(bytes.len()));
+            owned.extend_from_slice(bytes);
+            *self = Entries::Owned(owned);
         }
         match self {
-            Entries::Owned(vec) => vec,
+            Entries::Owned(vec) => {
+                if vec.capacity() == 0 {
+                    vec.reserve(room);
+                }
+                vec
+            }
             Entries::Borrowed(_) => unreachable!("made owned above"),
         }
     }
 }
 
 impl NameList {
+    /// A list that makes room for `room` bytes of entries at once when they first need a
+    /// buffer of their own (read across frames, or pushed), instead of growing it as they come.
+    pub fn with_room(room: usize) -> NameList {
+        NameList {
+            room,
+            ..NameList::default()
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -127,7 +147,7 @@ impl NameList {
             self.long += 1;
         }
         let first = self.len == 0;
-        let entries = self.entries.owned();
+        let entries = self.entries.owned(self.room);
         if !first {
             entries.push(NAME_KEY);
         }
@@ -211,7 +231,7 @@ impl NameList {
         if self.len == 0 {
             self.entries = Entries::Borrowed(buf.copy_to_bytes(last));
         } else {
-            let owned = self.entries.owned();
+            let owned = self.entries.owned(self.room);
             owned.push(NAME_KEY);
             owned.extend_from_slice(&chunk[..last]);
             buf.advance(last);
@@ -265,6 +285,23 @@ impl<S: AsRef<str>> FromIterator<S> for NameList {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Room made for a message is made once, when the entries first get a buffer of their
+    /// own: names that fit in it never move it. Without room, the same names do.
+    #[test]
+    fn a_list_with_room_grows_in_place() {
+        let names: Vec<String> = (0..1000).map(|i| format!("outbound|80||s{i}")).collect();
+        let fill = |list: &mut NameList| {
+            list.push(&names[0]);
+            let first = list.entries.as_slice().as_ptr();
+            for name in &names[1..] {
+                list.push(name);
+            }
+            first == list.entries.as_slice().as_ptr()
+        };
+        assert!(fill(&mut NameList::with_room(names.len() * 24)));
+        assert!(!fill(&mut NameList::default()));
+    }
 
     #[test]
     fn fingerprint_sees_a_change() {

@@ -9,6 +9,7 @@ use prost::bytes::{Buf, BufMut};
 use prost::encoding::{DecodeContext, WireType, message, skip_field, string};
 
 use super::names::NameList;
+use crate::xds::inbound::WithRoom;
 use crate::xds::proto::{encode_string, string_len};
 
 /// An ADS `DiscoveryRequest` (envoy.service.discovery.v3), with its resource names packed.
@@ -26,6 +27,15 @@ pub struct SotwRequest {
     pub response_nonce: String,
     /// Field 6.
     pub error_detail: Option<Status>,
+}
+
+impl WithRoom for SotwRequest {
+    fn with_room(len: usize) -> Self {
+        SotwRequest {
+            resource_names: NameList::with_room(len),
+            ..SotwRequest::default()
+        }
+    }
 }
 
 impl prost::Message for SotwRequest {
