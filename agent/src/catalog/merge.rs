@@ -34,6 +34,7 @@ use crate::mesh::{
     AddressBook, EndpointSet, InstanceSpec, MeshPath, MeshSnapshot, MeshState, Protocol, Provider,
     ProviderReport, RejectedRoute, Service, ServicePort, ServiceSpec, Stale,
 };
+use crate::parallel;
 
 /// A service path on which providers disagree.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -45,6 +46,17 @@ pub struct Conflict {
     pub refused: Vec<Refused>,
     /// RFC 3339; unchanged while the same providers stay refused.
     pub since: String,
+}
+
+/// What one path merges to: see [`Merger::plan`].
+struct Plan {
+    /// Every provider's definition of the path, in provider order.
+    definitions: Vec<(usize, Arc<Service>)>,
+    /// Those that agree on the path's shape (or what agreed before, for one that no longer
+    /// does), by provider.
+    contributions: BTreeMap<usize, Arc<Service>>,
+    refused: Vec<Refused>,
+    spec: ServiceSpec,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -207,8 +219,11 @@ impl Merger {
             for path in &gone {
                 self.state.remove(path);
             }
-            for path in &paths {
-                self.merge_path(path);
+            // Every path's plan on every core (50k at a large mesh's first merge, the one
+            // stretch of an agent's restart where a core idled), then each put in order.
+            let plans = parallel::map_on_every_core(&paths, |path| self.plan(path));
+            for (path, plan) in paths.iter().zip(plans) {
+                self.apply(path, plan);
             }
             self.merged = true;
             self.update_rejected_routes();
@@ -281,18 +296,21 @@ impl Merger {
 
     /// Recomputes one path from every provider's current definition of it.
     fn merge_path(&mut self, path: &MeshPath) {
+        let plan = self.plan(path);
+        self.apply(path, plan);
+    }
+
+    /// What one path merges to from every provider's current definition of it, worked out
+    /// without changing anything (so many paths' plans can be made at once): `None` when no
+    /// provider defines it.
+    fn plan(&self, path: &MeshPath) -> Option<Plan> {
         let definitions: Vec<(usize, Arc<Service>)> = self
             .slots
             .iter()
             .enumerate()
             .filter_map(|(i, s)| Some((i, s.report.view.as_ref()?.services.get(path)?.clone())))
             .collect();
-        let Some((_, first)) = definitions.first() else {
-            self.state.remove(path);
-            self.contributions.remove(path);
-            self.resolve(path);
-            return;
-        };
+        let (_, first) = definitions.first()?;
         // Before the first merge only the node's last mesh is served, and no proxy was given
         // it: the providers decide the shape as if it were not there.
         let served = self
@@ -330,6 +348,28 @@ impl Merger {
             }
         }
         let spec = merged_spec(path, &shape, &contributions);
+        Some(Plan {
+            definitions,
+            contributions,
+            refused,
+            spec,
+        })
+    }
+
+    /// Puts a path's [`Merger::plan`] in the merged mesh, and records its conflicts.
+    fn apply(&mut self, path: &MeshPath, plan: Option<Plan>) {
+        let Some(Plan {
+            definitions,
+            contributions,
+            refused,
+            spec,
+        }) = plan
+        else {
+            self.state.remove(path);
+            self.contributions.remove(path);
+            self.resolve(path);
+            return;
+        };
         if let Err(error) = self.state.upsert(spec) {
             if !self.merged {
                 // Not what the node's last mesh said either.
@@ -627,6 +667,56 @@ mod tests {
     }
 
     const HTTP: (u16, Protocol) = (80, Protocol::Http);
+
+    /// A first merge of many paths (their plans made on every core) gives the mesh, and the
+    /// conflicts, that the same views give merged path by path after an empty first merge.
+    #[test]
+    fn a_large_first_merge_is_the_path_by_path_merge() {
+        let (kube, file) = providers();
+        let n = 2 * crate::parallel::PARALLEL_FROM + 37;
+        let path = |i: usize| format!("/a/s{i}");
+        let kube_view: Vec<ServiceSpec> = (0..n)
+            .map(|i| service(&kube, &path(i), &[HTTP], &["10.0.0.1"]))
+            .collect();
+        // Every third path agrees (its endpoints are united); every seventh disagrees.
+        let file_view: Vec<ServiceSpec> = (0..n)
+            .filter(|i| i % 3 == 0 || i % 7 == 0)
+            .map(|i| {
+                let port = if i % 7 == 0 {
+                    (80, Protocol::Tcp)
+                } else {
+                    HTTP
+                };
+                service(&file, &path(i), &[port], &["10.0.0.2"])
+            })
+            .collect();
+        let mut at_once = Merger::new(trap(), vec![kube.clone(), file.clone()]);
+        at_once.update(1, view(file_view.clone()));
+        at_once.update(0, view(kube_view.clone()));
+        let mut path_by_path = Merger::new(trap(), vec![kube, file]);
+        path_by_path.update(0, view(vec![]));
+        path_by_path.update(1, view(vec![]));
+        path_by_path.update(0, view(kube_view));
+        path_by_path.update(1, view(file_view));
+        let (a, b) = (
+            at_once.snapshot().unwrap(),
+            path_by_path.snapshot().unwrap(),
+        );
+        assert_eq!(a.services.len(), n);
+        assert_eq!(a.services, b.services);
+        let conflicts = |m: &Merger| -> Vec<String> {
+            m.status()
+                .conflicts
+                .iter()
+                .map(|c| c.path.to_string())
+                .collect()
+        };
+        assert_eq!(
+            conflicts(&at_once).len(),
+            (0..n).filter(|i| i % 7 == 0).count()
+        );
+        assert_eq!(conflicts(&at_once), conflicts(&path_by_path));
+    }
 
     #[test]
     fn nothing_is_published_before_every_provider_reported() {
