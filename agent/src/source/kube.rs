@@ -582,13 +582,13 @@ impl WatchSet {
             .or_else(|| self.failing.iter().flatten().next().cloned())
     }
 
-    /// The snapshot to publish now: none before every initial list is complete, and none
-    /// when nothing changed.
     /// Whether [`WatchSet::publishable`] would take a snapshot of many changed Services.
     fn publishes_many(&self) -> bool {
         self.index.stale_count() >= crate::parallel::PARALLEL_FROM && self.listed.iter().all(|l| *l)
     }
 
+    /// The snapshot to publish now: none before every initial list is complete, and none
+    /// when nothing changed.
     fn publishable(&mut self) -> Option<std::sync::Arc<MeshSnapshot>> {
         if self.relisting.is_some() {
             if !self.listed.iter().all(|l| *l) {
