@@ -166,10 +166,10 @@ impl Assignments {
 
 /// A Delta client's versions of the resources of one type it holds, by name, in name order.
 /// A reconnect writes every entry (100k at 50k services): walked in a hash map's order, each
-/// entry's name and version were reads of memory far from the last, and the writing was a
-/// third of the benchmark's own CPU in an agent restart (perf). In name order the names lie
-/// about where they were allocated (a response's resources come sorted), and the versions
-/// lie in the entries.
+/// entry's name and version were reads of memory far from the last, and the writing was two
+/// fifths of the benchmark's own CPU in an agent restart (perf). In name order the names are
+/// read in about the order they were allocated (a response's resources come sorted), and the
+/// versions are in the entries themselves.
 type Versions = BTreeMap<Arc<str>, HeldVersion>;
 
 /// A resource's version as a client holds it: in place when it is 16 bytes or fewer (the
