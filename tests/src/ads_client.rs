@@ -717,24 +717,16 @@ struct Held {
 }
 
 impl Held {
-    /// The subscription written with the versions: the clusters for endpoints, the route
-    /// configurations the listeners name for routes, none for the wildcard types.
-    fn names<'v>(v: &'v ClientView, type_url: &str) -> Vec<&'v str> {
-        match type_url {
+    /// What is written from `v`: the subscription (the clusters for endpoints, the route
+    /// configurations the listeners name for routes, none for the wildcard types) and the
+    /// version of each resource held.
+    fn parts<'v>(&self, v: &'v ClientView) -> (Vec<&'v str>, Option<&'v Versions>) {
+        let names = match self.type_url {
             EDS => v.clusters.iter().map(|c| &**c).collect(),
             RDS => v.route_names.iter().map(String::as_str).collect(),
             _ => Vec::new(),
-        }
-    }
-
-    fn len(&self, v: &ClientView) -> usize {
-        let names = Held::names(v, self.type_url);
-        reconnect_len(&names, v.delta_versions.get(self.type_url))
-    }
-
-    fn put(&self, v: &ClientView, buf: &mut impl BufMut) {
-        let names = Held::names(v, self.type_url);
-        put_reconnect(&names, v.delta_versions.get(self.type_url), buf);
+        };
+        (names, v.delta_versions.get(self.type_url))
     }
 }
 
@@ -743,26 +735,28 @@ impl EncodedRequest {
     /// reads the view once for both.
     fn write<B: BufMut>(&self, buf: &mut B, reserve: fn(&mut B, usize)) {
         let view = self.held.as_ref().map(|held| (held, lock(&held.view)));
-        let held_len = view.as_ref().map_or(0, |(held, v)| held.len(v));
-        let len = self.head.len() + self.node.len() + self.names.len() + held_len;
-        reserve(buf, len);
+        let held = view.as_ref().map(|(held, v)| held.parts(v));
+        let held_len = held
+            .as_ref()
+            .map_or(0, |(names, versions)| reconnect_len(names, *versions));
+        reserve(buf, self.own_len() + held_len);
         buf.put_slice(&self.head);
         buf.put_slice(&self.node);
         buf.put_slice(&self.names);
-        if let Some((held, v)) = &view {
-            held.put(v, buf);
+        if let Some((names, versions)) = &held {
+            put_reconnect(names, *versions, buf);
         }
+    }
+
+    /// The length of the parts encoded ahead.
+    fn own_len(&self) -> usize {
+        self.head.len() + self.node.len() + self.names.len()
     }
 }
 
 impl Message for EncodedRequest {
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.head);
-        buf.put_slice(&self.node);
-        buf.put_slice(&self.names);
-        if let Some(held) = &self.held {
-            held.put(&lock(&held.view), buf);
-        }
+        self.write(buf, |_, _| {});
     }
 
     fn merge_field(
@@ -777,11 +771,12 @@ impl Message for EncodedRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let held = self
-            .held
-            .as_ref()
-            .map_or(0, |held| held.len(&lock(&held.view)));
-        self.head.len() + self.node.len() + self.names.len() + held
+        let held = self.held.as_ref().map_or(0, |held| {
+            let v = lock(&held.view);
+            let (names, versions) = held.parts(&v);
+            reconnect_len(&names, versions)
+        });
+        self.own_len() + held
     }
 
     fn clear(&mut self) {
