@@ -27,6 +27,7 @@ mod index;
 mod mapping;
 pub mod meshed;
 pub mod node;
+mod objects;
 mod ownership;
 pub mod pods;
 mod routes;

@@ -5,11 +5,10 @@
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use super::KubeSourceError;
+use super::objects::{EndpointFields, ServiceObject, SliceObject};
 use crate::mesh::{
     HealthPolicy, Hints, HostHeader, HostName, MeshPath, Protocol, TrafficDistribution,
 };
@@ -184,13 +183,13 @@ pub type MappedSlice = Result<SliceEntry, SliceSkip>;
 
 /// Maps a Service. An ExternalName Service is a service whose every port is served by its
 /// external name, which Envoy resolves; one without TCP ports is skipped (`Ok(None)`).
-pub fn service_entry(service: &Service) -> (ObjectKey, MappedService) {
+pub fn service_entry(service: &ServiceObject) -> (ObjectKey, MappedService) {
     let key = ObjectKey::of(&service.metadata);
     let mapped = map_service(&key, service);
     (key, mapped)
 }
 
-fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
+fn map_service(key: &ObjectKey, service: &ServiceObject) -> MappedService {
     let spec = service.spec.as_ref();
     let external = if spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName") {
         let name = spec.and_then(|s| s.external_name.as_deref()).unwrap_or("");
@@ -281,13 +280,14 @@ fn map_service(key: &ObjectKey, service: &Service) -> MappedService {
 
 /// Maps an EndpointSlice: the endpoints that are ready (unset counts as ready, as the API
 /// documents) and not terminating.
-pub fn slice_entry(slice: &EndpointSlice) -> (ObjectKey, MappedSlice) {
+pub fn slice_entry(slice: &SliceObject) -> (ObjectKey, MappedSlice) {
     (ObjectKey::of(&slice.metadata), map_slice(slice))
 }
 
-fn map_slice(slice: &EndpointSlice) -> MappedSlice {
-    if slice.address_type != "IPv4" {
-        return Err(SliceSkip::AddressType(slice.address_type.clone()));
+fn map_slice(slice: &SliceObject) -> MappedSlice {
+    let address_type = slice.address_type.as_deref().unwrap_or_default();
+    if address_type != "IPv4" {
+        return Err(SliceSkip::AddressType(address_type.to_owned()));
     }
     let Some(service) = slice
         .metadata
@@ -309,12 +309,10 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
             ))
         })
         .collect();
-    let ready = |e: &&k8s_openapi::api::discovery::v1::Endpoint| {
-        e.conditions.as_ref().and_then(|c| c.ready) != Some(false)
-    };
-    let terminating = |e: &&k8s_openapi::api::discovery::v1::Endpoint| {
-        e.conditions.as_ref().and_then(|c| c.terminating) == Some(true)
-    };
+    let all = || slice.endpoints.iter().flatten();
+    let ready = |e: &&EndpointFields| e.conditions.as_ref().and_then(|c| c.ready) != Some(false);
+    let terminating =
+        |e: &&EndpointFields| e.conditions.as_ref().and_then(|c| c.terminating) == Some(true);
     // Zone and node names repeat across a slice's endpoints: each is allocated once per slice.
     let mut names: Vec<Arc<str>> = Vec::new();
     let mut intern = |name: &str| -> Arc<str> {
@@ -328,19 +326,9 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
         }
     };
     let namespace = slice.metadata.namespace.as_deref().unwrap_or_default();
-    let pod = |e: &k8s_openapi::api::discovery::v1::Endpoint| {
-        e.target_ref
-            .as_ref()
-            .filter(|r| r.kind.as_deref() == Some("Pod"))
-            .and_then(|r| r.name.as_deref())
-            .map(|name| pod_ref(namespace, name))
-    };
+    let pod = |e: &EndpointFields| e.pod_name().map(|name| pod_ref(namespace, name));
     let mut endpoints: Vec<SliceEndpoint> = Vec::new();
-    for endpoint in slice
-        .endpoints
-        .iter()
-        .filter(|e| ready(e) && !terminating(e))
-    {
+    for endpoint in all().filter(|e| ready(e) && !terminating(e)) {
         let zone = endpoint
             .zone
             .as_deref()
@@ -368,39 +356,33 @@ fn map_slice(slice: &EndpointSlice) -> MappedSlice {
             };
             (!hints.is_empty()).then(|| Arc::new(hints))
         });
-        for address in &endpoint.addresses {
-            if let Ok(ip) = address.parse() {
-                endpoints.push(SliceEndpoint {
-                    ip,
-                    zone: zone.clone(),
-                    node: node.clone(),
-                    hints: hints.clone(),
-                    pod: pod(endpoint),
-                });
-            }
+        for ip in endpoint.addresses() {
+            endpoints.push(SliceEndpoint {
+                ip,
+                zone: zone.clone(),
+                node: node.clone(),
+                hints: hints.clone(),
+                pod: pod(endpoint),
+            });
         }
     }
     // Stable: of two entries for one address, the first in the slice is kept.
     endpoints.sort_by_key(|e| e.ip);
     endpoints.dedup_by_key(|e| e.ip);
-    let mut unready: Vec<Ipv4Addr> = slice
-        .endpoints
-        .iter()
+    let mut unready: Vec<Ipv4Addr> = all()
         .filter(|e| !ready(e) || terminating(e))
-        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
+        .flat_map(EndpointFields::addresses)
         .filter(|ip| endpoints.binary_search_by_key(ip, |e| e.ip).is_err())
         .collect();
     unready.sort_unstable();
     unready.dedup();
     // A terminating pod is on its way out; its successor (same hostname) takes over the name.
-    let named = slice
-        .endpoints
-        .iter()
+    let named = all()
         .filter(|e| !terminating(e))
         .filter_map(|e| {
             Some(NamedEndpoint {
                 hostname: non_empty(&e.hostname)?,
-                ip: e.addresses.first()?.parse().ok()?,
+                ip: e.first_address()?,
                 ready: ready(&e),
                 pod: pod(e),
             })

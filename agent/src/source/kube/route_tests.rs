@@ -28,7 +28,7 @@ fn service(index: &mut MeshIndex, namespace: &str, name: &str, ports: Value) {
         "spec": {"ports": ports},
     }))
     .unwrap();
-    let (key, mapped) = mapping::service_entry(&service);
+    let (key, mapped) = mapping::service_entry(&super::objects::read(&service));
     index.apply_mapped_service(key, mapped);
 }
 

@@ -19,12 +19,12 @@ trait ApplyObjects {
 
 impl ApplyObjects for MeshIndex {
     fn apply_service(&mut self, service: &Service) {
-        let (key, mapped) = mapping::service_entry(service);
+        let (key, mapped) = mapping::service_entry(&objects::read(service));
         self.apply_mapped_service(key, mapped);
     }
 
     fn apply_slice(&mut self, slice: &EndpointSlice) {
-        let (key, mapped) = mapping::slice_entry(slice);
+        let (key, mapped) = mapping::slice_entry(&objects::read(slice));
         self.apply_mapped_slice(key, mapped);
     }
 }
@@ -358,7 +358,7 @@ fn a_malformed_external_name_or_host_header_skips_the_service_with_a_reason() {
         "under_score.example.com",
         json!([{"port": 80}]),
     );
-    let (_, mapped) = mapping::service_entry(&bad);
+    let (_, mapped) = mapping::service_entry(&objects::read(&bad));
     let err = mapped.unwrap_err().to_string();
     assert!(
         err.contains("ext/bad") && err.contains("externalName"),
@@ -367,7 +367,7 @@ fn a_malformed_external_name_or_host_header_skips_the_service_with_a_reason() {
     let mut mode = external_name("ext", "mode", "db.example.com", json!([{"port": 80}]));
     mode.metadata.annotations =
         Some([(HOST_HEADER_ANNOTATION.to_string(), "upstream".to_string())].into());
-    let (_, mapped) = mapping::service_entry(&mode);
+    let (_, mapped) = mapping::service_entry(&objects::read(&mode));
     let err = mapped.unwrap_err().to_string();
     assert!(
         err.contains(HOST_HEADER_ANNOTATION) && err.contains("rewrite or keep"),
@@ -521,7 +521,7 @@ fn annotation_sets_the_path_and_an_invalid_one_skips_the_service() {
     // Turning the annotation invalid withdraws the service instead of keeping a stale one.
     index.apply_service(&annotated(svc.clone(), "/Foo_Bar"));
     assert!(view(&snapshot(&mut index)).is_empty());
-    let (_, mapped) = mapping::service_entry(&annotated(svc, "nope"));
+    let (_, mapped) = mapping::service_entry(&objects::read(&annotated(svc, "nope")));
     let err = mapped.unwrap_err().to_string();
     assert!(err.contains("a/web") && err.contains("\"nope\""), "{err}");
 }
@@ -593,11 +593,24 @@ fn scopes(namespaces: &[Option<&str>]) -> Vec<WatchScope> {
 }
 
 fn svc_change(event: watcher::Event<Service>) -> Result<Change, watcher::Error> {
-    Ok(Change::of(event, Object::service))
+    Ok(Change::of(read_event(event), Object::service))
 }
 
 fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher::Error> {
-    Ok(Change::of(event, Object::slice))
+    Ok(Change::of(read_event(event), Object::slice))
+}
+
+/// An event of k8s-openapi's objects as the watch reads it off the wire.
+fn read_event<K: serde::Serialize, T: serde::de::DeserializeOwned>(
+    event: watcher::Event<K>,
+) -> watcher::Event<T> {
+    match event {
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(object) => watcher::Event::InitApply(objects::read(&object)),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+        watcher::Event::Apply(object) => watcher::Event::Apply(objects::read(&object)),
+        watcher::Event::Delete(object) => watcher::Event::Delete(objects::read(&object)),
+    }
 }
 
 #[test]

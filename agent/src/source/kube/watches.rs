@@ -7,8 +7,7 @@ use futures::{Stream, StreamExt};
 use gateway_api::experimental::httproutes::HttpRoute;
 use gateway_api::grpcroutes::GrpcRoute;
 use gateway_api::referencegrants::ReferenceGrant;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -16,6 +15,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use super::authorizations::{self, AuthorizationEntry, MeshAuthorization};
 use super::mapping::{self, MappedService, MappedSlice, ObjectKey};
 use super::meshed;
+use super::objects::{ServiceObject, SliceObject};
 use super::ownership::PathGrants;
 use super::routes::{self, GrantEntry, RouteEntry, RouteKey};
 
@@ -73,12 +73,12 @@ pub(super) enum Object {
 }
 
 impl Object {
-    pub(super) fn service(service: &Service) -> Object {
+    pub(super) fn service(service: &ServiceObject) -> Object {
         let (key, mapped) = mapping::service_entry(service);
         Object::Service(key, mapped)
     }
 
-    pub(super) fn slice(slice: &EndpointSlice) -> Object {
+    pub(super) fn slice(slice: &SliceObject) -> Object {
         let (key, mapped) = mapping::slice_entry(slice);
         Object::Slice(key, mapped)
     }
