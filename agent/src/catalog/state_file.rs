@@ -31,7 +31,10 @@ pub fn read<T: DeserializeOwned>(
     let mut text = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
     std::io::Read::read_to_end(&mut std::io::Read::take(file, max_bytes + 1), &mut text)
         .map_err(|err| format!("cannot read it: {err}"))?;
-    serde_json::from_slice(&text)
+    // Checked as UTF-8 once, whole, rather than string by string as `from_slice` does: about
+    // a tenth of reading a 50k-service last mesh was those checks.
+    let text = std::str::from_utf8(&text).map_err(|err| format!("not {what}: {err}"))?;
+    serde_json::from_str(text)
         .map(Some)
         .map_err(|err| format!("not {what}: {err}"))
 }
@@ -56,4 +59,26 @@ pub fn replace(path: &Path, prefix: &str, value: &impl Serialize) -> Result<(), 
     file.persist(path)
         .map_err(|err| format!("cannot rename over it: {}", err.error))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_reads_back_and_one_that_is_not_utf8_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        assert_eq!(read::<Vec<String>>(&path, 1 << 10, "a list"), Ok(None));
+        let written = vec!["ä".to_owned(), "b".to_owned()];
+        replace(&path, "state", &written).unwrap();
+        assert_eq!(read(&path, 1 << 10, "a list"), Ok(Some(written)));
+        std::fs::write(&path, b"[\"\xff\"]").unwrap();
+        let error = read::<Vec<String>>(&path, 1 << 10, "a list").unwrap_err();
+        assert!(error.starts_with("not a list"), "{error}");
+        assert!(
+            read::<Vec<String>>(&path, 2, "a list").is_err(),
+            "larger than allowed"
+        );
+    }
 }
