@@ -251,6 +251,9 @@ impl MeshIndex {
         }
         self.slices
             .reserve(listed.len().saturating_sub(self.slices.len()));
+        // Most Services have one slice.
+        self.slices_of
+            .reserve(listed.len().saturating_sub(self.slices_of.len()));
         for (key, mapped) in listed {
             self.apply_mapped_slice(key, mapped);
         }
@@ -518,44 +521,52 @@ impl MeshIndex {
     }
 
     fn set_slice(&mut self, key: ObjectKey, entry: Option<SliceEntry>) {
-        let old = match &entry {
-            Some(entry) => self.slices.insert(key.clone(), entry.clone()),
-            None => self.slices.remove(&key),
-        };
-        if old == entry {
+        // Compared where it is held, and moved in, not cloned: a first list's 50k slices are
+        // applied one after another while a core idles (perf), so each copy and allocation
+        // spared shortens the agent's start.
+        let held = self.slices.get(&key);
+        if held == entry.as_ref() {
             return;
         }
-        let old_service = old.map(|o| ObjectKey::new(key.namespace.as_str(), o.service));
-        let new_service = entry.map(|e| ObjectKey::new(key.namespace.as_str(), e.service));
+        let service_of =
+            |slice: &SliceEntry| ObjectKey::new(key.namespace.as_str(), &*slice.service);
+        let old_service = held.map(service_of);
+        let new_service = entry.as_ref().map(service_of);
+        let name = key.name.clone();
+        match entry {
+            Some(entry) => self.slices.insert(key, entry),
+            None => self.slices.remove(&key),
+        };
         if let Some(service) = &old_service
             && old_service != new_service
-            && let Some(names) = self.slices_of.get_mut(service)
         {
-            names.remove(&key.name);
-            if names.is_empty() {
-                self.slices_of.remove(service);
+            if let Some(names) = self.slices_of.get_mut(service) {
+                names.remove(&name);
+                if names.is_empty() {
+                    self.slices_of.remove(service);
+                }
             }
+            self.refresh_service(service);
         }
-        if let Some(service) = &new_service {
-            self.slices_of
-                .entry(service.clone())
-                .or_default()
-                .insert(key.name.clone());
+        if let Some(service) = new_service {
+            self.refresh_service(&service);
+            self.slices_of.entry(service).or_default().insert(name);
         }
-        for service in old_service.iter().chain(
-            new_service
-                .iter()
-                .filter(|s| Some(*s) != old_service.as_ref()),
-        ) {
-            if let Some(path) = self.services.get(service).map(|s| s.path.clone()) {
-                self.refresh(&path);
-            }
+    }
+
+    /// Marks the path `service` holds, if it holds one.
+    fn refresh_service(&mut self, service: &ObjectKey) {
+        if let Some(path) = self.services.get(service).map(|s| s.path.clone()) {
+            self.refresh(&path);
         }
     }
 
     /// Marks `path` for [`Self::recompute`] at the next snapshot.
     fn refresh(&mut self, path: &MeshPath) {
-        if self.stale_set.insert(path.clone()) {
+        // Looked up first: a list marks each path twice (its Service, its slices), and the
+        // second mark need not copy the path.
+        if !self.stale_set.contains(path) {
+            self.stale_set.insert(path.clone());
             self.stale.push(path.clone());
         }
     }
