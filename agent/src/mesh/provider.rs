@@ -40,20 +40,31 @@ impl Provider {
 }
 
 /// Read back (the node's last mesh), every endpoint names its provider: the names are shared
-/// again, as the sources share them, rather than allocated once per endpoint.
+/// again, as the sources share them, rather than allocated once per endpoint. The name is
+/// compared where the reader holds it (`visit_str`); a `Cow<str>` would have been an owned
+/// copy per endpoint, 500k of them at 50k services.
 impl<'de> serde::Deserialize<'de> for Provider {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Provider, D::Error> {
         thread_local! {
             static LAST: std::cell::RefCell<Option<Provider>> = const { std::cell::RefCell::new(None) };
         }
-        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        if name == "kubernetes" {
-            return Ok(Provider::kubernetes());
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = Provider;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a provider's name")
+            }
+            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<Provider, E> {
+                if name == "kubernetes" {
+                    return Ok(Provider::kubernetes());
+                }
+                Ok(LAST.with_borrow_mut(|last| match last {
+                    Some(provider) if provider.as_str() == name => provider.clone(),
+                    _ => last.insert(Provider::new(name)).clone(),
+                }))
+            }
         }
-        Ok(LAST.with_borrow_mut(|last| match last {
-            Some(provider) if provider.as_str() == name => provider.clone(),
-            _ => last.insert(Provider::new(name.as_ref())).clone(),
-        }))
+        d.deserialize_str(Name)
     }
 }
 
@@ -134,5 +145,37 @@ impl Report for ProviderTx {
 
     fn fresh(&self) {
         self.send_if_modified(|report| report.stale.take().is_some());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn providers_read_back_share_their_names() {
+        let read: Vec<Provider> = serde_json::from_str(
+            r#"["kubernetes", "file:/a", "file:\/a", "file:/b", "kubernetes", "file:/b"]"#,
+        )
+        .unwrap();
+        let names: Vec<&str> = read.iter().map(Provider::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "kubernetes",
+                "file:/a",
+                "file:/a",
+                "file:/b",
+                "kubernetes",
+                "file:/b"
+            ]
+        );
+        assert!(Arc::ptr_eq(&read[0].0, &Provider::kubernetes().0));
+        assert!(
+            Arc::ptr_eq(&read[1].0, &read[2].0),
+            "an escaped name is the same"
+        );
+        assert!(Arc::ptr_eq(&read[3].0, &read[5].0));
+        assert!(serde_json::from_str::<Provider>("7").is_err());
     }
 }
