@@ -111,8 +111,9 @@ impl EndpointFields {
 }
 
 /// An endpoint's addresses, each read straight into an IPv4 address: the first as it came
-/// (`None` when not IPv4), then the other IPv4 ones. An endpoint has one address (the API
-/// allows no more, and may one day allow a few), which is read with no allocation.
+/// (`None` when not IPv4), then the other IPv4 ones. EndpointSlice controllers write one
+/// address per endpoint (the API allows up to 100, all of one pod), which is read with no
+/// allocation.
 #[derive(Clone, Debug, Default)]
 pub struct Addresses {
     first: Option<Option<Ipv4Addr>>,
