@@ -48,7 +48,8 @@ use crate::mesh::{AddressError, MeshSnapshot, PathError, ProviderTx};
 
 pub use authorizations::MeshAuthorization;
 pub use index::{MeshIndex, Ownership};
-pub use mapping::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL, port_protocol};
+pub use mapping::port_protocol;
+pub use objects::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL};
 pub use ownership::{PathClaims, PathGrants};
 
 use routes::RouteKind;
@@ -95,7 +96,7 @@ pub enum KubeSourceError {
     },
     #[error(
         "service {service} is skipped: annotation {}: {source}",
-        mapping::HOST_HEADER_ANNOTATION
+        objects::HOST_HEADER_ANNOTATION
     )]
     InvalidHostHeader {
         service: String,

@@ -10,7 +10,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use proptest::prelude::*;
 use serde_json::json;
 
-use super::mapping::{self, ObjectKey, SERVICE_NAME_LABEL};
+use super::mapping::{self, ObjectKey};
+use super::objects::SERVICE_NAME_LABEL;
 use super::{MeshIndex, Ownership, objects};
 use crate::mesh::{MeshSnapshot, Protocol};
 

@@ -8,19 +8,14 @@ use std::sync::Arc;
 use k8s_openapi::jiff::Timestamp;
 
 use super::KubeSourceError;
-use super::objects::{EndpointFields, ServiceObject, SliceObject};
+use super::objects::{
+    EndpointFields, HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL, ServiceObject,
+    SliceObject,
+};
 use crate::mesh::{
     HealthPolicy, Hints, HostHeader, HostName, MeshPath, Protocol, TrafficDistribution,
 };
 use crate::source::health::{HEALTH_ANNOTATION, from_annotation};
-
-/// The annotation that places a Service at a mesh path of its choosing.
-pub const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
-/// The annotation that keeps the client's `Host` on requests to an ExternalName Service
-/// (`keep`), instead of the default `rewrite` to the external name.
-pub const HOST_HEADER_ANNOTATION: &str = "lattice.mlab.com/host-header";
-/// The label that ties an EndpointSlice to its Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// A namespaced object's identity.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -22,8 +22,15 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
-use super::mapping::{HOST_HEADER_ANNOTATION, PATH_ANNOTATION, SERVICE_NAME_LABEL};
 use crate::source::health::HEALTH_ANNOTATION;
+
+/// The annotation that places a Service at a mesh path of its choosing.
+pub const PATH_ANNOTATION: &str = "lattice.mlab.com/path";
+/// The annotation that keeps the client's `Host` on requests to an ExternalName Service
+/// (`keep`), instead of the default `rewrite` to the external name.
+pub const HOST_HEADER_ANNOTATION: &str = "lattice.mlab.com/host-header";
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// A Service: its metadata (with the annotations the mapping reads) and its spec.
 #[derive(Clone, Debug, Default, Deserialize)]
