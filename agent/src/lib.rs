@@ -18,6 +18,7 @@ pub mod admin;
 pub mod catalog;
 pub mod config;
 pub mod identity;
+pub mod in_place;
 pub mod mesh;
 pub mod metrics;
 pub mod node_local_address;

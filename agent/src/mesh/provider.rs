@@ -41,30 +41,22 @@ impl Provider {
 
 /// Read back (the node's last mesh), every endpoint names its provider: the names are shared
 /// again, as the sources share them, rather than allocated once per endpoint. The name is
-/// compared where the reader holds it (`visit_str`); a `Cow<str>` would have been an owned
+/// compared where the reader holds it ([`crate::in_place`]); a `Cow<str>` would have been an owned
 /// copy per endpoint, 500k of them at 50k services.
 impl<'de> serde::Deserialize<'de> for Provider {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Provider, D::Error> {
         thread_local! {
             static LAST: std::cell::RefCell<Option<Provider>> = const { std::cell::RefCell::new(None) };
         }
-        struct Name;
-        impl serde::de::Visitor<'_> for Name {
-            type Value = Provider;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a provider's name")
+        crate::in_place::read_str(d, "a provider's name", |name| {
+            if name == "kubernetes" {
+                return Provider::kubernetes();
             }
-            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<Provider, E> {
-                if name == "kubernetes" {
-                    return Ok(Provider::kubernetes());
-                }
-                Ok(LAST.with_borrow_mut(|last| match last {
-                    Some(provider) if provider.as_str() == name => provider.clone(),
-                    _ => last.insert(Provider::new(name)).clone(),
-                }))
-            }
-        }
-        d.deserialize_str(Name)
+            LAST.with_borrow_mut(|last| match last {
+                Some(provider) if provider.as_str() == name => provider.clone(),
+                _ => last.insert(Provider::new(name)).clone(),
+            })
+        })
     }
 }
 

@@ -12,8 +12,9 @@ use serde_json::json;
 
 use super::mapping::{self, ObjectKey};
 use super::objects::SERVICE_NAME_LABEL;
+use super::tests::View;
 use super::{MeshIndex, Ownership, objects};
-use crate::mesh::{MeshSnapshot, Protocol};
+use crate::mesh::MeshSnapshot;
 
 const NAMESPACES: [&str; 2] = ["a", "b"];
 const SERVICES: [&str; 3] = ["s0", "s1", "s2"];
@@ -91,9 +92,6 @@ struct Model {
     slices: BTreeMap<(usize, usize), ModelSlice>,
 }
 
-/// path → [(port, protocol, endpoints)].
-type View = Vec<(String, Vec<(u16, Protocol, Vec<String>)>)>;
-
 impl Model {
     fn view(&self) -> View {
         let mut view: View = self
@@ -128,25 +126,9 @@ impl Model {
     }
 }
 
+/// The snapshot's view in path order, as the model's.
 fn view(snapshot: &MeshSnapshot) -> View {
-    let mut view: View = snapshot
-        .services
-        .values()
-        .map(|s| {
-            let ports = s
-                .ports
-                .iter()
-                .map(|p| {
-                    (
-                        p.port,
-                        p.protocol,
-                        p.endpoints.addresses().map(|a| a.to_string()).collect(),
-                    )
-                })
-                .collect();
-            (s.path.to_string(), ports)
-        })
-        .collect();
+    let mut view = super::tests::view(snapshot);
     view.sort();
     view
 }

@@ -22,6 +22,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
+use crate::in_place;
 use crate::source::health::HEALTH_ANNOTATION;
 
 /// The annotation that places a Service at a mesh path of its choosing.
@@ -35,7 +36,7 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// A Service: its metadata (with the annotations the mapping reads) and its spec.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct ServiceObject {
-    #[serde(default, deserialize_with = "meta::<ServiceAnnotations, _>")]
+    #[serde(default, deserialize_with = "meta::<NoKeys, ServiceAnnotations, _>")]
     pub metadata: ObjectMeta,
     #[serde(default)]
     pub spec: Option<ServiceFields>,
@@ -69,7 +70,7 @@ pub struct ServicePortFields {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SliceObject {
-    #[serde(default, deserialize_with = "meta::<SliceLabels, _>")]
+    #[serde(default, deserialize_with = "meta::<SliceLabels, NoKeys, _>")]
     pub metadata: ObjectMeta,
     pub address_type: Option<String>,
     pub ports: Option<Vec<SlicePortFields>>,
@@ -181,17 +182,7 @@ pub struct IsPod(pub bool);
 
 impl<'de> Deserialize<'de> for IsPod {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Text;
-        impl Visitor<'_> for Text {
-            type Value = IsPod;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a kind")
-            }
-            fn visit_str<E: de::Error>(self, text: &str) -> Result<IsPod, E> {
-                Ok(IsPod(text == "Pod"))
-            }
-        }
-        deserializer.deserialize_str(Text)
+        in_place::read_str(deserializer, "a kind", |kind| IsPod(kind == "Pod"))
     }
 }
 
@@ -202,17 +193,9 @@ struct Address(Option<Ipv4Addr>);
 
 impl<'de> Deserialize<'de> for Address {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Text;
-        impl Visitor<'_> for Text {
-            type Value = Address;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an address")
-            }
-            fn visit_str<E: de::Error>(self, text: &str) -> Result<Address, E> {
-                Ok(Address(text.parse().ok()))
-            }
-        }
-        deserializer.deserialize_str(Text)
+        in_place::read_str(deserializer, "an address", |text| {
+            Address(text.parse().ok())
+        })
     }
 }
 
@@ -225,27 +208,32 @@ where
     Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
 
-/// Which labels and annotations of an object the mapping reads.
-trait Kept {
-    const LABELS: &'static [&'static str];
-    const ANNOTATIONS: &'static [&'static str];
+/// Which keys of a string map (labels, annotations) the mapping reads; the others are
+/// skipped unread.
+trait Keys {
+    const KEYS: &'static [&'static str];
 }
 
-/// A Service's: its path, host header and health annotations.
+/// None: a map of which nothing is read.
+struct NoKeys;
+
+impl Keys for NoKeys {
+    const KEYS: &'static [&'static str] = &[];
+}
+
+/// A Service's annotations: its path, host header and health.
 struct ServiceAnnotations;
 
-impl Kept for ServiceAnnotations {
-    const LABELS: &'static [&'static str] = &[];
-    const ANNOTATIONS: &'static [&'static str] =
+impl Keys for ServiceAnnotations {
+    const KEYS: &'static [&'static str] =
         &[PATH_ANNOTATION, HOST_HEADER_ANNOTATION, HEALTH_ANNOTATION];
 }
 
-/// An EndpointSlice's: the label naming its Service.
+/// An EndpointSlice's labels: the one naming its Service.
 struct SliceLabels;
 
-impl Kept for SliceLabels {
-    const LABELS: &'static [&'static str] = &[SERVICE_NAME_LABEL];
-    const ANNOTATIONS: &'static [&'static str] = &[];
+impl Keys for SliceLabels {
+    const KEYS: &'static [&'static str] = &[SERVICE_NAME_LABEL];
 }
 
 /// The metadata fields the source reads: identity, resourceVersion (the watches' own
@@ -253,19 +241,22 @@ impl Kept for SliceLabels {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 #[serde(bound = "")]
-struct MetaFields<K: Kept> {
+struct MetaFields<L: Keys, A: Keys> {
     name: Option<String>,
     namespace: Option<String>,
     resource_version: Option<String>,
     creation_timestamp: Option<Time>,
     #[serde(default)]
-    labels: Option<Entries<Labels<K>>>,
+    labels: Option<Entries<L>>,
     #[serde(default)]
-    annotations: Option<Entries<Annotations<K>>>,
+    annotations: Option<Entries<A>>,
 }
 
-fn meta<'de, K: Kept, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D::Error> {
-    let Some(fields) = Option::<MetaFields<K>>::deserialize(deserializer)? else {
+/// The metadata, with the labels `L` and the annotations `A` names.
+fn meta<'de, L: Keys, A: Keys, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<ObjectMeta, D::Error> {
+    let Some(fields) = Option::<MetaFields<L, A>>::deserialize(deserializer)? else {
         return Ok(ObjectMeta::default());
     };
     Ok(ObjectMeta {
@@ -277,23 +268,6 @@ fn meta<'de, K: Kept, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMet
         annotations: fields.annotations.map(|entries| entries.kept),
         ..ObjectMeta::default()
     })
-}
-
-/// Which keys of a string map are kept.
-trait Keys {
-    const KEYS: &'static [&'static str];
-}
-
-struct Labels<K>(PhantomData<K>);
-
-impl<K: Kept> Keys for Labels<K> {
-    const KEYS: &'static [&'static str] = K::LABELS;
-}
-
-struct Annotations<K>(PhantomData<K>);
-
-impl<K: Kept> Keys for Annotations<K> {
-    const KEYS: &'static [&'static str] = K::ANNOTATIONS;
 }
 
 /// A string map of which only the entries under `S::KEYS` are kept; every other value is
@@ -339,20 +313,12 @@ struct Key<S>(Option<&'static str>, PhantomData<S>);
 
 impl<'de, S: Keys> Deserialize<'de> for Key<S> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Text<S>(PhantomData<S>);
-        impl<S: Keys> Visitor<'_> for Text<S> {
-            type Value = Key<S>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_str<E: de::Error>(self, text: &str) -> Result<Key<S>, E> {
-                Ok(Key(
-                    S::KEYS.iter().copied().find(|key| *key == text),
-                    PhantomData,
-                ))
-            }
-        }
-        deserializer.deserialize_str(Text(PhantomData))
+        in_place::read_str(deserializer, "a string", |text| {
+            Key(
+                S::KEYS.iter().copied().find(|key| *key == text),
+                PhantomData,
+            )
+        })
     }
 }
 
@@ -617,13 +583,13 @@ mod tests {
     }
 
     /// Identity, version, creation time and the kept entries, as k8s-openapi reads them.
-    fn same_meta<K: Kept>(read: &ObjectMeta, full: &ObjectMeta) {
+    fn same_meta<L: Keys, A: Keys>(read: &ObjectMeta, full: &ObjectMeta) {
         assert_eq!(read.name, full.name);
         assert_eq!(read.namespace, full.namespace);
         assert_eq!(read.resource_version, full.resource_version);
         assert_eq!(read.creation_timestamp, full.creation_timestamp);
-        assert_eq!(read.labels, kept(&full.labels, K::LABELS));
-        assert_eq!(read.annotations, kept(&full.annotations, K::ANNOTATIONS));
+        assert_eq!(read.labels, kept(&full.labels, L::KEYS));
+        assert_eq!(read.annotations, kept(&full.annotations, A::KEYS));
     }
 
     proptest! {
@@ -653,7 +619,7 @@ mod tests {
             });
             let full: EndpointSlice = serde_json::from_value(object.clone()).unwrap();
             let read: SliceObject = serde_json::from_value(object).unwrap();
-            same_meta::<SliceLabels>(&read.metadata, &full.metadata);
+            same_meta::<SliceLabels, NoKeys>(&read.metadata, &full.metadata);
             prop_assert_eq!(read.address_type.as_deref(), Some(full.address_type.as_str()));
             let read_ports = read.ports.unwrap_or_default();
             let full_ports = full.ports.unwrap_or_default();
@@ -745,7 +711,7 @@ mod tests {
             });
             let full: Service = serde_json::from_value(object.clone()).unwrap();
             let read: ServiceObject = serde_json::from_value(object).unwrap();
-            same_meta::<ServiceAnnotations>(&read.metadata, &full.metadata);
+            same_meta::<NoKeys, ServiceAnnotations>(&read.metadata, &full.metadata);
             let (read, full) = (read.spec.unwrap(), full.spec.unwrap());
             prop_assert_eq!(&read.type_, &full.type_);
             prop_assert_eq!(&read.external_name, &full.external_name);

@@ -79,9 +79,9 @@ fn ready(ips: &[&str]) -> Value {
 }
 
 /// path → [(port, protocol, endpoints)], the part of a snapshot a source decides.
-type View = Vec<(String, Vec<(u16, Protocol, Vec<String>)>)>;
+pub(super) type View = Vec<(String, Vec<(u16, Protocol, Vec<String>)>)>;
 
-fn view(snapshot: &MeshSnapshot) -> View {
+pub(super) fn view(snapshot: &MeshSnapshot) -> View {
     snapshot
         .services
         .values()
