@@ -6,14 +6,15 @@
 //! kept as a state-of-the-world request's names are ([`NameList`]), and both lists are read a
 //! run of entries at a time where they lie whole in the buffer's current chunk.
 
+use bytestring::ByteString;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::ResourceLocator;
 use envoy_types::pb::google::rpc::Status;
 use prost::DecodeError;
 use prost::bytes::{Buf, BufMut};
 use prost::encoding::{
-    DecodeContext, WireType, encode_key, encode_varint, encoded_len_varint, key_len, message,
-    skip_field, string,
+    DecodeContext, WireType, decode_key, encode_key, encode_varint, encoded_len_varint, key_len,
+    message, skip_field, string,
 };
 
 use super::names::NameList;
@@ -46,18 +47,75 @@ pub struct DeltaRequest {
     pub error_detail: Option<Status>,
 }
 
-/// Names and their versions in one buffer, in the order received. A name given twice is
-/// listed twice; read in order, the last wins, as in the map the field is.
+/// Names and their versions in the order received. A name given twice is listed twice; read
+/// in order, the last wins, as in the map the field is.
+///
+/// A run of entries read in place is kept where it lay: a slice of the request's frame (its
+/// keys and lengths between the names and versions), not a copy. At 50k services a
+/// whole-mesh proxy's reconnect lists 100k entries, 5 MB of names and versions; copied into
+/// a buffer of their own, they were an eighth of the agent's CPU while a hundred proxies
+/// reconnected, a third of that the page faults of the fresh buffer (docs/benchmarks.md,
+/// "The 50k restart").
 #[derive(Clone, Debug, Default)]
 pub struct VersionList {
-    text: String,
-    /// Per entry, the end offsets of its name and of its version in `text`.
-    ends: Vec<(u32, u32)>,
+    /// The texts the entries lie in, in the order they were read.
+    runs: Vec<Run>,
+    /// Per entry, where its name and its version lie in its run's text.
+    spans: Vec<Span>,
     /// Reused for each entry while decoding.
     scratch: VersionEntry,
-    /// The bytes of text to make room for at the first entry: the length of the message the
-    /// entries come in, which holds them all (see [`VersionList::with_room`]).
+    /// The bytes of the message the entries come in, which holds them all: room for their
+    /// spans is made at the first entry (see [`VersionList::with_room`]).
     room: usize,
+}
+
+/// The text some entries lie in, and where their spans end in [`VersionList::spans`].
+#[derive(Clone, Debug)]
+struct Run {
+    text: RunText,
+    end: usize,
+}
+
+#[derive(Clone, Debug)]
+enum RunText {
+    /// Entries read in place: the bytes of the request they lay in (keys and lengths among
+    /// them), checked as UTF-8 when read.
+    Read(ByteString),
+    /// Entries pushed one by one (read through prost, or made): their names and versions one
+    /// after another.
+    Pushed(String),
+}
+
+impl RunText {
+    fn text(&self) -> &str {
+        match self {
+            RunText::Read(text) => text,
+            RunText::Pushed(text) => text,
+        }
+    }
+}
+
+/// Where an entry's name and version lie in its run's text.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    name: (u32, u32),
+    version: (u32, u32),
+}
+
+impl Span {
+    /// One gRPC message is bounded far below 4 GiB by its size limit.
+    fn new(name: std::ops::Range<usize>, version: std::ops::Range<usize>) -> Span {
+        let at = |offset: usize| u32::try_from(offset).unwrap_or(u32::MAX);
+        Span {
+            name: (at(name.start), at(name.end)),
+            version: (at(version.start), at(version.end)),
+        }
+    }
+
+    fn of<'t>(&self, text: &'t str) -> Option<(&'t str, &'t str)> {
+        let range = |(start, end): (u32, u32)| start as usize..end as usize;
+        Some((text.get(range(self.name))?, text.get(range(self.version))?))
+    }
 }
 
 /// One entry of the map field on the wire.
@@ -71,9 +129,9 @@ struct VersionEntry {
 
 impl VersionList {
     /// A list that makes room at its first entry for the entries of a message of `room`
-    /// bytes, instead of growing as they come: its text at most that, and an entry's ends for
-    /// every 32 bytes (an entry of this agent's versions is about 40 bytes or more on the
-    /// wire; more entries only grow the list).
+    /// bytes, instead of growing as they come: a span for every 32 bytes (an entry of this
+    /// agent's versions is about 40 bytes or more on the wire; more entries only grow the
+    /// list).
     pub fn with_room(room: usize) -> VersionList {
         VersionList {
             room,
@@ -82,37 +140,63 @@ impl VersionList {
     }
 
     pub fn len(&self) -> usize {
-        self.ends.len()
+        self.spans.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
+        self.spans.is_empty()
     }
 
-    /// (name, version), in the order received.
+    /// (name, version), in the order received. A span lies on character boundaries of its
+    /// run (see [`VersionList::read_run`]), so none is left out.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
         let mut start = 0;
-        self.ends.iter().map(move |&(name_end, version_end)| {
-            let (name, version) = (
-                &self.text[start..name_end as usize],
-                &self.text[name_end as usize..version_end as usize],
-            );
-            start = version_end as usize;
-            (name, version)
+        self.runs.iter().flat_map(move |run| {
+            let text = run.text.text();
+            let spans = self.spans.get(start..run.end).unwrap_or_default();
+            start = run.end;
+            spans.iter().filter_map(move |span| span.of(text))
         })
     }
 
-    pub fn push(&mut self, name: &str, version: &str) {
-        // One gRPC message is bounded far below 4 GiB by its size limit.
-        let end = |text: &String| u32::try_from(text.len()).unwrap_or(u32::MAX);
-        if self.ends.capacity() == 0 {
-            self.text.reserve(self.room);
-            self.ends.reserve(self.room / 32);
+    fn make_room(&mut self) {
+        if self.spans.capacity() == 0 {
+            self.spans.reserve(self.room / 32);
         }
-        self.text.push_str(name);
-        let name_end = end(&self.text);
-        self.text.push_str(version);
-        self.ends.push((name_end, end(&self.text)));
+    }
+
+    pub fn push(&mut self, name: &str, version: &str) {
+        self.make_room();
+        let text = match self.runs.last_mut() {
+            Some(Run {
+                text: RunText::Pushed(text),
+                ..
+            }) => text,
+            _ => {
+                self.runs.push(Run {
+                    text: RunText::Pushed(String::new()),
+                    end: self.spans.len(),
+                });
+                match self.runs.last_mut() {
+                    Some(Run {
+                        text: RunText::Pushed(text),
+                        ..
+                    }) => text,
+                    _ => unreachable!("pushed above"),
+                }
+            }
+        };
+        let name_start = text.len();
+        text.push_str(name);
+        let version_start = text.len();
+        text.push_str(version);
+        self.spans.push(Span::new(
+            name_start..version_start,
+            version_start..text.len(),
+        ));
+        if let Some(run) = self.runs.last_mut() {
+            run.end = self.spans.len();
+        }
     }
 
     /// Reads one entry of field 5, whose key was just read (as length-delimited whatever wire
@@ -120,14 +204,19 @@ impl VersionList {
     /// it), and the run of entries after it that lie whole in `buf`'s current chunk. An entry
     /// as Envoy and prost write it (its name, then its version, nothing else, each length one
     /// byte) is read in place; any other (a field left out or repeated, another field, a name
-    /// of about 100 bytes or more, one across chunks, bad UTF-8) through prost's map-entry
-    /// decoding, with its bounds and errors. At 50k services the
+    /// of about 100 bytes or more, one across chunks) through prost's map-entry decoding,
+    /// with its bounds and errors. At 50k services the
     /// entries read one by one through prost, each copied twice, were half of the agent's CPU
     /// while a hundred whole-mesh proxies reconnected (docs/benchmarks.md, "The 50k restart").
     fn merge(&mut self, buf: &mut impl Buf, ctx: DecodeContext) -> Result<(), DecodeError> {
-        if self.read_run(buf) {
+        if self.read_run(buf, ctx.clone())? {
             return Ok(());
         }
+        self.merge_entry(buf, ctx)
+    }
+
+    /// One entry, whose key was just read, through prost's map-entry decoding.
+    fn merge_entry(&mut self, buf: &mut impl Buf, ctx: DecodeContext) -> Result<(), DecodeError> {
         let mut entry = std::mem::take(&mut self.scratch);
         // A field an entry leaves out is empty, not the previous entry's.
         prost::Message::clear(&mut entry);
@@ -142,48 +231,49 @@ impl VersionList {
     /// The entries read in place by [`VersionList::merge`]: whether it read any. The run
     /// stops before the first entry that is not whole in the chunk, not in the plain form, or
     /// with a length of two bytes or more, and after the last entry of the field (the next
-    /// key is not field 5's). Every key and one-byte length is an ASCII byte, a whole
-    /// character, so the run is checked as UTF-8 at once, as a run of SotW names is (see
-    /// [`NameList`]): its names and versions start and end on character boundaries.
-    fn read_run(&mut self, buf: &mut impl Buf) -> bool {
+    /// key is not field 5's). The run is kept as it lies in `buf` (`copy_to_bytes`, which the
+    /// request's frames answer with a slice of one, [`crate::xds::inbound::Frames`]) and
+    /// checked as UTF-8 at once: every key and one-byte length is an ASCII byte, a whole
+    /// character, so in a valid run every name and version starts and ends on a character
+    /// boundary and is valid itself, and an invalid run has an invalid name or version. That
+    /// one is rejected by prost, as it would be alone: the run is read again through it.
+    fn read_run(&mut self, buf: &mut impl Buf, ctx: DecodeContext) -> Result<bool, DecodeError> {
         let chunk = buf.chunk();
-        // Where the run of entries within the first `limit` bytes ends (0: no entry).
-        let run = |limit: usize| {
-            let (mut at, mut last) = (0, 0);
-            while let Some(entry) = short_entry(chunk, at, limit) {
-                last = entry.end;
-                if chunk.get(last) != Some(&VERSION_KEY) {
-                    break;
-                }
-                at = last + 1;
-            }
-            last
-        };
-        let mut last = run(chunk.len());
-        let text = match std::str::from_utf8(&chunk[..last]) {
-            Ok(text) => text,
-            // Up to the entry before the first invalid byte: the bad one is left to prost,
-            // which rejects it.
-            Err(error) => {
-                last = run(error.valid_up_to());
-                match std::str::from_utf8(&chunk[..last]) {
-                    Ok(text) => text,
-                    Err(_) => return false,
-                }
-            }
-        };
-        let mut at = 0;
-        while let Some(entry) = short_entry(chunk, at, last) {
-            // Slices of `text` at ASCII bytes, so at character boundaries.
-            let (Some(name), Some(version)) = (text.get(entry.name), text.get(entry.version))
-            else {
+        let first = self.spans.len();
+        let (mut at, mut last) = (0, 0);
+        while let Some(entry) = short_entry(chunk, at, chunk.len()) {
+            self.make_room();
+            self.spans.push(Span::new(entry.name, entry.version));
+            last = entry.end;
+            if chunk.get(last) != Some(&VERSION_KEY) {
                 break;
-            };
-            self.push(name, version);
-            at = entry.end + 1;
+            }
+            at = last + 1;
         }
-        buf.advance(last);
-        last > 0
+        if last == 0 {
+            return Ok(false);
+        }
+        let run = buf.copy_to_bytes(last);
+        match ByteString::try_from(run.clone()) {
+            Ok(text) => {
+                self.runs.push(Run {
+                    text: RunText::Read(text),
+                    end: self.spans.len(),
+                });
+                Ok(true)
+            }
+            Err(_) => {
+                self.spans.truncate(first);
+                let mut run = run;
+                self.merge_entry(&mut run, ctx.clone())?;
+                while run.has_remaining() {
+                    // Field 5's key, as the run ended each entry but its last with it.
+                    decode_key(&mut run)?;
+                    self.merge_entry(&mut run, ctx.clone())?;
+                }
+                Ok(true)
+            }
+        }
     }
 }
 
@@ -218,9 +308,10 @@ fn short_entry(chunk: &[u8], at: usize, limit: usize) -> Option<ShortEntry> {
     (version.end == end).then_some(ShortEntry { name, version, end })
 }
 
+/// The same entries in the same order, however they were read.
 impl PartialEq for VersionList {
     fn eq(&self, other: &Self) -> bool {
-        self.text == other.text && self.ends == other.ends
+        self.len() == other.len() && self.iter().eq(other.iter())
     }
 }
 
@@ -333,8 +424,8 @@ impl prost::Message for DeltaRequest {
 mod tests {
     use super::*;
 
-    /// Room made for a message is made once, at the first entry: entries that fit in it never
-    /// move the list's buffers. Without room, the same entries do.
+    /// Room made for a message is made once, at the first entry: spans of entries that fit
+    /// in it never move. Without room, the same entries' spans do.
     #[test]
     fn a_list_with_room_grows_in_place() {
         let entries: Vec<(String, String)> = (0..1000)
@@ -342,14 +433,57 @@ mod tests {
             .collect();
         let fill = |list: &mut VersionList| {
             list.push(&entries[0].0, &entries[0].1);
-            let (text, ends) = (list.text.as_ptr(), list.ends.as_ptr());
+            let spans = list.spans.as_ptr();
             for (name, version) in &entries[1..] {
                 list.push(name, version);
             }
-            (text == list.text.as_ptr(), ends == list.ends.as_ptr())
+            spans == list.spans.as_ptr()
         };
         let wire_len = entries.len() * 48;
-        assert_eq!(fill(&mut VersionList::with_room(wire_len)), (true, true));
-        assert_eq!(fill(&mut VersionList::default()), (false, false));
+        assert!(fill(&mut VersionList::with_room(wire_len)));
+        assert!(!fill(&mut VersionList::default()));
+    }
+
+    /// A run of entries read in place is the request's bytes, not a copy of them; an entry
+    /// that is not in the plain form is read by prost, and all come back in order.
+    #[test]
+    fn a_run_is_kept_where_it_lay() {
+        use prost::bytes::Bytes;
+
+        let entries: Vec<(String, String)> = (0..50)
+            .map(|i| (format!("outbound|80||s{i}.bar.foo"), format!("{i:016x}")))
+            .chain([("l".repeat(200), "7".to_string())])
+            .chain((50..60).map(|i| (format!("s{i}"), format!("{i:016x}"))))
+            .collect();
+        let request = DeltaRequest {
+            initial_resource_versions: entries.iter().cloned().collect(),
+            ..DeltaRequest::default()
+        };
+        let wire = Bytes::from(prost::Message::encode_to_vec(&request));
+        let mut buf = wire.clone();
+        let read: DeltaRequest = prost::Message::decode(&mut buf).unwrap();
+        let list = &read.initial_resource_versions;
+        let expected: Vec<(&str, &str)> = entries
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(list.iter().collect::<Vec<_>>(), expected);
+        let kinds: Vec<bool> = list
+            .runs
+            .iter()
+            .map(|run| match &run.text {
+                RunText::Read(text) => {
+                    let within = wire.as_ptr_range();
+                    assert!(within.contains(&text.as_ptr()), "a slice of the request");
+                    true
+                }
+                RunText::Pushed(_) => false,
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [true, false, true],
+            "read, the long one by prost, read"
+        );
     }
 }
