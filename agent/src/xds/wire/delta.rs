@@ -167,24 +167,24 @@ impl VersionList {
 
     pub fn push(&mut self, name: &str, version: &str) {
         self.make_room();
-        let text = match self.runs.last_mut() {
+        if !matches!(
+            self.runs.last(),
             Some(Run {
-                text: RunText::Pushed(text),
+                text: RunText::Pushed(_),
                 ..
-            }) => text,
-            _ => {
-                self.runs.push(Run {
-                    text: RunText::Pushed(String::new()),
-                    end: self.spans.len(),
-                });
-                match self.runs.last_mut() {
-                    Some(Run {
-                        text: RunText::Pushed(text),
-                        ..
-                    }) => text,
-                    _ => unreachable!("pushed above"),
-                }
-            }
+            })
+        ) {
+            self.runs.push(Run {
+                text: RunText::Pushed(String::new()),
+                end: self.spans.len(),
+            });
+        }
+        let Some(Run {
+            text: RunText::Pushed(text),
+            end,
+        }) = self.runs.last_mut()
+        else {
+            unreachable!("a run of pushed entries was made last above");
         };
         let name_start = text.len();
         text.push_str(name);
@@ -194,9 +194,7 @@ impl VersionList {
             name_start..version_start,
             version_start..text.len(),
         ));
-        if let Some(run) = self.runs.last_mut() {
-            run.end = self.spans.len();
-        }
+        *end = self.spans.len();
     }
 
     /// Reads one entry of field 5, whose key was just read (as length-delimited whatever wire
