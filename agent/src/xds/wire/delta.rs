@@ -239,8 +239,9 @@ impl VersionList {
         let chunk = buf.chunk();
         let first = self.spans.len();
         let (mut at, mut last) = (0, 0);
+        // Room is made whether or not a run follows: without one, the entry is pushed.
+        self.make_room();
         while let Some(entry) = short_entry(chunk, at, chunk.len()) {
-            self.make_room();
             self.spans.push(Span::new(entry.name, entry.version));
             last = entry.end;
             if chunk.get(last) != Some(&VERSION_KEY) {
