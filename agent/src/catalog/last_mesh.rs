@@ -39,7 +39,7 @@ pub const LAST_MESH_FILE: &str = "mesh.json";
 /// whole mesh (about 10 MB at 10k services), on a thread that yields to the serving ones.
 pub const SAVE_EVERY: Duration = Duration::from_secs(5);
 
-/// A file larger than this is not read: 50k services with 10 endpoints each are about 70 MB.
+/// A file larger than this is not read: 50k services with 10 endpoints each are about 46 MB.
 const MAX_BYTES: u64 = 512 << 20;
 
 /// Bumped whenever what is written changes meaning; a file of another format is not used.
