@@ -241,6 +241,20 @@ impl Agent {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
 
+    /// Whether the process has ended, seen without reaping it (so through `&self`): it is gone
+    /// from `/proc`, or a zombie there.
+    pub fn has_exited(&self) -> bool {
+        let Some(pid) = self.pid() else { return true };
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the command, which is in parentheses and may hold spaces.
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "Z" || state == "X"),
+            Err(_) => true,
+        }
+    }
+
     /// How the process ended, once it has.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child
@@ -408,4 +422,34 @@ pub fn run_to_exit(args: &[&str]) -> (Option<i32>, String) {
         output.status.code(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An agent that refuses to start is seen gone through `&self` (a benchmark waiting for its
+    /// xDS stops at once instead of at its deadline), and a running one is not.
+    #[test]
+    fn an_agent_that_refuses_to_start_is_seen_exited() {
+        let missing = tempfile::tempdir().expect("temp dir");
+        let refused = Agent::start(&[
+            "--mesh-file",
+            missing.path().join("absent.yaml").to_str().expect("UTF-8 path"),
+        ]);
+        wait::until("the refused agent exits", Duration::from_secs(20), || {
+            if refused.has_exited() {
+                Ok(())
+            } else {
+                Err("still running".to_string())
+            }
+        })
+        .expect("the agent exits");
+
+        let mesh = missing.path().join("mesh.yaml");
+        std::fs::write(&mesh, "services: []\n").expect("mesh file");
+        let running = Agent::start(&["--mesh-file", mesh.to_str().expect("UTF-8 path")]);
+        running.wait_ready().expect("ready");
+        assert!(!running.has_exited());
+    }
 }

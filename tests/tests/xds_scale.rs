@@ -5,9 +5,10 @@
 //!
 //! - `kube`: the Kubernetes source, fed by the fake API server; a change is one EndpointSlice
 //!   applied, and its clock starts just before the apply;
-//! - `file`: the mesh file (`--mesh-file`); a change is an edit of the file, written whole to a
-//!   temporary file next to it and renamed into place (as editors and ConfigMaps do, so the
-//!   agent never reads half a file), and its clock starts just before the rename.
+//! - `file`: mesh files (`--mesh-file`, one per 10k services); a change is an edit of the file
+//!   that holds the service, written whole to a temporary file next to it and renamed into
+//!   place (as editors and ConfigMaps do, so the agent never reads half a file), and its clock
+//!   starts just before the rename.
 //!
 //! Measures the initial sync, the latency of single-endpoint changes until every client and
 //! Envoy hold the new endpoint, the bytes each change costs a client, and the agent's RSS and
@@ -183,9 +184,14 @@ struct Feed {
 
 enum Sink {
     Kube(FakeApiServer),
-    /// The mesh file.
-    File(PathBuf),
+    /// The mesh files, each of [`FILE_SERVICES`] services at most.
+    File(Vec<PathBuf>),
 }
+
+/// Services per mesh file: a mesh larger than this is written as several files, as a user
+/// splits one larger than the agent reads (`--mesh-file-max-mib`, 16 MiB by default: a
+/// 50k-service file is about 20 MB). A 10k-service file is about 4 MB.
+const FILE_SERVICES: usize = 10_000;
 
 impl Feed {
     /// The whole mesh of `services`, in place where `source` reads it.
@@ -209,9 +215,14 @@ impl Feed {
                 Sink::Kube(server)
             }
             Source::File => {
-                let path = dir.path().join("mesh.yaml");
-                std::fs::write(&path, mesh_file(&ips)).unwrap();
-                Sink::File(path)
+                let paths = (0..services.div_ceil(FILE_SERVICES))
+                    .map(|f| {
+                        let path = dir.path().join(format!("mesh-{f}.yaml"));
+                        std::fs::write(&path, mesh_file(&ips, f)).unwrap();
+                        path
+                    })
+                    .collect();
+                Sink::File(paths)
             }
         };
         println!(
@@ -231,8 +242,12 @@ impl Feed {
                 let kubeconfig = self.dir.path().join("kubeconfig");
                 Agent::start_with_env(&state, &[("KUBECONFIG", kubeconfig.to_str().unwrap())])
             }
-            Sink::File(path) => {
-                Agent::start(&[&state[..], &["--mesh-file", path.to_str().unwrap()]].concat())
+            Sink::File(paths) => {
+                let mut args = state.to_vec();
+                for path in paths {
+                    args.extend(["--mesh-file", path.to_str().unwrap()]);
+                }
+                Agent::start(&args)
             }
         }
     }
@@ -268,10 +283,13 @@ impl Feed {
                 server.apply_json(generated_slice(i, &self.ips[i])).unwrap();
                 at
             }
-            Sink::File(path) => {
+            Sink::File(paths) => {
+                // Only the file that holds service `i` is edited.
+                let file = i / FILE_SERVICES;
+                let path = &paths[file];
                 // Not a name the agent's watcher takes for the file (nor a `..` ConfigMap one).
                 let tmp = path.with_extension("yaml.tmp");
-                std::fs::write(&tmp, mesh_file(&self.ips)).unwrap();
+                std::fs::write(&tmp, mesh_file(&self.ips, file)).unwrap();
                 let at = Instant::now();
                 std::fs::rename(&tmp, path).unwrap();
                 at
@@ -280,13 +298,16 @@ impl Feed {
     }
 }
 
-/// The generated mesh as a mesh file: the services [`populate`] makes (`/<namespace>/<name>`,
-/// HTTP on 80, endpoints on 8080), so both sources give the agent the same clusters.
-fn mesh_file(ips: &[Vec<String>]) -> String {
+/// Mesh file `file` of the generated mesh: its share of the services [`populate`] makes
+/// (`/<namespace>/<name>`, HTTP on 80, endpoints on 8080), so both sources give the agent the
+/// same clusters.
+fn mesh_file(ips: &[Vec<String>], file: usize) -> String {
     use std::fmt::Write;
+    let first = file * FILE_SERVICES;
+    let ips = &ips[first..ips.len().min(first + FILE_SERVICES)];
     let mut text = String::with_capacity(64 + ips.len() * (140 + PER_SERVICE * 30));
     text.push_str("services:\n");
-    for (i, ips) in ips.iter().enumerate() {
+    for (i, ips) in (first..).zip(ips) {
         let (namespace, name) = generated(i);
         let _ = write!(
             text,
@@ -339,6 +360,11 @@ async fn connect(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
     loop {
         match AdsClient::connect_with(agent.xds, &format!("bench-{k}"), mode, options).await {
             Ok(client) => return client,
+            // An agent that refused its start-up (a bad flag, a file it will not read) is
+            // not waited on for the whole sync.
+            Err(e) if agent.has_exited() => {
+                panic!("the agent exited before serving xDS ({e})\n{}", agent.log())
+            }
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!("xDS not up yet: {e}");
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1231,6 +1257,11 @@ async fn connect_pod(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
     let mut client = loop {
         match AdsClient::connect_with(agent.xds, &node_id, mode, options).await {
             Ok(client) => break client,
+            // An agent that refused its start-up (a bad flag, a file it will not read) is
+            // not waited on for the whole sync.
+            Err(e) if agent.has_exited() => {
+                panic!("the agent exited before serving xDS ({e})\n{}", agent.log())
+            }
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!("xDS not up yet: {e}");
                 tokio::time::sleep(Duration::from_millis(20)).await;
