@@ -435,7 +435,11 @@ mod tests {
         let missing = tempfile::tempdir().expect("temp dir");
         let refused = Agent::start(&[
             "--mesh-file",
-            missing.path().join("absent.yaml").to_str().expect("UTF-8 path"),
+            missing
+                .path()
+                .join("absent.yaml")
+                .to_str()
+                .expect("UTF-8 path"),
         ]);
         wait::until("the refused agent exits", Duration::from_secs(20), || {
             if refused.has_exited() {
