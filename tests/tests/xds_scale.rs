@@ -152,6 +152,17 @@ fn sources() -> Vec<Source> {
         .collect()
 }
 
+/// `LATTICE_BENCH_OUTLIER`: `off` turns the mesh's default outlier detection off for every
+/// service of the mesh files (what it costs Envoy at 50k clusters); the Kubernetes source
+/// keeps it.
+fn outlier_detection() -> bool {
+    match std::env::var("LATTICE_BENCH_OUTLIER").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => panic!("LATTICE_BENCH_OUTLIER: unknown {other:?} (on, off)"),
+    }
+}
+
 /// `LATTICE_BENCH_ENVOY`: the real Envoy's ADS flavour, or `none` for no Envoy.
 fn envoy_mode() -> Option<AdsMode> {
     match std::env::var("LATTICE_BENCH_ENVOY").as_deref() {
@@ -315,6 +326,9 @@ fn mesh_file(ips: &[Vec<String>], file: usize) -> String {
         );
         for ip in ips {
             let _ = writeln!(text, "      - address: {ip}");
+        }
+        if !outlier_detection() {
+            text.push_str("    health:\n      outlier:\n        enabled: false\n");
         }
     }
     text
