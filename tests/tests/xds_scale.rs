@@ -316,6 +316,7 @@ fn mesh_file(ips: &[Vec<String>], file: usize) -> String {
     use std::fmt::Write;
     let first = file * FILE_SERVICES;
     let ips = &ips[first..ips.len().min(first + FILE_SERVICES)];
+    let outlier = outlier_detection();
     let mut text = String::with_capacity(64 + ips.len() * (140 + PER_SERVICE * 30));
     text.push_str("services:\n");
     for (i, ips) in (first..).zip(ips) {
@@ -327,7 +328,7 @@ fn mesh_file(ips: &[Vec<String>], file: usize) -> String {
         for ip in ips {
             let _ = writeln!(text, "      - address: {ip}");
         }
-        if !outlier_detection() {
+        if !outlier {
             text.push_str("    health:\n      outlier:\n        enabled: false\n");
         }
     }
@@ -371,8 +372,19 @@ async fn connect(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
         bind: Some(IpAddr::V4(client_ip(k))),
         routes: false,
     };
+    connect_by(agent, &format!("bench-{k}"), mode, options, deadline).await
+}
+
+/// A client of node id `node_id`, connected once the agent's xDS answers, before `deadline`.
+async fn connect_by(
+    agent: &Agent,
+    node_id: &str,
+    mode: AdsMode,
+    options: Options,
+    deadline: Instant,
+) -> AdsClient {
     loop {
-        match AdsClient::connect_with(agent.xds, &format!("bench-{k}"), mode, options).await {
+        match AdsClient::connect_with(agent.xds, node_id, mode, options).await {
             Ok(client) => return client,
             // An agent that refused its start-up (a bad flag, a file it will not read) is
             // not waited on for the whole sync.
@@ -1268,21 +1280,7 @@ async fn connect_pod(agent: &Agent, k: usize, mode: AdsMode) -> AdsClient {
         routes: true,
     };
     let node_id = format!("{}.{POD_NAMESPACE}", client_pod(k));
-    let mut client = loop {
-        match AdsClient::connect_with(agent.xds, &node_id, mode, options).await {
-            Ok(client) => break client,
-            // An agent that refused its start-up (a bad flag, a file it will not read) is
-            // not waited on for the whole sync.
-            Err(e) if agent.has_exited() => {
-                panic!("the agent exited before serving xDS ({e})\n{}", agent.log())
-            }
-            Err(e) if Instant::now() < deadline => {
-                tracing::debug!("xDS not up yet: {e}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("cannot connect to the agent's xDS: {e}\n{}", agent.log()),
-        }
-    };
+    let mut client = connect_by(agent, &node_id, mode, options, deadline).await;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match client
