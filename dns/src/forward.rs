@@ -171,8 +171,8 @@ impl Inner {
 
     /// Asks the upstreams for `request`'s answer, by the timeout: fastest first, the next one at
     /// once when one fails or gives SERVFAIL/REFUSED (about that server, not the name), and
-    /// also when one is slower than its usual time. A due probe of a down upstream goes out
-    /// beside the first. The first usable answer wins; exchanges still out finish on their
+    /// also when one is slower than its usual time; all at once when every one is down. A due
+    /// probe of a down upstream goes out beside the first. The first usable answer wins; exchanges still out finish on their
     /// own and report their upstream's health.
     async fn ask_upstreams(self: &Arc<Self>, request: &Message) -> Flown {
         let started = Instant::now();
@@ -188,12 +188,20 @@ impl Inner {
         let mut outstanding = usize::from(probe.is_some());
         let mut hedge: Option<(usize, Instant, Duration)> = None;
         let mut last_failure: Option<Message> = None;
+        if plan.at_once {
+            for index in order.by_ref() {
+                self.start(index, &query, tx.clone());
+                outstanding += 1;
+            }
+        }
         let mut next = |outstanding: &mut usize, hedge: &mut Option<(usize, Instant, Duration)>| {
             *hedge = order.next().map(|index| {
                 self.start(index, &query, tx.clone());
                 *outstanding += 1;
-                let wait = self.upstreams.hedge_delay(index, self.timeout);
-                (index, Instant::now() + wait, wait)
+                let now = Instant::now();
+                let left = deadline.saturating_duration_since(now);
+                let wait = self.upstreams.hedge_delay(index, left, order.len());
+                (index, now + wait, wait)
             });
         };
         next(&mut outstanding, &mut hedge);

@@ -368,6 +368,39 @@ async fn a_down_upstream_that_answers_a_probe_is_asked_again() {
     server.stop().await;
 }
 
+/// An outage of every upstream: one dead for good, the other silent for a while. However many
+/// queries time out meanwhile (each one's waits make both upstreams look slower), each asks
+/// the one that comes back, so the first query after it answers again gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_every_upstream_was_down_the_first_back_answers_the_next_query() {
+    let dead = silent_upstream().await;
+    let returning = GatedUpstream::start(answer_a(60)).await;
+    let server = Server::start(MESH, |c| {
+        c.upstreams = vec![dead.addr, returning.addr];
+        c.upstream_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let outage = 12;
+    for i in 0..outage {
+        let d = dig(server.addr, &[&format!("out{i}.example.test")]).await;
+        assert_eq!(d.status(), "SERVFAIL", "query {i}: {}", d.text);
+    }
+    assert_eq!(
+        returning.count(),
+        outage,
+        "every query of the outage asked the upstream that comes back"
+    );
+    returning.open();
+    let d = dig(server.addr, &["back.example.test"]).await;
+    assert_eq!(
+        d.status(),
+        "NOERROR",
+        "the upstream that answers again is asked: {}",
+        d.text
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identical_queries_in_flight_reach_the_upstream_once() {
     let upstream = GatedUpstream::start(answer_a(60)).await;

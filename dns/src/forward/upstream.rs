@@ -3,7 +3,9 @@
 //! Upstreams that are up are asked fastest first; one that gave no answer is down and is
 //! skipped, except that now and then a query is also sent to it as a probe, in parallel with
 //! the upstream that is up, so probing never makes a client wait. A probe that is answered
-//! brings it back. When every upstream is down they are all asked, fastest first, as if up.
+//! brings it back. When every upstream is down they are all asked at once: an outage is when
+//! the first to come back must be found, and hedging on round-trip times that the outage's own
+//! waits have stretched could leave all but the first unasked.
 //!
 //! Pure: time comes in as arguments, so tests drive it without sleeping.
 
@@ -24,11 +26,12 @@ const HEDGE_FACTOR: u32 = 4;
 const HEDGE_MIN: Duration = Duration::from_millis(100);
 
 /// What a forwarded query does: ask `order` one after the other, each when the one before
-/// fails or is slow, and send `probe` a copy at once.
+/// fails or is slow (or all of them at once when `at_once`), and send `probe` a copy at once.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub(crate) order: Vec<usize>,
     pub(crate) probe: Option<usize>,
+    pub(crate) at_once: bool,
 }
 
 #[derive(Debug)]
@@ -115,6 +118,7 @@ impl Upstreams {
             return Plan {
                 order: all,
                 probe: None,
+                at_once: true,
             };
         }
         by_speed(&mut up);
@@ -127,13 +131,21 @@ impl Upstreams {
                 _ => false,
             })
         });
-        Plan { order: up, probe }
+        Plan {
+            order: up,
+            probe,
+            at_once: false,
+        }
     }
 
-    /// How long to wait for `index` before asking the next upstream as well.
-    pub(crate) fn hedge_delay(&self, index: usize, timeout: Duration) -> Duration {
+    /// How long to wait for `index` before asking the next upstream as well, with `left` until
+    /// the query's deadline and `unasked` upstreams after this one still to ask: at most an
+    /// equal share of the time left each, so every upstream in the order is asked before the
+    /// deadline however slow the ones before it have been.
+    pub(crate) fn hedge_delay(&self, index: usize, left: Duration, unasked: usize) -> Duration {
         let srtt = self.health(index).srtt.unwrap_or(Duration::ZERO);
-        (srtt * HEDGE_FACTOR).max(HEDGE_MIN).min(timeout)
+        let share = left / u32::try_from(unasked + 1).unwrap_or(u32::MAX);
+        (srtt * HEDGE_FACTOR).max(HEDGE_MIN).min(share)
     }
 
     /// `index` answered after `rtt`.
@@ -246,7 +258,8 @@ mod tests {
             p.plan(t0),
             Plan {
                 order: vec![1],
-                probe: None
+                probe: None,
+                at_once: false,
             }
         );
         assert_eq!(p.plan(t0 + PROBE_FIRST - MS).probe, None);
@@ -255,7 +268,8 @@ mod tests {
             p.plan(t1),
             Plan {
                 order: vec![1],
-                probe: Some(0)
+                probe: Some(0),
+                at_once: false,
             }
         );
         assert_eq!(p.plan(t1).probe, None, "one probe out at a time");
@@ -269,7 +283,8 @@ mod tests {
             p.plan(t2),
             Plan {
                 order: vec![0, 1],
-                probe: None
+                probe: None,
+                at_once: false,
             },
             "back, and faster"
         );
@@ -301,7 +316,8 @@ mod tests {
             p.plan(now),
             Plan {
                 order: vec![1, 0],
-                probe: None
+                probe: None,
+                at_once: true,
             }
         );
         assert_eq!(p.answered(1, MS), Some(Transition::CameBack));
@@ -312,10 +328,47 @@ mod tests {
     fn hedging_waits_a_multiple_of_the_round_trip_within_bounds() {
         let p = pool(1);
         let timeout = Duration::from_secs(2);
-        assert_eq!(p.hedge_delay(0, timeout), HEDGE_MIN);
+        assert_eq!(p.hedge_delay(0, timeout, 0), HEDGE_MIN);
         p.answered(0, 200 * MS);
-        assert_eq!(p.hedge_delay(0, timeout), 800 * MS);
+        assert_eq!(p.hedge_delay(0, timeout, 0), 800 * MS);
         p.answered(0, Duration::from_secs(5));
-        assert_eq!(p.hedge_delay(0, timeout), timeout);
+        assert_eq!(p.hedge_delay(0, timeout, 0), timeout);
+    }
+
+    #[test]
+    fn hedging_leaves_each_upstream_still_to_ask_its_share_of_the_time_left() {
+        let p = pool(3);
+        let left = Duration::from_millis(1500);
+        p.answered(0, Duration::from_secs(5));
+        assert_eq!(
+            p.hedge_delay(0, left, 2),
+            500 * MS,
+            "two more to ask: a third"
+        );
+        assert_eq!(
+            p.hedge_delay(0, left, 1),
+            750 * MS,
+            "one more to ask: a half"
+        );
+        assert_eq!(
+            p.hedge_delay(0, left, 0),
+            left,
+            "the last one: the whole time left"
+        );
+    }
+
+    /// A slow first upstream is overtaken by the hedge, which stretches its round-trip time; a
+    /// run of such queries still asks the second before the deadline every time.
+    #[test]
+    fn stretched_round_trip_times_never_leave_an_upstream_unasked() {
+        let p = pool(2);
+        let timeout = Duration::from_secs(2);
+        for _ in 0..50 {
+            let plan = p.plan(Instant::now());
+            let first = plan.order[0];
+            let waited = p.hedge_delay(first, timeout, plan.order.len() - 1);
+            assert!(waited < timeout, "{waited:?}");
+            p.overtaken(first, waited);
+        }
     }
 }
