@@ -42,7 +42,10 @@ pub enum AdsMode {
 
 /// The bootstrap `lattice-init` writes (its own generator, not a copy), with admin moved to
 /// `admin_port` so an Envoy on the test host does not collide with anything on 15000, and its
-/// readiness listener to a free port (several Envoys share the test host).
+/// readiness listener to port 0: several Envoys share the test host, and none of these is
+/// probed through it (the simulated node's pods, each in a namespace of its own, keep the
+/// contract's port). A port chosen ahead as free could be taken before Envoy binds it (a
+/// benchmark's hundred clients hold as many ephemeral ports), and Envoy then exits.
 pub fn bootstrap(
     node_id: &str,
     xds: SocketAddr,
@@ -75,7 +78,7 @@ pub fn bootstrap(
         &mut value["static_resources"]["listeners"],
         lattice_init::bootstrap::READINESS_LISTENER,
         |listener| {
-            listener["address"]["socket_address"]["port_value"] = free_port().into();
+            listener["address"]["socket_address"]["port_value"] = 0.into();
         },
     );
     value
@@ -125,20 +128,51 @@ impl Envoy {
         Envoy::start_edited(node_id, xds, mode, |_| {})
     }
 
-    /// Like [`Envoy::start`], with the bootstrap changed by `edit` first.
+    /// Like [`Envoy::start`], with the bootstrap changed by `edit` first. Returns once the
+    /// admin answers (Envoy serves it only after its static configuration is in place) or
+    /// Envoy has exited; an Envoy that exits because its admin port was taken meanwhile
+    /// (chosen free a moment before, see [`bootstrap`]) is started again on another.
     pub fn start_edited(
         node_id: &str,
         xds: SocketAddr,
         mode: AdsMode,
-        edit: impl FnOnce(&mut serde_json::Value),
+        edit: impl Fn(&mut serde_json::Value),
     ) -> Envoy {
-        let admin_port = free_port();
-        let dir = tempfile::tempdir().expect("temp dir for Envoy");
-        let path = dir.path().join("bootstrap.json");
-        let mut bootstrap = bootstrap(node_id, xds, mode, admin_port);
-        edit(&mut bootstrap);
-        std::fs::write(&path, bootstrap.to_string()).expect("write bootstrap");
-        Envoy::start_with_bootstrap(&path, SocketAddr::from(([127, 0, 0, 1], admin_port)), dir)
+        const ATTEMPTS: usize = 5;
+        let mut attempt = 1;
+        loop {
+            let admin_port = free_port();
+            let dir = tempfile::tempdir().expect("temp dir for Envoy");
+            let path = dir.path().join("bootstrap.json");
+            let mut bootstrap = bootstrap(node_id, xds, mode, admin_port);
+            edit(&mut bootstrap);
+            std::fs::write(&path, bootstrap.to_string()).expect("write bootstrap");
+            let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
+            let mut envoy = Envoy::start_with_bootstrap(&path, admin, dir);
+            let exited = envoy.wait_admin();
+            if exited && envoy.log().contains("Address already in use") && attempt < ATTEMPTS {
+                eprintln!("Envoy's admin port {admin_port} was taken; starting it again");
+                attempt += 1;
+                continue;
+            }
+            return envoy;
+        }
+    }
+
+    /// Waits up to 30 s until the admin answers anything or the process exits; true if it
+    /// exited. Whoever waits on Envoy next sees how it went.
+    fn wait_admin(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            if !self.is_running() {
+                return true;
+            }
+            if http_get(self.admin, "/ready").is_ok() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
     }
 
     /// Starts Envoy on an existing bootstrap file whose admin listens on `admin`.

@@ -94,6 +94,7 @@ use lattice_e2e::envoy::{AdsMode, Envoy};
 use lattice_e2e::fake_apiserver::FakeApiServer;
 use lattice_e2e::k8s_objects::{generated, generated_slice, ip, populate};
 use lattice_e2e::procstat::{cpu_seconds, peak_rss_mib, rss_mib, running};
+use lattice_e2e::wait::Poll;
 use serde_json::{Value, json};
 
 /// jemalloc for the benchmark's own process, as the agent has: its 100 synthetic clients
@@ -484,9 +485,19 @@ fn envoy_holds_clusters(
         query_value(r"\.membership_total$")
     );
     let full = format!(".membership_total: {PER_SERVICE}");
-    lattice_e2e::wait::until(&format!("Envoy to hold {what}"), SYNC, || {
-        envoy_get(admin, pid, "/ready")?;
-        let body = envoy_get(admin, pid, &gauges)?;
+    // An Envoy that has exited never will: the benchmark ends at once with its log.
+    let get = |path: &str| {
+        envoy_get(admin, pid, path).map_err(|e| {
+            if running(pid) {
+                Poll::Again(e)
+            } else {
+                Poll::Never(e)
+            }
+        })
+    };
+    lattice_e2e::wait::until_or_stop(&format!("Envoy to hold {what}"), SYNC, || {
+        get("/ready")?;
+        let body = get(&gauges)?;
         let held: BTreeSet<&str> = body
             .lines()
             .filter(|l| l.contains(MESH_CLUSTER))
@@ -496,11 +507,11 @@ fn envoy_holds_clusters(
         if done(&held) {
             Ok(Instant::now())
         } else {
-            Err(format!(
+            Err(Poll::Again(format!(
                 "{} clusters with {PER_SERVICE} endpoints: {:.300}",
                 held.len(),
                 held.iter().copied().collect::<Vec<_>>().join(" ")
-            ))
+            )))
         }
     })
 }
