@@ -325,7 +325,7 @@ impl Server {
         let mut server = Self { name, port, child };
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            let probe = Command::new("dig")
+            let probe = lattice_e2e::dig::command()
                 .args([
                     "@127.0.0.1",
                     "-p",

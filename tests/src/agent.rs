@@ -290,7 +290,7 @@ impl Agent {
     /// `dig` of `name`'s A record at the agent's DNS server, asked once: the status
     /// (`NOERROR`, `SERVFAIL`…; `no answer` when none came) and the answer's records.
     pub fn dig_a(&self, name: &str) -> (String, Vec<String>) {
-        let output = Command::new("dig")
+        let output = crate::dig::command()
             .args([
                 &format!("@{}", self.dns.ip()),
                 "-p",

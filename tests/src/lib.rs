@@ -7,6 +7,7 @@ pub mod ads_probe;
 pub mod ads_tap;
 pub mod agent;
 pub mod bins;
+pub mod dig;
 pub mod dns_load;
 pub mod envoy;
 pub mod fake_apiserver;

@@ -60,7 +60,7 @@ fn lookup(agent: &Agent, names: &BTreeSet<usize>) -> BTreeMap<usize, Ipv4Addr> {
         .map(|i| format!("{} A\n", dns_name(*i)))
         .collect();
     std::fs::write(&batch, lines).unwrap();
-    let output = std::process::Command::new("dig")
+    let output = lattice_e2e::dig::command()
         .arg(format!("@{}", agent.dns.ip()))
         .args(["-p", &agent.dns.port().to_string()])
         .args(["+noall", "+answer", "+tries=2", "+time=2", "-f"])

@@ -4,7 +4,6 @@
 
 use std::net::UdpSocket;
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,7 +12,7 @@ use lattice_e2e::agent::Agent;
 use lattice_e2e::wait;
 
 fn dig(agent: &Agent, name: &str) -> String {
-    let out = Command::new("dig")
+    let out = lattice_e2e::dig::command()
         .args([
             &format!("@{}", agent.dns.ip()),
             "-p",

@@ -425,7 +425,7 @@ fn envoy_clusters(envoy: &Envoy) -> Result<BTreeMap<String, Vec<String>>, String
 }
 
 fn dig(agent: &Agent, name: &str) -> Option<String> {
-    let out = std::process::Command::new("dig")
+    let out = lattice_e2e::dig::command()
         .args([
             &format!("@{}", agent.dns.ip()),
             "-p",

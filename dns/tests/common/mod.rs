@@ -179,9 +179,13 @@ impl Dig {
     }
 }
 
-/// Runs `dig @addr -p port ARGS` with one try and a short timeout.
+/// Runs `dig @addr -p port ARGS` with one try and a short timeout, as `nobody`: dig sets
+/// SO_REUSEPORT and lets the kernel pick its port, which as root can be the server's own
+/// (SO_REUSEPORT too), and dig is then handed its own query. As another user it cannot be
+/// (see `tests/src/dig.rs`).
 pub async fn dig(addr: SocketAddr, args: &[&str]) -> Dig {
-    let output = tokio::process::Command::new("dig")
+    let output = tokio::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "dig"])
         .arg(format!("@{}", addr.ip()))
         .args(["-p", &addr.port().to_string(), "+tries=1", "+time=3"])
         .args(args)
