@@ -158,19 +158,29 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
         )?),
         false => None,
     };
-    let mut files = Vec::with_capacity(config.mesh_files.len());
     for (i, path) in config.mesh_files.iter().enumerate() {
         if config.mesh_files[..i].contains(path) {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
-        // Off the runtime: the first read of a large file parses on every core.
-        let (path, trap, limits) = (
-            path.clone(),
-            config.trap_cidr.clone(),
-            mesh_file_limits(&config),
-        );
-        let loading = tokio::task::spawn_blocking(move || FileSource::load(&path, trap, limits));
-        files.push(loading.await.context("loading a mesh file")??);
+    }
+    // Off the runtime, and all at once: a file's items parse on every core, but cutting
+    // them out and taking them into the file's mesh do not, and leave a core to the next
+    // file. An error names the first file, in the order given, that has one.
+    let loading: Vec<_> = config
+        .mesh_files
+        .iter()
+        .map(|path| {
+            let (path, trap, limits) = (
+                path.clone(),
+                config.trap_cidr.clone(),
+                mesh_file_limits(&config),
+            );
+            tokio::task::spawn_blocking(move || FileSource::load(&path, trap, limits))
+        })
+        .collect();
+    let mut files = Vec::with_capacity(loading.len());
+    for load in loading {
+        files.push(load.await.context("loading a mesh file")??);
     }
     node_local_address::check_dns_addr(config.dns_addr, config.node_local_dns)?;
     if config.check_config {

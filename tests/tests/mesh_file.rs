@@ -330,3 +330,49 @@ fn a_file_replaced_by_a_symlink_or_deleted_and_written_again_is_followed() {
     std::fs::write(&path, mesh("five")).unwrap();
     wait_for_service(&agent, "five");
 }
+
+/// Several files are loaded together, and the agent starts only if every one is good; when
+/// some are not, the error names the first of them in the order given, whichever failed first.
+#[test]
+fn of_several_files_the_first_bad_one_in_the_order_given_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let one = write("one.yaml", &mesh("one"));
+    let two = write("two.yaml", &mesh("two"));
+    let unclosed = write("unclosed.yaml", "services: [\n");
+    let pathless = write("pathless.yaml", "services:\n  - ports:\n      - port: 80\n");
+    let check = |files: &[&str]| {
+        let mut command = std::process::Command::new(lattice_e2e::bins::path("lattice-agent"));
+        command.arg("--check-config");
+        for file in files {
+            command.args(["--mesh-file", file]);
+        }
+        let output = command.output().unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.success(), said)
+    };
+    let (ok, said) = check(&[&one, &two]);
+    assert!(ok && said.contains("configuration is valid"), "{said}");
+    for (files, named, not) in [
+        ([&one, &unclosed, &pathless], &unclosed, &pathless),
+        ([&one, &pathless, &unclosed], &pathless, &unclosed),
+    ] {
+        let (ok, said) = check(&files.map(String::as_str));
+        assert!(!ok, "{said}");
+        // The error the agent exits with (its log echoes every file in its configuration).
+        let error = said
+            .lines()
+            .rfind(|line| line.starts_with("lattice-agent: "))
+            .unwrap_or_else(|| panic!("no error line: {said}"));
+        assert!(error.contains(named.as_str()), "names {named}: {error}");
+        assert!(!error.contains(not.as_str()), "names only {named}: {error}");
+    }
+}
