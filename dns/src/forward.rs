@@ -172,8 +172,8 @@ impl Inner {
     /// Asks the upstreams for `request`'s answer, by the timeout: fastest first, the next one at
     /// once when one fails or gives SERVFAIL/REFUSED (about that server, not the name), and
     /// also when one is slower than its usual time; all at once when every one is down. A due
-    /// probe of a down upstream goes out beside the first. The first usable answer wins; exchanges still out finish on their
-    /// own and report their upstream's health.
+    /// probe of a down upstream goes out beside the first. The first usable answer wins;
+    /// exchanges still out finish on their own and report their upstream's health.
     async fn ask_upstreams(self: &Arc<Self>, request: &Message) -> Flown {
         let started = Instant::now();
         let deadline = started + self.timeout;

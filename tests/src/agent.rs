@@ -244,15 +244,7 @@ impl Agent {
     /// Whether the process has ended, seen without reaping it (so through `&self`): it is gone
     /// from `/proc`, or a zombie there.
     pub fn has_exited(&self) -> bool {
-        let Some(pid) = self.pid() else { return true };
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            // The state follows the command, which is in parentheses and may hold spaces.
-            Ok(stat) => stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                .is_some_and(|state| state == "Z" || state == "X"),
-            Err(_) => true,
-        }
+        !self.pid().is_some_and(crate::procstat::running)
     }
 
     /// How the process ended, once it has.

@@ -11,7 +11,7 @@
 use std::process::Command;
 
 /// `setpriv` runs dig as this user and group (`nobody`, `nogroup`).
-pub const NOBODY: [&str; 3] = ["--reuid=65534", "--regid=65534", "--clear-groups"];
+const NOBODY: [&str; 3] = ["--reuid=65534", "--regid=65534", "--clear-groups"];
 
 /// A `dig` command that runs as `nobody`; add its arguments.
 pub fn command() -> Command {
@@ -44,15 +44,12 @@ mod tests {
         let any = nix::sys::socket::SockaddrIn::new(127, 0, 0, 1, 0);
         nix::sys::socket::bind(server.as_raw_fd(), &any).unwrap();
         let port = server.local_addr().unwrap().port();
-        let ask = |mut dig: super::Command| {
-            let output = dig
-                .args(["-b", &format!("127.0.0.1#{port}"), "@127.0.0.1"])
-                .args(["-p", &port.to_string(), "+tries=1", "+time=1", "x.example"])
-                .output()
-                .unwrap();
-            String::from_utf8_lossy(&output.stdout).into_owned()
-        };
-        let as_nobody = ask(super::command());
-        assert!(as_nobody.contains("address in use"), "{as_nobody}");
+        let output = super::command()
+            .args(["-b", &format!("127.0.0.1#{port}"), "@127.0.0.1"])
+            .args(["-p", &port.to_string(), "+tries=1", "+time=1", "x.example"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&output.stdout);
+        assert!(said.contains("address in use"), "{said}");
     }
 }
