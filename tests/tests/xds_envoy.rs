@@ -89,6 +89,26 @@ fn dynamic<'a>(dump: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value
         .unwrap_or_else(|| panic!("no {kind} in config_dump"))
 }
 
+/// The domains of every virtual host of Envoy's dynamic route configurations.
+fn route_domains(envoy: &Envoy) -> Result<Vec<String>, String> {
+    let dump = envoy.config_dump()?;
+    let configs = dynamic(&dump, "RoutesConfigDump")["dynamic_route_configs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    Ok(configs
+        .iter()
+        .flat_map(|c| {
+            c["route_config"]["virtual_hosts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|vh| vh["domains"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| d.as_str().map(str::to_string))
+        .collect())
+}
+
 fn converges_with_a_real_envoy(mode: AdsMode) {
     let _one_envoy = ENVOY.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
@@ -277,6 +297,23 @@ fn converges_with_a_real_envoy(mode: AdsMode) {
         &expected(&[(BUZZ, &["10.200.0.6:8080"]), (DB, &["10.200.0.9:5432"])]),
         Duration::from_secs(15),
     );
+    // Its routes follow its clusters: (d) restarts with nothing changed only once Envoy holds
+    // them too (a restart before would rightly send them again).
+    wait::until(
+        "Envoy's routes to follow the mesh",
+        Duration::from_secs(15),
+        || {
+            let domains = route_domains(&envoy)?;
+            match domains
+                .iter()
+                .any(|d| d.starts_with("new.foo.system.internal"))
+            {
+                false => Ok(()),
+                true => Err(format!("{domains:?}")),
+            }
+        },
+    )
+    .unwrap();
     let metrics = agent.get("/metrics").unwrap().1;
     assert!(
         metrics.contains("lattice_xds_connected_proxies 1"),
