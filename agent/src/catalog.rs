@@ -15,7 +15,6 @@
 pub mod address_record;
 pub mod last_mesh;
 mod merge;
-mod state_file;
 
 use std::sync::Arc;
 

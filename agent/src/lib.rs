@@ -26,6 +26,7 @@ pub mod parallel;
 pub mod readiness;
 pub mod scope;
 pub mod source;
+pub mod state_file;
 pub mod translate;
 pub mod trust;
 pub mod xds;

@@ -175,7 +175,11 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 config.trap_cidr.clone(),
                 mesh_file_limits(&config),
             );
-            tokio::task::spawn_blocking(move || FileSource::load(&path, trap, limits))
+            // A check reads every file, never a copy of one.
+            let state_dir = config.state_dir.clone().filter(|_| !config.check_config);
+            tokio::task::spawn_blocking(move || {
+                FileSource::load(&path, trap, limits, state_dir.as_deref())
+            })
         })
         .collect();
     let mut files = Vec::with_capacity(loading.len());
@@ -486,6 +490,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
     }
     for (file, tx) in files.into_iter().zip(file_txs) {
         let token = shutdown.clone();
+        let file = file.with_metrics(metrics.mesh.clone());
         tasks.spawn(async move {
             file.run(tx, token).await?;
             Ok("mesh-file source")

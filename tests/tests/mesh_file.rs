@@ -3,7 +3,9 @@
 //! SIGTERM honoured in the middle of a long parse; and following that survives the directory
 //! being removed and made again, a ConfigMap's symlink swap, the file replaced by a symlink to
 //! another directory, and the file deleted and written again, each followed by an edit that
-//! reaches `/debug/mesh`; a file that cannot be followed is reported stale, then recovers.
+//! reaches `/debug/mesh`; a file that cannot be followed is reported stale, then recovers; a
+//! restart takes an unchanged file from its copy in the state directory, and never the copy
+//! of a file edited meanwhile.
 //!
 //! Build the binaries first: `cargo build --workspace --bins`.
 
@@ -375,4 +377,104 @@ fn of_several_files_the_first_bad_one_in_the_order_given_is_named() {
         assert!(error.contains(named.as_str()), "names {named}: {error}");
         assert!(!error.contains(not.as_str()), "names only {named}: {error}");
     }
+}
+
+/// The line the running agent logged when it loaded its file: the first in the log, which
+/// each start writes again from its beginning.
+fn load_line(agent: &Agent) -> String {
+    agent
+        .log()
+        .lines()
+        .find(|line| line.contains("mesh file loaded"))
+        .map(without_colours)
+        .unwrap_or_else(|| panic!("no load logged:\n{}", agent.log()))
+}
+
+/// With a state directory, a restart takes the services of a file that has not changed from
+/// the file's copy there (written after a start that read the file, and after an edit), and
+/// reads a file edited while the agent was down: the edit is what serves, never the copy of
+/// the text before it.
+#[test]
+fn a_restart_takes_an_unchanged_file_from_its_copy_and_reads_an_edited_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mesh.yaml");
+    let state = dir.path().join("state");
+    replace(&path, &mesh("first"));
+    let state_arg = state.to_string_lossy().into_owned();
+    let mut agent = agent(&path, &["--state-dir", &state_arg]);
+    wait_for_service(&agent, "first");
+    assert!(
+        load_line(&agent).contains("from_copy=false"),
+        "{}",
+        load_line(&agent)
+    );
+    // Written after the start, on the file's own thread.
+    let copies = state.join("mesh-files");
+    wait::until("the file's copy", Duration::from_secs(20), || {
+        let written = std::fs::read_dir(&copies)
+            .map_err(|e| e.to_string())?
+            .filter_map(Result::ok)
+            .filter(|entry| entry.path().extension().is_some_and(|e| e == "json"))
+            .count();
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(format!("{written} copies"))
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+
+    agent.restart();
+    agent.wait_ready().unwrap();
+    wait_for_service(&agent, "first");
+    assert!(
+        load_line(&agent).contains("from_copy=true"),
+        "{}",
+        load_line(&agent)
+    );
+
+    // An edit while the agent runs: its copy is written 5 s later, and a restart takes it.
+    replace(&path, &mesh("second"));
+    wait_for_service(&agent, "second");
+    wait::until("the edit's copy", Duration::from_secs(30), || {
+        let (_, metrics) = agent.get("/metrics").map_err(|e| e.to_string())?;
+        match lattice_e2e::agent::metric_in(&metrics, "lattice_mesh_file_copies_behind") {
+            Some(0.0) => Ok(()),
+            behind => Err(format!("copies behind: {behind:?}")),
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    agent.restart();
+    agent.wait_ready().unwrap();
+    wait_for_service(&agent, "second");
+    assert!(
+        load_line(&agent).contains("from_copy=true"),
+        "{}",
+        load_line(&agent)
+    );
+
+    // An edit while the agent is down: the copy is of the text before it, and is not taken.
+    agent.kill();
+    replace(&path, &mesh("third"));
+    agent.restart();
+    agent.wait_ready().unwrap();
+    wait_for_service(&agent, "third");
+    assert!(
+        load_line(&agent).contains("from_copy=false"),
+        "{}",
+        load_line(&agent)
+    );
+}
+
+/// `line` without the terminal colours the log's fields are written in.
+fn without_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(at) = rest.find('\u{1b}') {
+        plain.push_str(&rest[..at]);
+        rest = &rest[at..];
+        rest = rest.find('m').map_or("", |end| &rest[end + 1..]);
+    }
+    plain.push_str(rest);
+    plain
 }

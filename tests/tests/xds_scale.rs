@@ -13,8 +13,9 @@
 //! Measures the initial sync, the latency of single-endpoint changes until every client and
 //! Envoy hold the new endpoint, the bytes each change costs a client, and the agent's RSS and
 //! CPU (and Envoy's RSS); once at a small baseline mesh and once at the full size, so the cost
-//! of one change can be compared. Last, once the node's last mesh is on disk (written after
-//! the changes: `restart.last_mesh_wait_ms`), the agent is killed (SIGKILL) and started again, and
+//! of one change can be compared. Last, once the node's last mesh (and, with mesh files, each
+//! file's copy) is on disk (written after the changes: `restart.last_mesh_wait_ms`), the agent
+//! is killed (SIGKILL) and started again, and
 //! every synthetic client reconnects with what it holds (Delta: `initial_resource_versions`;
 //! SotW: its versions and its EDS subscription): `restart.consistent_ms` is kill → every client
 //! answered and holding the whole mesh (`restart.agent_ready_ms`: kill → the new agent's
@@ -894,9 +895,10 @@ async fn restart(
     services: usize,
     run: usize,
 ) -> Value {
-    // A crash of an agent that has run a while: its node's last mesh is on disk. Written at
-    // most every 5 s on a thread that yields to every other, it may not be yet right after a
-    // large sync on a busy machine; then the figure would be that of a node's first start.
+    // A crash of an agent that has run a while: its node's last mesh (and its mesh files'
+    // copies) are on disk. Written at most every 5 s on a thread that yields to every other,
+    // they may not be yet right after a large sync on a busy machine; then the figure would
+    // be that of a node's first start.
     let last_mesh_wait = wait_for_last_mesh(agent.admin).await;
     let bytes_before: Vec<u64> = fleet.iter().map(|c| c.with_view(|v| v.bytes)).collect();
     // This process's CPU meanwhile: its 100 clients rebuild and send what they hold on the
@@ -979,15 +981,20 @@ async fn restart(
 
 /// Waits until the agent says the node's last mesh holds the mesh it serves (written, or
 /// found to hold it already after a restart), so that it holds the mesh as the changes left
-/// it; how long that took, or `None` when it was not within a minute (the restart then goes
-/// ahead without it).
+/// it, and, with mesh files, that each file's copy holds the text it serves; how long that
+/// took, or `None` when it was not within a minute (the restart then goes ahead without it).
 async fn wait_for_last_mesh(admin: SocketAddr) -> Option<Duration> {
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(60) {
         let current = tokio::task::spawn_blocking(move || {
             let (_, text) = http_get(admin, "/metrics").ok()?;
             let held = metric_in(&text, "lattice_mesh_last_mesh_version")?;
-            Some(held > 0.0 && Some(held) == metric_in(&text, "lattice_xds_snapshot_version"))
+            let copies_behind = metric_in(&text, "lattice_mesh_file_copies_behind")?;
+            Some(
+                held > 0.0
+                    && Some(held) == metric_in(&text, "lattice_xds_snapshot_version")
+                    && copies_behind == 0.0,
+            )
         })
         .await;
         if matches!(current, Ok(Some(true))) {

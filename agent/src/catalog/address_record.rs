@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use lattice_contract::TrapCidrs;
 use serde::Serialize;
 
-use super::state_file;
 use crate::mesh::{AddressBook, AddressRecord, MeshMetrics};
+use crate::state_file;
 
 /// The record's file name in `--state-dir`.
 pub const RECORD_FILE: &str = "addresses.json";

@@ -15,7 +15,7 @@
 //! written here (it is written at most every [`SAVE_EVERY`]), and a control plane must never
 //! take a proxy back. Nor is the agent ready until its sources have reported.
 //!
-//! Written like the address record ([`super::state_file`]): whole, through a temporary file
+//! Written like the address record ([`crate::state_file`]): whole, through a temporary file
 //! renamed over it, no fsync, off the async runtime. A file that cannot be used (unreadable,
 //! not JSON, another format or trapped block, too large) is logged and left out: the agent
 //! then starts as on a node's first start, with no mesh until its sources report.
@@ -28,9 +28,10 @@ use lattice_contract::TrapCidrs;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::{StatusRx, state_file};
+use super::StatusRx;
 use crate::mesh::{MeshMetrics, MeshRx, MeshSnapshot, ServiceMap, ServiceSpec};
 use crate::parallel::BulkThread;
+use crate::state_file;
 
 /// The file's name in `--state-dir`.
 pub const LAST_MESH_FILE: &str = "mesh.json";

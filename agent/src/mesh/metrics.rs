@@ -18,6 +18,7 @@ pub struct MeshMetrics {
     address_record_write_failures: Counter,
     last_mesh_write_failures: Counter,
     last_mesh_version: Gauge,
+    file_copies_behind: Gauge,
 }
 
 impl MeshMetrics {
@@ -76,6 +77,12 @@ impl MeshMetrics {
              found to hold it already; 0 until then",
             metrics.last_mesh_version.clone(),
         );
+        mesh.register(
+            "file_copies_behind",
+            "Mesh files whose copy in --state-dir does not hold the text being served yet: \
+             written at SCHED_IDLE after a start that read the file, and 5 s after an edit",
+            metrics.file_copies_behind.clone(),
+        );
         metrics
     }
 
@@ -93,6 +100,16 @@ impl MeshMetrics {
     pub fn last_mesh_holds(&self, version: u64) {
         self.last_mesh_version
             .set(i64::try_from(version).unwrap_or(i64::MAX));
+    }
+
+    /// A mesh file's copy fell behind the text being served.
+    pub fn file_copy_behind(&self) {
+        self.file_copies_behind.inc();
+    }
+
+    /// A mesh file's copy was written (or has nothing to hold).
+    pub fn file_copy_caught_up(&self) {
+        self.file_copies_behind.dec();
     }
 
     /// Records what the catalog reports: paths in conflict and stale providers.

@@ -4,8 +4,11 @@
 //! services of the file), but an edit is read by the `services` items it changed and applied
 //! as the services it removed and upserted ([`reader`]); a bad edit is logged and the last good
 //! mesh keeps serving. Changes are seen through inotify on the file's directory, so editors
-//! that replace the file and Kubernetes ConfigMap symlink swaps are both caught.
+//! that replace the file and Kubernetes ConfigMap symlink swaps are both caught. With a state
+//! directory, a start takes a file's services from its copy there when the file has not
+//! changed since the copy was written ([`copy`]).
 
+mod copy;
 mod follow;
 mod items;
 mod limits;
@@ -17,7 +20,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lattice_contract::TrapCidrs;
 use serde::Deserialize;
@@ -28,11 +31,12 @@ pub use limits::{DEFAULT_MAX_DEPTH, DEFAULT_MAX_MIB, DEFAULT_MAX_NODES, LimitErr
 use crate::identity::PodPattern;
 use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
+use copy::FileCopy;
 use reader::{Read, Reader};
 
 use crate::mesh::{
-    AddressError, Endpoint, HostEndpoint, HostHeader, HostName, InstanceSpec, MeshPath,
-    MeshSnapshot, MeshState, Protocol, Provider, ProviderTx, ServicePort, ServiceSpec,
+    AddressError, Endpoint, HostEndpoint, HostHeader, HostName, InstanceSpec, MeshMetrics,
+    MeshPath, MeshSnapshot, MeshState, Protocol, Provider, ProviderTx, ServicePort, ServiceSpec,
     TrafficDistribution,
 };
 
@@ -454,7 +458,20 @@ pub struct FileSource {
     state: MeshState,
     /// The text the state was built from.
     text: String,
+    /// The file's copy in the state directory, if the agent has one.
+    copy: Option<FileCopy>,
+    /// Whether the state was taken from the copy rather than read from the text.
+    from_copy: bool,
+    /// When the copy, which does not hold the text being served, is to be written: at once
+    /// after a start that read the file, [`COPY_AFTER`] after the first edit since the last
+    /// write.
+    copy_due: Option<Instant>,
+    metrics: MeshMetrics,
 }
+
+/// How long after an edit the file's copy is written: at most once in this time however
+/// often the file changes, on the file's thread at `SCHED_IDLE`.
+const COPY_AFTER: Duration = Duration::from_secs(5);
 
 /// How long a file that cannot be followed (a watch failed) waits before trying again, beside
 /// the events of the directories that are watched.
@@ -476,8 +493,15 @@ enum Outcome {
 }
 
 impl FileSource {
-    /// Loads the file and builds the first mesh. Fails on any error, naming the file.
-    pub fn load(path: &Path, trap: TrapCidrs, limits: Limits) -> Result<FileSource, MeshFileError> {
+    /// Loads the file and builds the first mesh. Fails on any error, naming the file. With
+    /// `state_dir`, the services come from the file's copy there when it holds this very text,
+    /// and the copy is written (by [`Self::run`]) when it did not.
+    pub fn load(
+        path: &Path,
+        trap: TrapCidrs,
+        limits: Limits,
+        state_dir: Option<&Path>,
+    ) -> Result<FileSource, MeshFileError> {
         let mut text = String::new();
         read_file(path, &limits, &mut text).map_err(|source| match source {
             ReadError::Io(source) => MeshFileError::Read {
@@ -489,16 +513,96 @@ impl FileSource {
                 source,
             },
         })?;
+        let copy = state_dir.and_then(|dir| FileCopy::new(dir, path, &trap, &limits));
         let mut source = FileSource {
             path: path.to_path_buf(),
             limits,
             reader: Reader::new(Provider::file(path), limits),
             state: MeshState::new(trap),
             text: String::new(),
+            copy,
+            from_copy: false,
+            copy_due: None,
+            metrics: MeshMetrics::default(),
         };
-        source.apply(&text)?;
+        if let Some(copy) = source.copy.clone() {
+            source.from_copy = source.take_copy(&copy, &copy.key(&text));
+        }
+        if !source.from_copy {
+            source.apply(&text)?;
+            if source.copy.is_some() {
+                source.copy_due = Some(Instant::now());
+            }
+        }
         source.text = text;
         Ok(source)
+    }
+
+    /// Counts its copy in `metrics` (`lattice_mesh_file_copies_behind`) from now on.
+    pub fn with_metrics(mut self, metrics: MeshMetrics) -> Self {
+        if self.copy_due.is_some() {
+            metrics.file_copy_behind();
+        }
+        self.metrics = metrics;
+        self
+    }
+
+    /// Takes the services of `copy` for `key`, if it holds them, into the state; whether it
+    /// did. A copy that cannot be used is logged and left: the text is read instead.
+    fn take_copy(&mut self, copy: &FileCopy, key: &str) -> bool {
+        let reason = match copy.take(key) {
+            Ok(None) => return false,
+            Ok(Some(specs)) => match self.state.replace_all(specs) {
+                Ok(()) => return true,
+                Err(error) => error.to_string(),
+            },
+            Err(reason) => reason,
+        };
+        tracing::warn!(
+            file = %self.path.display(),
+            copy = %copy.path().display(),
+            %reason,
+            "the mesh file's copy in the state directory cannot be used; reading the file"
+        );
+        false
+    }
+
+    /// The state moved past what the copy holds: the copy is due [`COPY_AFTER`] from now,
+    /// unless it is due already.
+    fn copy_behind(&mut self) {
+        if self.copy.is_some() && self.copy_due.is_none() {
+            self.copy_due = Some(Instant::now() + COPY_AFTER);
+            self.metrics.file_copy_behind();
+        }
+    }
+
+    /// Writes the copy of the last good read; on the file's own thread.
+    fn write_copy(&mut self) {
+        if self.copy_due.take().is_none() {
+            return;
+        }
+        self.metrics.file_copy_caught_up();
+        let (Some(copy), Some((text, specs))) = (&self.copy, self.reader.kept()) else {
+            return;
+        };
+        match copy.store(&copy.key(text), &specs) {
+            Ok(()) => tracing::debug!(
+                file = %self.path.display(),
+                copy = %copy.path().display(),
+                "mesh file's copy written"
+            ),
+            Err(reason) => tracing::warn!(
+                file = %self.path.display(),
+                copy = %copy.path().display(),
+                %reason,
+                "cannot write the mesh file's copy: the next start reads the file"
+            ),
+        }
+    }
+
+    /// Whether the loaded mesh was taken from the file's copy.
+    pub fn from_copy(&self) -> bool {
+        self.from_copy
     }
 
     /// The provider this file is: `file:<path>`.
@@ -519,6 +623,7 @@ impl FileSource {
             file = %self.path.display(),
             services = snapshot.services.len(),
             endpoints = snapshot.endpoint_count(),
+            from_copy = self.from_copy,
             "mesh file loaded"
         );
         tx.view(snapshot);
@@ -576,14 +681,19 @@ impl FileSource {
         let mut following = Ok(());
         let mut look_now = true;
         loop {
+            if self.copy_due.is_some_and(|due| Instant::now() >= due) {
+                self.write_copy();
+            }
             if !std::mem::take(&mut look_now) {
-                let next = if following.is_ok() {
-                    wake.recv().map_err(|_| RecvTimeoutError::Disconnected)
-                } else {
-                    wake.recv_timeout(RETRY_FOLLOW)
+                let retry = following.is_err().then(|| Instant::now() + RETRY_FOLLOW);
+                let next = match retry.into_iter().chain(self.copy_due).min() {
+                    None => wake.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                    Some(at) => wake.recv_timeout(at.saturating_duration_since(Instant::now())),
                 };
                 match next {
                     Ok(Wake::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                    // The copy's time, the file followed: written above, nothing to look at.
+                    Err(RecvTimeoutError::Timeout) if following.is_ok() => continue,
                     Ok(Wake::Look) | Err(RecvTimeoutError::Timeout) => {}
                 }
                 // Events that came meanwhile are answered by this one look.
@@ -609,6 +719,7 @@ impl FileSource {
                     std::mem::swap(&mut last_text, &mut text);
                     match self.apply(&last_text) {
                         Ok(snapshot) => {
+                            self.copy_behind();
                             tracing::info!(
                                 file = %self.path.display(),
                                 version = snapshot.version,
@@ -757,6 +868,97 @@ services:
     ports: [{port: 80, protocol: http}]
     endpoints: [{address: api.billing.example.com}]
 "#;
+
+    /// The file at `dir/mesh.yaml` loaded with `state` as the state directory, if any.
+    fn load_in(dir: &Path, state: Option<&Path>, limits: Limits) -> FileSource {
+        FileSource::load(
+            &dir.join("mesh.yaml"),
+            "240.240.0.0/16".parse().unwrap(),
+            limits,
+            state,
+        )
+        .unwrap()
+    }
+
+    /// The one copy in `state`.
+    fn copy_in(state: &Path) -> PathBuf {
+        let copies: Vec<PathBuf> = std::fs::read_dir(state.join(copy::COPIES_DIR))
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .collect();
+        assert_eq!(copies.len(), 1, "{copies:?}");
+        copies[0].clone()
+    }
+
+    /// A start takes the services of an unchanged file from its copy, exactly as reading it
+    /// gives them, and reads the file again after an edit or with other limits; for a file
+    /// the reader reads whole (`EVERYTHING`) and one it cuts into items (`GOOD`).
+    #[test]
+    fn a_start_takes_an_unchanged_file_from_its_copy_and_reads_a_changed_one() {
+        for (text, from, to) in [
+            (EVERYTHING, "10.200.0.3,", "10.200.0.5,"),
+            (GOOD, "10.200.0.9", "10.200.0.10"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let state = dir.path().join("state");
+            let services = |source: &mut FileSource| source.state.snapshot().services.clone();
+            std::fs::write(dir.path().join("mesh.yaml"), text).unwrap();
+            let mut read = load_in(dir.path(), Some(&state), Limits::default());
+            assert!(!read.from_copy());
+            assert!(
+                !state.join(copy::COPIES_DIR).exists(),
+                "written by the file's thread, not the load"
+            );
+            read.write_copy();
+            copy_in(&state);
+
+            let mut copied = load_in(dir.path(), Some(&state), Limits::default());
+            assert!(copied.from_copy());
+            assert_eq!(services(&mut copied), services(&mut read));
+            assert!(copied.copy_due.is_none(), "nothing to write again");
+
+            let other = Limits {
+                max_nodes: 10_000,
+                ..Limits::default()
+            };
+            assert!(!load_in(dir.path(), Some(&state), other).from_copy());
+
+            assert!(text.contains(from));
+            std::fs::write(dir.path().join("mesh.yaml"), text.replace(from, to)).unwrap();
+            let mut changed = load_in(dir.path(), Some(&state), Limits::default());
+            assert!(!changed.from_copy());
+            let mut fresh = load_in(dir.path(), None, Limits::default());
+            assert_eq!(services(&mut changed), services(&mut fresh));
+            assert_ne!(services(&mut changed), services(&mut read));
+            // Its copy replaces the one of the text before.
+            changed.write_copy();
+            let mut again = load_in(dir.path(), Some(&state), Limits::default());
+            assert!(again.from_copy());
+            assert_eq!(services(&mut again), services(&mut fresh));
+            copy_in(&state);
+        }
+    }
+
+    /// A copy that cannot be used (cut short, or not JSON) is left aside: the file is read.
+    #[test]
+    fn a_copy_that_cannot_be_used_is_left_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        std::fs::write(dir.path().join("mesh.yaml"), EVERYTHING).unwrap();
+        let mut read = load_in(dir.path(), Some(&state), Limits::default());
+        read.write_copy();
+        let copy = copy_in(&state);
+        let whole = std::fs::read_to_string(&copy).unwrap();
+        for broken in [&whole[..whole.len() / 2], "{\"key\": 7}", "\u{0}\u{ff}"] {
+            std::fs::write(&copy, broken).unwrap();
+            let mut again = load_in(dir.path(), Some(&state), Limits::default());
+            assert!(!again.from_copy(), "{broken:.80}");
+            assert_eq!(
+                again.state.snapshot().services,
+                read.state.snapshot().services
+            );
+        }
+    }
 
     /// What the node's last mesh is made of: a spec written as JSON reads back the same,
     /// whatever it says.
@@ -1134,8 +1336,13 @@ services:
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mesh.yaml");
         std::fs::write(&path, GOOD).unwrap();
-        let source =
-            FileSource::load(&path, "240.240.0.0/16".parse().unwrap(), Limits::default()).unwrap();
+        let source = FileSource::load(
+            &path,
+            "240.240.0.0/16".parse().unwrap(),
+            Limits::default(),
+            None,
+        )
+        .unwrap();
         std::fs::write(&path, GOOD.replace("10.200.0.9", "10.200.0.10")).unwrap();
         let (tx, mut rx) = crate::mesh::provider::channel();
         let shutdown = CancellationToken::new();

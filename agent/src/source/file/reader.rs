@@ -41,6 +41,9 @@ pub(super) struct Reader {
     limits: Limits,
     /// The last read the mesh state took, if its layout was one that is cut into items.
     last: Option<LastRead>,
+    /// The last read the mesh state took otherwise: its text and services, for the file's
+    /// copy.
+    plain: Option<(String, Vec<ServiceSpec>)>,
     /// The last read, until the mesh state takes it ([`Self::commit`]): an edit the state
     /// refuses (no address left) must not become the text the next edit is compared with.
     pending: Option<Pending>,
@@ -64,7 +67,9 @@ struct LastRead {
 }
 
 enum Pending {
-    Whole(Option<LastRead>),
+    Whole(LastRead),
+    /// A text read whole, not cut into items.
+    Plain(String, Vec<ServiceSpec>),
     /// The items `edit.first..edit.end` of the last read gave way to `services`, starting at
     /// `edit.starts`; the items after them moved by `edit.shift` bytes.
     Edit {
@@ -81,6 +86,7 @@ impl Reader {
             provider,
             limits,
             last: None,
+            plain: None,
             pending: None,
             spare: String::new(),
         }
@@ -99,7 +105,7 @@ impl Reader {
             return Ok(Read::Whole(specs));
         }
         let specs = parse(text, &self.provider, &self.limits)?;
-        self.pending = Some(Pending::Whole(None));
+        self.pending = Some(Pending::Plain(text.to_owned(), specs.clone()));
         tracing::debug!(
             "mesh file read as a whole: its layout is not one whose items are read one by one"
         );
@@ -110,7 +116,14 @@ impl Reader {
     pub(super) fn commit(&mut self) {
         match self.pending.take() {
             None => {}
-            Some(Pending::Whole(last)) => self.last = last,
+            Some(Pending::Whole(last)) => {
+                self.last = Some(last);
+                self.plain = None;
+            }
+            Some(Pending::Plain(text, specs)) => {
+                self.last = None;
+                self.plain = Some((text, specs));
+            }
             Some(Pending::Edit {
                 text,
                 edit,
@@ -133,6 +146,16 @@ impl Reader {
                 self.spare = std::mem::replace(&mut last.text, text);
                 last.paths = paths;
             }
+        }
+    }
+
+    /// The text of the last read the state took and its services in the file's order, as
+    /// reading it whole gives them.
+    pub(super) fn kept(&self) -> Option<(&str, Vec<ServiceSpec>)> {
+        match (&self.last, &self.plain) {
+            (Some(last), _) => Some((&last.text, assemble(&last.services).ok()?)),
+            (None, Some((text, specs))) => Some((text, specs.clone())),
+            (None, None) => None,
         }
     }
 
@@ -234,13 +257,13 @@ impl Reader {
             .collect::<Option<Vec<Arc<ReadService>>>>()?;
         drop(known);
         let specs = assemble(&services).ok()?;
-        self.pending = Some(Pending::Whole(Some(LastRead {
+        self.pending = Some(Pending::Whole(LastRead {
             text: text.to_owned(),
             starts,
             routes: services.iter().any(|s| !s.routes.is_empty()),
             paths: services.iter().map(|s| s.spec.path.clone()).collect(),
             services,
-        })));
+        }));
         Some(specs)
     }
 }

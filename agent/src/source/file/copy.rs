@@ -1,0 +1,145 @@
+//! A mesh file's services as last read, kept in the state directory (`--state-dir`,
+//! `mesh-files/`), so that an agent restarted with the same file takes them from there rather
+//! than reading its YAML again.
+//!
+//! Why: YAML is the slowest part of a restart with large mesh files. libyaml, the fastest YAML
+//! parser Rust has (serde-saphyr took twice as long on the same file), takes about 140 ms of
+//! CPU for a 10k-service file. Five such files load from their copies in 0.14-0.15 s, against
+//! 0.46-0.53 s from their YAML (the agent alone on two cores).
+//!
+//! A copy is used only for the very text it was read from, by the same build of the agent,
+//! with the same limits and trapped block: its key is the SHA-256 of all of them together, and
+//! anything else (an edit, an upgrade, another flag) reads the YAML as before. The agent's
+//! build is told apart by its executable's size, inode, and modification and change times. A
+//! missing copy, or one of another text, is passed over; one that cannot be used (unreadable,
+//! not JSON) is logged and left aside. It is written on the file's own thread at `SCHED_IDLE`
+//! (`FileSource`): at once after a start that read the YAML, and 5 s after an edit. The copy
+//! keeps the services in the file's order, so that the mesh takes them, and assigns their
+//! addresses, exactly as it takes the file's.
+
+use std::path::{Path, PathBuf};
+
+use lattice_contract::TrapCidrs;
+use serde::{Deserialize, Serialize};
+
+use super::limits::Limits;
+use crate::mesh::ServiceSpec;
+use crate::state_file;
+
+/// The directory of copies in `--state-dir`.
+pub const COPIES_DIR: &str = "mesh-files";
+
+/// Bumped whenever what a mesh file reads as, or how a copy is written, changes meaning
+/// within one build's reach (the build itself is in the key).
+const FORMAT: &str = "lattice-mesh-file-copy-1";
+
+/// A copy more than this many times the file's limit is not read: the JSON of a service is
+/// about 2.5 times its YAML as the benchmark writes it, and more for a terse one.
+const MAX_GROWTH: u64 = 16;
+
+/// The copy of one mesh file, and what its key is made of.
+#[derive(Clone, Debug)]
+pub struct FileCopy {
+    path: PathBuf,
+    /// Everything the key covers but the text.
+    context: Vec<u8>,
+    max_bytes: u64,
+}
+
+#[derive(Serialize)]
+struct Written<'a> {
+    key: &'a str,
+    services: &'a [ServiceSpec],
+}
+
+#[derive(Deserialize)]
+struct Read {
+    key: String,
+    services: Vec<ServiceSpec>,
+}
+
+impl FileCopy {
+    /// The copy of the mesh file at `file` in `state_dir`, for this build with these limits
+    /// and trapped block; `None` when the build cannot be told (its executable cannot be
+    /// looked at), which leaves copies out.
+    pub fn new(state_dir: &Path, file: &Path, trap: &TrapCidrs, limits: &Limits) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let exe = std::env::current_exe().and_then(std::fs::metadata).ok()?;
+        // Its change time is set by the kernel whenever the file is written or installed, so a
+        // build installed since differs even with the same size and modification time (which
+        // reproducible builds fix); hashing its content instead would cost about 0.1 s per
+        // start for a 200 MB binary with debug information.
+        let context = format!(
+            "{FORMAT}\n{} {} {}:{} {}.{} {}.{}\n{}\n{}\n{limits:?}\n",
+            env!("CARGO_PKG_VERSION"),
+            exe.len(),
+            exe.dev(),
+            exe.ino(),
+            exe.mtime(),
+            exe.mtime_nsec(),
+            exe.ctime(),
+            exe.ctime_nsec(),
+            file.display(),
+            String::from(trap.clone()),
+        );
+        let name = hex(ring::digest::digest(
+            &ring::digest::SHA256,
+            file.as_os_str().as_encoded_bytes(),
+        )
+        .as_ref());
+        Some(FileCopy {
+            path: state_dir
+                .join(COPIES_DIR)
+                .join(format!("{}.json", &name[..32])),
+            context: context.into_bytes(),
+            max_bytes: limits
+                .max_bytes
+                .saturating_mul(MAX_GROWTH)
+                .saturating_add(1 << 20),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The key of `text` read with this copy's context.
+    pub fn key(&self, text: &str) -> String {
+        let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+        digest.update(&self.context);
+        digest.update(text.as_bytes());
+        hex(digest.finish().as_ref())
+    }
+
+    /// The services the copy holds for `key`: `Ok(None)` when there is no copy or it is of
+    /// another text, `Err` with the reason when it cannot be used.
+    pub fn take(&self, key: &str) -> Result<Option<Vec<ServiceSpec>>, String> {
+        let Some(text) =
+            state_file::read_text(&self.path, self.max_bytes).map_err(|err| err.to_string())?
+        else {
+            return Ok(None);
+        };
+        // The key comes first as written: a copy of another text is told without decoding it.
+        if !text.starts_with(&format!("{{\"key\":\"{key}\"")) {
+            return Ok(None);
+        }
+        let read: Read =
+            serde_json::from_str(&text).map_err(|err| format!("not a mesh file's copy: {err}"))?;
+        Ok((read.key == key).then_some(read.services))
+    }
+
+    /// Writes `services` as the copy for `key`, replacing any other whole.
+    pub fn store(&self, key: &str, services: &[ServiceSpec]) -> Result<(), String> {
+        state_file::replace(&self.path, "mesh-file", &Written { key, services })
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
+}
