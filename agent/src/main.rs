@@ -163,6 +163,19 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
     }
+    // Before any copy is written: nothing is served yet, and removing a few files is quick.
+    if let Some(dir) = config.state_dir.as_deref().filter(|_| !config.check_config) {
+        match source::file::prune_copies(dir, &config.mesh_files) {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(
+                removed,
+                "mesh-file copies of files no longer given removed from the state directory"
+            ),
+            Err(error) => {
+                tracing::warn!(%error, "cannot remove mesh-file copies of files no longer given")
+            }
+        }
+    }
     // Off the runtime, and all at once: a file's items parse on every core, but cutting
     // them out and taking them into the file's mesh do not, and leave a core to the next
     // file. An error names the first file, in the order given, that has one.

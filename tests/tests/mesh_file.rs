@@ -393,7 +393,7 @@ fn load_line(agent: &Agent) -> String {
 /// With a state directory, a restart takes the services of a file that has not changed from
 /// the file's copy there (written after a start that read the file, and after an edit), and
 /// reads a file edited while the agent was down: the edit is what serves, never the copy of
-/// the text before it.
+/// the text before it. The copy of a file the agent is not given any more is removed.
 #[test]
 fn a_restart_takes_an_unchanged_file_from_its_copy_and_reads_an_edited_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -463,6 +463,27 @@ fn a_restart_takes_an_unchanged_file_from_its_copy_and_reads_an_edited_one() {
         load_line(&agent).contains("from_copy=false"),
         "{}",
         load_line(&agent)
+    );
+
+    // Given another file, the agent removes the copy of the one it is not given any more.
+    let copies_now = || -> Vec<PathBuf> {
+        std::fs::read_dir(&copies)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .collect()
+    };
+    let before = copies_now();
+    assert_eq!(before.len(), 1, "{before:?}");
+    drop(agent);
+    let other = dir.path().join("other.yaml");
+    replace(&other, &mesh("other"));
+    let agent = self::agent(&other, &["--state-dir", &state_arg]);
+    wait_for_service(&agent, "other");
+    assert!(
+        !before[0].exists(),
+        "{:?} left: {:?}",
+        before[0],
+        copies_now()
     );
 }
 

@@ -26,6 +26,7 @@ use lattice_contract::TrapCidrs;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+pub use copy::prune as prune_copies;
 pub use limits::{DEFAULT_MAX_DEPTH, DEFAULT_MAX_MIB, DEFAULT_MAX_NODES, LimitError, Limits};
 
 use crate::identity::PodPattern;

@@ -82,15 +82,8 @@ impl FileCopy {
             file.display(),
             String::from(trap.clone()),
         );
-        let name = hex(ring::digest::digest(
-            &ring::digest::SHA256,
-            file.as_os_str().as_encoded_bytes(),
-        )
-        .as_ref());
         Some(FileCopy {
-            path: state_dir
-                .join(COPIES_DIR)
-                .join(format!("{}.json", &name[..32])),
+            path: state_dir.join(COPIES_DIR).join(entry_name(file)),
             context: context.into_bytes(),
             max_bytes: limits
                 .max_bytes
@@ -134,6 +127,37 @@ impl FileCopy {
     }
 }
 
+/// The name of `file`'s copy: the SHA-256 of its path, cut to 128 bits.
+fn entry_name(file: &Path) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, file.as_os_str().as_encoded_bytes());
+    format!("{}.json", &hex(digest.as_ref())[..32])
+}
+
+/// Removes from `state_dir` every copy but those of `files`, and what an interrupted write
+/// left: a copy is about 2.5 times its file, and the state directory is the node's tmpfs,
+/// whose pages count against the agent's memory limit, so copies of files the agent was once
+/// given must not pile up. How many files were removed.
+pub fn prune(state_dir: &Path, files: &[PathBuf]) -> std::io::Result<usize> {
+    let keep: Vec<String> = files.iter().map(|file| entry_name(file)).collect();
+    let entries = match std::fs::read_dir(state_dir.join(COPIES_DIR)) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(err) => return Err(err),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        if keep.iter().any(|name| entry.file_name() == name.as_str()) {
+            continue;
+        }
+        if entry.file_type()?.is_file() {
+            std::fs::remove_file(entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
     bytes
@@ -142,4 +166,38 @@ fn hex(bytes: &[u8]) -> String {
             let _ = write!(out, "{b:02x}");
             out
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies of files the agent is not given any more, and a temporary file an interrupted
+    /// write left, go; the copies of the files it is given stay.
+    #[test]
+    fn pruning_keeps_only_the_copies_of_the_files_given() {
+        let state = tempfile::tempdir().unwrap();
+        let (kept, gone) = (
+            PathBuf::from("/etc/mesh/a.yaml"),
+            PathBuf::from("/etc/mesh/b.yaml"),
+        );
+        assert_eq!(
+            prune(state.path(), std::slice::from_ref(&kept)).unwrap(),
+            0,
+            "no directory yet"
+        );
+        let trap: TrapCidrs = "240.240.0.0/16".parse().unwrap();
+        for file in [&kept, &gone] {
+            let copy = FileCopy::new(state.path(), file, &trap, &Limits::default()).unwrap();
+            copy.store(&copy.key("services: []"), &[]).unwrap();
+        }
+        let dir = state.path().join(COPIES_DIR);
+        std::fs::write(dir.join(".mesh-file.x.tmp"), "torn").unwrap();
+        assert_eq!(prune(state.path(), std::slice::from_ref(&kept)).unwrap(), 2);
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name())
+            .collect();
+        assert_eq!(left, [std::ffi::OsString::from(entry_name(&kept))]);
+    }
 }
