@@ -287,11 +287,13 @@ pub struct AgentConfig {
     /// the address record (addresses.json), so that every name keeps its own address whatever
     /// order the providers report in after a restart, and each pod's scope (scopes/, the
     /// services it resolved), so that a restarted agent gives every pod's Envoy what it held,
-    /// and the last mesh (mesh.json, written at most every 5 s), which a restarted agent
-    /// answers DNS from until its sources report. Without it addresses are derived from the
-    /// names alone (a name that had to move may move again), scopes live in memory only, and a
-    /// restarted agent answers no mesh name before its sources report. The manifests mount the node's /run/lattice (a
-    /// tmpfs: it goes with a reboot, as the pods do) at /var/lib/lattice.
+    /// the last mesh (mesh.json, written at most every 5 s), which a restarted agent answers
+    /// DNS from until its sources report, and each mesh file's services as last read
+    /// (mesh-files/), which a restart takes instead of an unchanged file's YAML. Without it
+    /// addresses are derived from the names alone (a name that had to move may move again),
+    /// scopes live in memory only, a restarted agent answers no mesh name before its sources
+    /// report, and every start reads the mesh files' YAML. The manifests mount the node's
+    /// /run/lattice (a tmpfs: it goes with a reboot, as the pods do) at /var/lib/lattice.
     #[arg(long, env = "LATTICE_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
 

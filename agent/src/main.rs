@@ -163,8 +163,10 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
             anyhow::bail!("--mesh-file {} is given twice", path.display());
         }
     }
+    // Where mesh files' copies are kept; a check reads every file, never a copy of one.
+    let copies_dir = config.state_dir.clone().filter(|_| !config.check_config);
     // Before any copy is written: nothing is served yet, and removing a few files is quick.
-    if let Some(dir) = config.state_dir.as_deref().filter(|_| !config.check_config) {
+    if let Some(dir) = &copies_dir {
         match source::file::prune_copies(dir, &config.mesh_files) {
             Ok(0) => {}
             Ok(removed) => tracing::info!(
@@ -188,8 +190,7 @@ async fn run(config: AgentConfig) -> anyhow::Result<()> {
                 config.trap_cidr.clone(),
                 mesh_file_limits(&config),
             );
-            // A check reads every file, never a copy of one.
-            let state_dir = config.state_dir.clone().filter(|_| !config.check_config);
+            let state_dir = copies_dir.clone();
             tokio::task::spawn_blocking(move || {
                 FileSource::load(&path, trap, limits, state_dir.as_deref())
             })

@@ -1,7 +1,8 @@
 //! A JSON file in the state directory (`--state-dir`), as the address record, the node's last
-//! mesh and the mesh files' copies keep theirs: read whole with a bound on its size, and replaced whole through a
-//! temporary file of its own renamed over it, so a reader (the next agent, or one overlapping
-//! during an upgrade) sees the old file or the new one, never half of one. No fsync: the file
+//! mesh and the mesh files' copies keep theirs: read whole with a bound on its size, and
+//! replaced whole through a temporary file of its own renamed over it, so a reader (the next
+//! agent, or one overlapping during an upgrade) sees the old file or the new one, never half of
+//! one. No fsync: the file
 //! must outlive the agent, which the page cache does; a node that loses power restarts its
 //! pods too.
 
@@ -19,47 +20,33 @@ pub fn read<T: DeserializeOwned>(
     max_bytes: u64,
     what: &str,
 ) -> Result<Option<T>, String> {
-    let text = match read_text(path, max_bytes) {
-        Ok(Some(text)) => text,
-        Ok(None) => return Ok(None),
-        Err(ReadTextError::NotUtf8(err)) => return Err(format!("not {what}: {err}")),
-        Err(ReadTextError::Io(reason)) => return Err(reason),
+    let Some(text) = read_text(path, max_bytes, what)? else {
+        return Ok(None);
     };
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|err| format!("not {what}: {err}"))
 }
 
-/// Why [`read_text`] gives no text.
-#[derive(Debug, thiserror::Error)]
-pub enum ReadTextError {
-    #[error("{0}")]
-    Io(String),
-    #[error("not UTF-8: {0}")]
-    NotUtf8(std::str::Utf8Error),
-}
-
 /// The text at `path`, if there is a file: as [`read`], before it is decoded.
-pub fn read_text(path: &Path, max_bytes: u64) -> Result<Option<String>, ReadTextError> {
+pub fn read_text(path: &Path, max_bytes: u64, what: &str) -> Result<Option<String>, String> {
     let file = match std::fs::File::open(path) {
         Ok(file) => file,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(err) => return Err(ReadTextError::Io(format!("cannot open it: {err}"))),
+        Err(err) => return Err(format!("cannot open it: {err}")),
     };
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     if size > max_bytes {
-        return Err(ReadTextError::Io(format!(
-            "{size} bytes, more than the {max_bytes} it may be"
-        )));
+        return Err(format!("{size} bytes, more than the {max_bytes} it may be"));
     }
     let mut text = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
     std::io::Read::read_to_end(&mut std::io::Read::take(file, max_bytes + 1), &mut text)
-        .map_err(|err| ReadTextError::Io(format!("cannot read it: {err}")))?;
+        .map_err(|err| format!("cannot read it: {err}"))?;
     // Checked as UTF-8 once, whole, rather than string by string as `from_slice` does: about
     // a tenth of reading a 50k-service last mesh was those checks.
     String::from_utf8(text)
         .map(Some)
-        .map_err(|err| ReadTextError::NotUtf8(err.utf8_error()))
+        .map_err(|err| format!("not {what}: {}", err.utf8_error()))
 }
 
 /// Replaces the file at `path` with `value` as JSON, streamed through a temporary file

@@ -332,6 +332,21 @@ pub fn metric_in(text: &str, name: &str) -> Option<f64> {
         .ok()
 }
 
+/// A field's value in a line of the agent's log, colours (ANSI escapes) taken out.
+pub fn log_field(line: &str, name: &str) -> Option<String> {
+    let mut plain = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| *c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    let rest = plain.split(&format!("{name}=")).nth(1)?;
+    rest.split_whitespace().next().map(str::to_string)
+}
+
 /// The status of a `dig` answer (`NOERROR`, `SERVFAIL`…), `no answer` when it holds none.
 pub fn dig_status(text: &str) -> String {
     text.split("status: ")

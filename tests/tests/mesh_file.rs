@@ -379,15 +379,33 @@ fn of_several_files_the_first_bad_one_in_the_order_given_is_named() {
     }
 }
 
-/// The line the running agent logged when it loaded its file: the first in the log, which
-/// each start writes again from its beginning.
-fn load_line(agent: &Agent) -> String {
-    agent
-        .log()
-        .lines()
-        .find(|line| line.contains("mesh file loaded"))
-        .map(without_colours)
-        .unwrap_or_else(|| panic!("no load logged:\n{}", agent.log()))
+/// Whether the running agent took its file from the file's copy: `from_copy` on the load it
+/// logged, the first in the log, which each start writes again from its beginning.
+fn from_copy(agent: &Agent) -> Option<String> {
+    let log = agent.log();
+    let line = log.lines().find(|line| line.contains("mesh file loaded"))?;
+    lattice_e2e::agent::log_field(line, "from_copy")
+}
+
+/// Starts `agent` again, waits until it serves `/files/{name}`, and says whether it took the
+/// file from its copy.
+fn restarted(agent: &mut Agent, name: &str) -> Option<String> {
+    agent.restart();
+    agent.wait_ready().unwrap();
+    wait_for_service(agent, name);
+    from_copy(agent)
+}
+
+/// Waits until the file's copy holds the text being served.
+fn wait_for_copy(agent: &Agent) {
+    wait::until("the file's copy", Duration::from_secs(30), || {
+        let (_, metrics) = agent.get("/metrics").map_err(|e| e.to_string())?;
+        match lattice_e2e::agent::metric_in(&metrics, "lattice_mesh_file_copies_behind") {
+            Some(0.0) => Ok(()),
+            behind => Err(format!("copies behind: {behind:?}")),
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
 }
 
 /// With a state directory, a restart takes the services of a file that has not changed from
@@ -403,69 +421,24 @@ fn a_restart_takes_an_unchanged_file_from_its_copy_and_reads_an_edited_one() {
     let state_arg = state.to_string_lossy().into_owned();
     let mut agent = agent(&path, &["--state-dir", &state_arg]);
     wait_for_service(&agent, "first");
-    assert!(
-        load_line(&agent).contains("from_copy=false"),
-        "{}",
-        load_line(&agent)
-    );
+    assert_eq!(from_copy(&agent).as_deref(), Some("false"));
     // Written after the start, on the file's own thread.
-    let copies = state.join("mesh-files");
-    wait::until("the file's copy", Duration::from_secs(20), || {
-        let written = std::fs::read_dir(&copies)
-            .map_err(|e| e.to_string())?
-            .filter_map(Result::ok)
-            .filter(|entry| entry.path().extension().is_some_and(|e| e == "json"))
-            .count();
-        if written == 1 {
-            Ok(())
-        } else {
-            Err(format!("{written} copies"))
-        }
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
-
-    agent.restart();
-    agent.wait_ready().unwrap();
-    wait_for_service(&agent, "first");
-    assert!(
-        load_line(&agent).contains("from_copy=true"),
-        "{}",
-        load_line(&agent)
-    );
+    wait_for_copy(&agent);
+    assert_eq!(restarted(&mut agent, "first").as_deref(), Some("true"));
 
     // An edit while the agent runs: its copy is written 5 s later, and a restart takes it.
     replace(&path, &mesh("second"));
     wait_for_service(&agent, "second");
-    wait::until("the edit's copy", Duration::from_secs(30), || {
-        let (_, metrics) = agent.get("/metrics").map_err(|e| e.to_string())?;
-        match lattice_e2e::agent::metric_in(&metrics, "lattice_mesh_file_copies_behind") {
-            Some(0.0) => Ok(()),
-            behind => Err(format!("copies behind: {behind:?}")),
-        }
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
-    agent.restart();
-    agent.wait_ready().unwrap();
-    wait_for_service(&agent, "second");
-    assert!(
-        load_line(&agent).contains("from_copy=true"),
-        "{}",
-        load_line(&agent)
-    );
+    wait_for_copy(&agent);
+    assert_eq!(restarted(&mut agent, "second").as_deref(), Some("true"));
 
     // An edit while the agent is down: the copy is of the text before it, and is not taken.
     agent.kill();
     replace(&path, &mesh("third"));
-    agent.restart();
-    agent.wait_ready().unwrap();
-    wait_for_service(&agent, "third");
-    assert!(
-        load_line(&agent).contains("from_copy=false"),
-        "{}",
-        load_line(&agent)
-    );
+    assert_eq!(restarted(&mut agent, "third").as_deref(), Some("false"));
 
     // Given another file, the agent removes the copy of the one it is not given any more.
+    let copies = state.join("mesh-files");
     let copies_now = || -> Vec<PathBuf> {
         std::fs::read_dir(&copies)
             .unwrap()
@@ -485,17 +458,4 @@ fn a_restart_takes_an_unchanged_file_from_its_copy_and_reads_an_edited_one() {
         before[0],
         copies_now()
     );
-}
-
-/// `line` without the terminal colours the log's fields are written in.
-fn without_colours(line: &str) -> String {
-    let mut plain = String::with_capacity(line.len());
-    let mut rest = line;
-    while let Some(at) = rest.find('\u{1b}') {
-        plain.push_str(&rest[..at]);
-        rest = &rest[at..];
-        rest = rest.find('m').map_or("", |end| &rest[end + 1..]);
-    }
-    plain.push_str(rest);
-    plain
 }

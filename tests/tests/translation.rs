@@ -13,7 +13,7 @@
 use std::net::{Ipv4Addr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use lattice_e2e::agent::Agent;
+use lattice_e2e::agent::{Agent, log_field};
 
 const SERVICES: usize = 10_000;
 const SHARED: Ipv4Addr = Ipv4Addr::new(240, 240, 0, 1);
@@ -132,7 +132,7 @@ fn translate_ms(agent: &Agent, nth: usize) -> String {
         },
     )
     .unwrap();
-    field(&line, "translate_ms").unwrap_or_else(|| "?".into())
+    log_field(&line, "translate_ms").unwrap_or_else(|| "?".into())
 }
 
 #[test]
@@ -177,19 +177,4 @@ fn dns_answers_every_query_while_ten_thousand_services_are_translated() {
         "queries went unanswered during the translations ({first_ms} ms, {edit_ms} ms): {:?}",
         [first.unanswered, edit.unanswered].concat()
     );
-}
-
-/// A field's value in a log line, colours (ANSI escapes) taken out.
-fn field(line: &str, name: &str) -> Option<String> {
-    let mut plain = String::new();
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            chars.by_ref().find(|c| *c == 'm');
-        } else {
-            plain.push(c);
-        }
-    }
-    let rest = plain.split(&format!("{name}=")).nth(1)?;
-    rest.split_whitespace().next().map(str::to_string)
 }

@@ -52,9 +52,10 @@ struct Written<'a> {
     services: &'a [ServiceSpec],
 }
 
+/// A copy whose key was found to be the one wanted (its `key` field, first, is not read
+/// again).
 #[derive(Deserialize)]
 struct Read {
-    key: String,
     services: Vec<ServiceSpec>,
 }
 
@@ -107,18 +108,16 @@ impl FileCopy {
     /// The services the copy holds for `key`: `Ok(None)` when there is no copy or it is of
     /// another text, `Err` with the reason when it cannot be used.
     pub fn take(&self, key: &str) -> Result<Option<Vec<ServiceSpec>>, String> {
-        let Some(text) =
-            state_file::read_text(&self.path, self.max_bytes).map_err(|err| err.to_string())?
-        else {
+        const WHAT: &str = "a mesh file's copy";
+        let Some(text) = state_file::read_text(&self.path, self.max_bytes, WHAT)? else {
             return Ok(None);
         };
         // The key comes first as written: a copy of another text is told without decoding it.
         if !text.starts_with(&format!("{{\"key\":\"{key}\"")) {
             return Ok(None);
         }
-        let read: Read =
-            serde_json::from_str(&text).map_err(|err| format!("not a mesh file's copy: {err}"))?;
-        Ok((read.key == key).then_some(read.services))
+        let read: Read = serde_json::from_str(&text).map_err(|err| format!("not {WHAT}: {err}"))?;
+        Ok(Some(read.services))
     }
 
     /// Writes `services` as the copy for `key`, replacing any other whole.
