@@ -515,10 +515,14 @@ impl FileSource {
             },
         })?;
         let copy = state_dir.and_then(|dir| FileCopy::new(dir, path, &trap, &limits));
+        let reader = Reader::new(Provider::file(path), limits);
         let mut source = FileSource {
             path: path.to_path_buf(),
             limits,
-            reader: Reader::new(Provider::file(path), limits),
+            reader: match copy {
+                Some(_) => reader.keeping_whole_reads(),
+                None => reader,
+            },
             state: MeshState::new(trap),
             text: String::new(),
             copy,

@@ -42,8 +42,11 @@ pub(super) struct Reader {
     /// The last read the mesh state took, if its layout was one that is cut into items.
     last: Option<LastRead>,
     /// The last read the mesh state took otherwise: its text and services, for the file's
-    /// copy.
+    /// copy; kept only when there is one ([`Self::keeping_whole_reads`]).
     plain: Option<(String, Vec<ServiceSpec>)>,
+    /// Whether a text read whole is kept for the file's copy. Without a copy nothing asks for
+    /// it, and keeping it would cost a copy of the text and of its services at every read.
+    keep_plain: bool,
     /// The last read, until the mesh state takes it ([`Self::commit`]): an edit the state
     /// refuses (no address left) must not become the text the next edit is compared with.
     pending: Option<Pending>,
@@ -68,8 +71,8 @@ struct LastRead {
 
 enum Pending {
     Whole(LastRead),
-    /// A text read whole, not cut into items.
-    Plain(String, Vec<ServiceSpec>),
+    /// A text read whole, not cut into items; with its services when they are kept.
+    Plain(Option<(String, Vec<ServiceSpec>)>),
     /// The items `edit.first..edit.end` of the last read gave way to `services`, starting at
     /// `edit.starts`; the items after them moved by `edit.shift` bytes.
     Edit {
@@ -87,9 +90,17 @@ impl Reader {
             limits,
             last: None,
             plain: None,
+            keep_plain: false,
             pending: None,
             spare: String::new(),
         }
+    }
+
+    /// Keeps the last text read whole, and its services, for [`Self::kept`]: the file has a
+    /// copy to write.
+    pub(super) fn keeping_whole_reads(mut self) -> Self {
+        self.keep_plain = true;
+        self
     }
 
     /// Reads `text` as the file's new content; errors are the whole file's, as [`parse`]
@@ -105,7 +116,10 @@ impl Reader {
             return Ok(Read::Whole(specs));
         }
         let specs = parse(text, &self.provider, &self.limits)?;
-        self.pending = Some(Pending::Plain(text.to_owned(), specs.clone()));
+        self.pending = Some(match self.keep_plain {
+            true => Pending::Plain(Some((text.to_owned(), specs.clone()))),
+            false => Pending::Plain(None),
+        });
         tracing::debug!(
             "mesh file read as a whole: its layout is not one whose items are read one by one"
         );
@@ -120,9 +134,9 @@ impl Reader {
                 self.last = Some(last);
                 self.plain = None;
             }
-            Some(Pending::Plain(text, specs)) => {
+            Some(Pending::Plain(kept)) => {
                 self.last = None;
-                self.plain = Some((text, specs));
+                self.plain = kept;
             }
             Some(Pending::Edit {
                 text,
@@ -381,6 +395,24 @@ mod tests {
             let last = reader.last.as_ref().expect("the read is kept");
             assert_eq!(last.starts, starts, "every item is kept");
         }
+    }
+
+    #[test]
+    fn a_text_read_whole_is_kept_only_for_a_copy() {
+        let text =
+            "{services: [{path: /a/b, ports: [{port: 80}], endpoints: [{address: 10.0.0.1}]}]}\n";
+        assert!(items::split(text).is_none(), "a layout not cut into items");
+        let mut plain = reader();
+        plain.read(text).unwrap();
+        plain.commit();
+        assert!(plain.kept().is_none(), "no copy, nothing kept");
+
+        let mut copied = reader().keeping_whole_reads();
+        let specs = parse(text).unwrap();
+        assert_eq!(copied.read(text).unwrap(), Read::Whole(specs.clone()));
+        assert!(copied.kept().is_none(), "not before the state takes it");
+        copied.commit();
+        assert_eq!(copied.kept(), Some((text, specs)));
     }
 
     /// Edits of a file without rules: each is read as the services it removed and changed,
