@@ -756,7 +756,7 @@ fn logged_translations(log: &Path, from: u64) -> anyhow::Result<Vec<(usize, f64)
         .lines()
         .filter(|l| l.contains("serving mesh snapshot"))
         .filter_map(|l| {
-            let l = without_colours(l);
+            let l = lattice_e2e::agent::without_colours(l);
             let l = l.as_str();
             Some((
                 field(l, "services")?.parse().ok()?,
@@ -764,20 +764,6 @@ fn logged_translations(log: &Path, from: u64) -> anyhow::Result<Vec<(usize, f64)
             ))
         })
         .collect())
-}
-
-/// `line` without its ANSI colour escapes (the agent colours its log even into a file).
-fn without_colours(line: &str) -> String {
-    let mut plain = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            chars.by_ref().find(|c| *c == 'm');
-        } else {
-            plain.push(c);
-        }
-    }
-    plain
 }
 
 /// Waits until the agent's log has not grown for `window`: its last change is applied.

@@ -332,9 +332,9 @@ pub fn metric_in(text: &str, name: &str) -> Option<f64> {
         .ok()
 }
 
-/// A field's value in a line of the agent's log, colours (ANSI escapes) taken out.
-pub fn log_field(line: &str, name: &str) -> Option<String> {
-    let mut plain = String::new();
+/// `line` without its ANSI colour escapes (the agent colours its log even into a file).
+pub fn without_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
     let mut chars = line.chars();
     while let Some(c) = chars.next() {
         if c == '\u{1b}' {
@@ -343,6 +343,12 @@ pub fn log_field(line: &str, name: &str) -> Option<String> {
             plain.push(c);
         }
     }
+    plain
+}
+
+/// A field's value in a line of the agent's log, colours (ANSI escapes) taken out.
+pub fn log_field(line: &str, name: &str) -> Option<String> {
+    let plain = without_colours(line);
     let rest = plain.split(&format!("{name}=")).nth(1)?;
     rest.split_whitespace().next().map(str::to_string)
 }

@@ -107,7 +107,7 @@ impl MeshMetrics {
         self.file_copies_behind.inc();
     }
 
-    /// A mesh file's copy was written (or has nothing to hold).
+    /// A mesh file's copy was written (or has nothing to hold); not after a failed write.
     pub fn file_copy_caught_up(&self) {
         self.file_copies_behind.dec();
     }

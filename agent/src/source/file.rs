@@ -467,6 +467,8 @@ pub struct FileSource {
     /// after a start that read the file, [`COPY_AFTER`] after the first edit since the last
     /// write.
     copy_due: Option<Instant>,
+    /// Whether the last write of the copy failed (logged once per run of failures).
+    copy_failing: bool,
     metrics: MeshMetrics,
 }
 
@@ -528,6 +530,7 @@ impl FileSource {
             copy,
             from_copy: false,
             copy_due: None,
+            copy_failing: false,
             metrics: MeshMetrics::default(),
         };
         if let Some(copy) = source.copy.clone() {
@@ -581,27 +584,39 @@ impl FileSource {
         }
     }
 
-    /// Writes the copy of the last good read; on the file's own thread.
+    /// Writes the copy of the last good read; on the file's own thread. A write that fails
+    /// (the state directory full, say) is tried again [`COPY_AFTER`] later, the copy still
+    /// counted behind; it is logged once per run of failures.
     fn write_copy(&mut self) {
         if self.copy_due.take().is_none() {
             return;
         }
-        self.metrics.file_copy_caught_up();
         let (Some(copy), Some((text, specs))) = (&self.copy, self.reader.kept()) else {
+            self.metrics.file_copy_caught_up();
             return;
         };
         match copy.store(&copy.key(text), &specs) {
-            Ok(()) => tracing::debug!(
-                file = %self.path.display(),
-                copy = %copy.path().display(),
-                "mesh file's copy written"
-            ),
-            Err(reason) => tracing::warn!(
-                file = %self.path.display(),
-                copy = %copy.path().display(),
-                %reason,
-                "cannot write the mesh file's copy: the next start reads the file"
-            ),
+            Ok(()) => {
+                self.metrics.file_copy_caught_up();
+                self.copy_failing = false;
+                tracing::debug!(
+                    file = %self.path.display(),
+                    copy = %copy.path().display(),
+                    "mesh file's copy written"
+                );
+            }
+            Err(reason) => {
+                if !std::mem::replace(&mut self.copy_failing, true) {
+                    tracing::warn!(
+                        file = %self.path.display(),
+                        copy = %copy.path().display(),
+                        %reason,
+                        "cannot write the mesh file's copy: tried again every 5 s; a start \
+                         meanwhile reads the file"
+                    );
+                }
+                self.copy_due = Some(Instant::now() + COPY_AFTER);
+            }
         }
     }
 
@@ -942,6 +957,42 @@ services:
             assert_eq!(services(&mut again), services(&mut fresh));
             copy_in(&state);
         }
+    }
+
+    /// A copy that cannot be written stays counted behind and is tried again, until a write
+    /// goes through.
+    #[test]
+    fn a_copy_that_cannot_be_written_is_tried_again_and_counted_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        std::fs::write(dir.path().join("mesh.yaml"), EVERYTHING).unwrap();
+        // A file where the copies' directory goes: no copy can be written.
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::write(state.join(copy::COPIES_DIR), "in the way").unwrap();
+        let metrics = crate::metrics::Metrics::new();
+        let behind = || metric_in(&metrics.encode(), "lattice_mesh_file_copies_behind");
+        let mut source =
+            load_in(dir.path(), Some(&state), Limits::default()).with_metrics(metrics.mesh.clone());
+        assert_eq!(behind(), Some(1.0));
+        source.write_copy();
+        assert_eq!(behind(), Some(1.0), "still behind");
+        assert!(source.copy_due.is_some(), "tried again");
+
+        std::fs::remove_file(state.join(copy::COPIES_DIR)).unwrap();
+        source.copy_due = Some(Instant::now());
+        source.write_copy();
+        assert_eq!(behind(), Some(0.0));
+        assert!(source.copy_due.is_none());
+        copy_in(&state);
+    }
+
+    /// A metric's value in a `/metrics` page.
+    fn metric_in(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))?
+            .trim()
+            .parse()
+            .ok()
     }
 
     /// A copy that cannot be used (cut short, or not JSON) is left aside: the file is read.
