@@ -221,8 +221,9 @@ pub struct Options {
 
 pub struct AdsClient {
     view: Arc<Mutex<ClientView>>,
+    /// Bumped by the current stream's task at each change of the view, and closed when the
+    /// task ends: a waiter wakes for either.
     changed: watch::Receiver<u64>,
-    bump: watch::Sender<u64>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
     xds: SocketAddr,
     node: Node,
@@ -247,17 +248,15 @@ impl AdsClient {
         options: Options,
     ) -> anyhow::Result<AdsClient> {
         let view = Arc::new(Mutex::new(ClientView::default()));
-        let (bump, changed) = watch::channel(0u64);
         let node = Node {
             id: node_id.to_string(),
             cluster: "lattice".to_string(),
             ..Node::default()
         };
-        let task = open(xds, &node, mode, options, &view, &bump).await?;
+        let (task, changed) = open(xds, &node, mode, options, &view).await?;
         Ok(AdsClient {
             view,
             changed,
-            bump,
             task,
             xds,
             node,
@@ -282,15 +281,8 @@ impl AdsClient {
     pub async fn reconnect(&mut self) -> anyhow::Result<()> {
         self.task.abort();
         lock(&self.view).answered.clear();
-        self.task = open(
-            self.xds,
-            &self.node,
-            self.mode,
-            self.options,
-            &self.view,
-            &self.bump,
-        )
-        .await?;
+        (self.task, self.changed) =
+            open(self.xds, &self.node, self.mode, self.options, &self.view).await?;
         Ok(())
     }
 
@@ -344,25 +336,31 @@ impl Drop for AdsClient {
     }
 }
 
-/// Connects to `xds` and runs a stream of `mode` on it.
+/// Connects to `xds` and runs a stream of `mode` on it: its task, and what it bumps at each
+/// change of the view. The task holds the only sender, so a stream that ends (turned away,
+/// say) wakes whoever waits on it, rather than leaving them to their deadline.
 async fn open(
     xds: SocketAddr,
     node: &Node,
     mode: AdsMode,
     options: Options,
     view: &Arc<Mutex<ClientView>>,
-    bump: &watch::Sender<u64>,
-) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+) -> anyhow::Result<(
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+    watch::Receiver<u64>,
+)> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{xds}"))?
         .local_address(options.bind)
         .connect()
         .await?;
-    let (node, view, bump) = (node.clone(), view.clone(), bump.clone());
+    let (bump, changed) = watch::channel(0u64);
+    let (node, view) = (node.clone(), view.clone());
     let routes = options.routes;
-    Ok(match mode {
+    let task = match mode {
         AdsMode::Sotw => tokio::spawn(run_sotw(channel, node, routes, view, bump)),
         AdsMode::Delta => tokio::spawn(run_delta(channel, node, routes, view, bump)),
-    })
+    };
+    Ok((task, changed))
 }
 
 /// The route configurations a listener's HTTP connection managers name (RDS).
@@ -1277,6 +1275,59 @@ async fn run_delta(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An ADS server that turns every stream away at once (UNAVAILABLE, trailers only), as the
+    /// agent does before it has listed its node's pods.
+    async fn turning_away() -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let Ok(mut connection) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        let response = http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", "14")
+                            .header("grpc-message", "not yet")
+                            .body(())
+                            .unwrap();
+                        let _ = respond.send_response(response, true);
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// A stream turned away wakes whoever waits on the client: the wait ends with the
+    /// stream's end, not at its deadline.
+    #[tokio::test]
+    async fn a_wait_ends_when_the_stream_is_turned_away() {
+        let xds = turning_away().await;
+        for mode in [AdsMode::Sotw, AdsMode::Delta] {
+            let mut client = AdsClient::connect(xds, "pod.ns", mode).await.unwrap();
+            let error = client
+                .wait_for("an answer", Duration::from_secs(60), |v| {
+                    !v.answered.is_empty()
+                })
+                .await
+                .unwrap_err();
+            assert!(format!("{error:#}").contains("stopped"), "{error:#}");
+            assert!(client.stream_ended());
+            // And again after a reconnect, on the new stream.
+            client.reconnect().await.unwrap();
+            let error = client
+                .wait_for("an answer", Duration::from_secs(60), |v| {
+                    !v.answered.is_empty()
+                })
+                .await
+                .unwrap_err();
+            assert!(format!("{error:#}").contains("not yet"), "{error:#}");
+        }
+    }
 
     /// The counts by size follow every insert, replacement, removal and retain: they are
     /// those of the map, recounted after each step of a mixed sequence.
