@@ -32,7 +32,7 @@ pub use limits::{DEFAULT_MAX_DEPTH, DEFAULT_MAX_MIB, DEFAULT_MAX_NODES, LimitErr
 use crate::identity::PodPattern;
 use crate::mesh::locality::place_name;
 use crate::mesh::provider::Report as _;
-use copy::FileCopy;
+use copy::{COPY_AFTER, Copying, FileCopy};
 use reader::{Read, Reader};
 
 use crate::mesh::{
@@ -459,22 +459,12 @@ pub struct FileSource {
     state: MeshState,
     /// The text the state was built from.
     text: String,
-    /// The file's copy in the state directory, if the agent has one.
-    copy: Option<FileCopy>,
+    /// The file's copy in the state directory, if the agent has one; written on the file's
+    /// thread, at `SCHED_IDLE`.
+    copy: Option<Copying>,
     /// Whether the state was taken from the copy rather than read from the text.
     from_copy: bool,
-    /// When the copy, which does not hold the text being served, is to be written: at once
-    /// after a start that read the file, [`COPY_AFTER`] after the first edit since the last
-    /// write.
-    copy_due: Option<Instant>,
-    /// Whether the last write of the copy failed (logged once per run of failures).
-    copy_failing: bool,
-    metrics: MeshMetrics,
 }
-
-/// How long after an edit the file's copy is written: at most once in this time however
-/// often the file changes, on the file's thread at `SCHED_IDLE`.
-const COPY_AFTER: Duration = Duration::from_secs(5);
 
 /// How long a file that cannot be followed (a watch failed) waits before trying again, beside
 /// the events of the directories that are watched.
@@ -527,19 +517,14 @@ impl FileSource {
             },
             state: MeshState::new(trap),
             text: String::new(),
-            copy,
+            copy: copy.map(Copying::new),
             from_copy: false,
-            copy_due: None,
-            copy_failing: false,
-            metrics: MeshMetrics::default(),
         };
-        if let Some(copy) = source.copy.clone() {
-            source.from_copy = source.take_copy(&copy, &copy.key(&text));
-        }
+        source.from_copy = source.take_copy(&text);
         if !source.from_copy {
             source.apply(&text)?;
-            if source.copy.is_some() {
-                source.copy_due = Some(Instant::now());
+            if let Some(copying) = &mut source.copy {
+                copying.behind(Instant::now());
             }
         }
         source.text = text;
@@ -548,17 +533,19 @@ impl FileSource {
 
     /// Counts its copy in `metrics` (`lattice_mesh_file_copies_behind`) from now on.
     pub fn with_metrics(mut self, metrics: MeshMetrics) -> Self {
-        if self.copy_due.is_some() {
-            metrics.file_copy_behind();
+        if let Some(copying) = &mut self.copy {
+            copying.count_in(metrics);
         }
-        self.metrics = metrics;
         self
     }
 
-    /// Takes the services of `copy` for `key`, if it holds them, into the state; whether it
-    /// did. A copy that cannot be used is logged and left: the text is read instead.
-    fn take_copy(&mut self, copy: &FileCopy, key: &str) -> bool {
-        let reason = match copy.take(key) {
+    /// Takes the services of the copy, if it holds those of `text`, into the state; whether
+    /// it did. A copy that cannot be used is logged and left: the text is read instead.
+    fn take_copy(&mut self, text: &str) -> bool {
+        let Some(copy) = self.copy.as_ref().map(Copying::copy) else {
+            return false;
+        };
+        let reason = match copy.take(&copy.key(text)) {
             Ok(None) => return false,
             Ok(Some(specs)) => match self.state.replace_all(specs) {
                 Ok(()) => return true,
@@ -578,46 +565,21 @@ impl FileSource {
     /// The state moved past what the copy holds: the copy is due [`COPY_AFTER`] from now,
     /// unless it is due already.
     fn copy_behind(&mut self) {
-        if self.copy.is_some() && self.copy_due.is_none() {
-            self.copy_due = Some(Instant::now() + COPY_AFTER);
-            self.metrics.file_copy_behind();
+        if let Some(copying) = &mut self.copy {
+            copying.behind(Instant::now() + COPY_AFTER);
         }
     }
 
-    /// Writes the copy of the last good read; on the file's own thread. A write that fails
-    /// (the state directory full, say) is tried again [`COPY_AFTER`] later, the copy still
-    /// counted behind; it is logged once per run of failures.
+    /// Writes the copy of the last good read, if it is due; on the file's own thread.
     fn write_copy(&mut self) {
-        if self.copy_due.take().is_none() {
-            return;
+        if let Some(copying) = &mut self.copy {
+            copying.write(&self.path, self.reader.kept());
         }
-        let (Some(copy), Some((text, specs))) = (&self.copy, self.reader.kept()) else {
-            self.metrics.file_copy_caught_up();
-            return;
-        };
-        match copy.store(&copy.key(text), &specs) {
-            Ok(()) => {
-                self.metrics.file_copy_caught_up();
-                self.copy_failing = false;
-                tracing::debug!(
-                    file = %self.path.display(),
-                    copy = %copy.path().display(),
-                    "mesh file's copy written"
-                );
-            }
-            Err(reason) => {
-                if !std::mem::replace(&mut self.copy_failing, true) {
-                    tracing::warn!(
-                        file = %self.path.display(),
-                        copy = %copy.path().display(),
-                        %reason,
-                        "cannot write the mesh file's copy: tried again every 5 s; a start \
-                         meanwhile reads the file"
-                    );
-                }
-                self.copy_due = Some(Instant::now() + COPY_AFTER);
-            }
-        }
+    }
+
+    /// When the copy is to be written, if it is behind.
+    fn copy_due(&self) -> Option<Instant> {
+        self.copy.as_ref().and_then(Copying::due)
     }
 
     /// Whether the loaded mesh was taken from the file's copy.
@@ -701,12 +663,12 @@ impl FileSource {
         let mut following = Ok(());
         let mut look_now = true;
         loop {
-            if self.copy_due.is_some_and(|due| Instant::now() >= due) {
+            if self.copy_due().is_some_and(|due| Instant::now() >= due) {
                 self.write_copy();
             }
             if !std::mem::take(&mut look_now) {
                 let retry = following.is_err().then(|| Instant::now() + RETRY_FOLLOW);
-                let next = match retry.into_iter().chain(self.copy_due).min() {
+                let next = match retry.into_iter().chain(self.copy_due()).min() {
                     None => wake.recv().map_err(|_| RecvTimeoutError::Disconnected),
                     Some(at) => wake.recv_timeout(at.saturating_duration_since(Instant::now())),
                 };
@@ -935,7 +897,7 @@ services:
             let mut copied = load_in(dir.path(), Some(&state), Limits::default());
             assert!(copied.from_copy());
             assert_eq!(services(&mut copied), services(&mut read));
-            assert!(copied.copy_due.is_none(), "nothing to write again");
+            assert!(copied.copy_due().is_none(), "nothing to write again");
 
             let other = Limits {
                 max_nodes: 10_000,
@@ -976,13 +938,14 @@ services:
         assert_eq!(behind(), Some(1.0));
         source.write_copy();
         assert_eq!(behind(), Some(1.0), "still behind");
-        assert!(source.copy_due.is_some(), "tried again");
+        assert!(source.copy_due().is_some(), "tried again");
 
         std::fs::remove_file(state.join(copy::COPIES_DIR)).unwrap();
-        source.copy_due = Some(Instant::now());
+        // Due again at once rather than in 5 s.
+        source.copy.as_mut().unwrap().due_now();
         source.write_copy();
         assert_eq!(behind(), Some(0.0));
-        assert!(source.copy_due.is_none());
+        assert!(source.copy_due().is_none());
         copy_in(&state);
     }
 

@@ -18,12 +18,13 @@
 //! addresses, exactly as it takes the file's.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use lattice_contract::TrapCidrs;
 use serde::{Deserialize, Serialize};
 
 use super::limits::Limits;
-use crate::mesh::ServiceSpec;
+use crate::mesh::{MeshMetrics, ServiceSpec};
 use crate::state_file;
 
 /// The directory of copies in `--state-dir`.
@@ -123,6 +124,99 @@ impl FileCopy {
     /// Writes `services` as the copy for `key`, replacing any other whole.
     pub fn store(&self, key: &str, services: &[ServiceSpec]) -> Result<(), String> {
         state_file::replace(&self.path, "mesh-file", &Written { key, services })
+    }
+}
+
+/// How long after an edit the file's copy is written: at most once in this time however
+/// often the file changes. A write that failed is tried again after as long.
+pub const COPY_AFTER: Duration = Duration::from_secs(5);
+
+/// A file's copy and when it is to be written: due while the copy does not hold the text
+/// being served (counted in `lattice_mesh_file_copies_behind`), at once after a start that
+/// read the file, [`COPY_AFTER`] after the first edit since the last write.
+pub struct Copying {
+    copy: FileCopy,
+    due: Option<Instant>,
+    /// Whether the last write failed (logged once per run of failures).
+    failing: bool,
+    metrics: MeshMetrics,
+}
+
+impl Copying {
+    pub fn new(copy: FileCopy) -> Self {
+        Copying {
+            copy,
+            due: None,
+            failing: false,
+            metrics: MeshMetrics::default(),
+        }
+    }
+
+    pub fn copy(&self) -> &FileCopy {
+        &self.copy
+    }
+
+    /// When the copy is to be written, if it is behind.
+    pub fn due(&self) -> Option<Instant> {
+        self.due
+    }
+
+    /// Counts the copy in `metrics` from now on.
+    pub fn count_in(&mut self, metrics: MeshMetrics) {
+        if self.due.is_some() {
+            metrics.file_copy_behind();
+        }
+        self.metrics = metrics;
+    }
+
+    /// Due at once, whenever it was due (tests: a retry without its wait).
+    #[cfg(test)]
+    pub fn due_now(&mut self) {
+        self.due = self.due.map(|_| Instant::now());
+    }
+
+    /// The copy does not hold the text being served: due at `at`, unless it is due already.
+    pub fn behind(&mut self, at: Instant) {
+        if self.due.is_none() {
+            self.due = Some(at);
+            self.metrics.file_copy_behind();
+        }
+    }
+
+    /// Writes `kept` (the last good read's text and services) as the copy of `file`, if the
+    /// copy is due. A write that fails (the state directory full, say) is tried again
+    /// [`COPY_AFTER`] later, the copy still counted behind.
+    pub fn write(&mut self, file: &Path, kept: Option<(&str, Vec<ServiceSpec>)>) {
+        if self.due.take().is_none() {
+            return;
+        }
+        let Some((text, specs)) = kept else {
+            self.metrics.file_copy_caught_up();
+            return;
+        };
+        match self.copy.store(&self.copy.key(text), &specs) {
+            Ok(()) => {
+                self.metrics.file_copy_caught_up();
+                self.failing = false;
+                tracing::debug!(
+                    file = %file.display(),
+                    copy = %self.copy.path().display(),
+                    "mesh file's copy written"
+                );
+            }
+            Err(reason) => {
+                if !std::mem::replace(&mut self.failing, true) {
+                    tracing::warn!(
+                        file = %file.display(),
+                        copy = %self.copy.path().display(),
+                        %reason,
+                        "cannot write the mesh file's copy: tried again every 5 s; a start \
+                         meanwhile reads the file"
+                    );
+                }
+                self.due = Some(Instant::now() + COPY_AFTER);
+            }
+        }
     }
 }
 
