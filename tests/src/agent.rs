@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::netns::{Netns, enter_path};
 use crate::{bins, wait};
@@ -306,10 +306,14 @@ impl Agent {
         (status, records)
     }
 
-    /// Kills and starts again on the same ports with the same arguments.
-    pub fn restart(&mut self) {
+    /// Kills and starts again on the same ports with the same arguments; how long the kill
+    /// took, until the killed process was reaped (the kernel frees its memory meanwhile).
+    pub fn restart(&mut self) -> Duration {
+        let killed = Instant::now();
         self.kill();
+        let gone = killed.elapsed();
         self.spawn();
+        gone
     }
 }
 

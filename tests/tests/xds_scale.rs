@@ -867,6 +867,8 @@ async fn restarts(
             json!({
                 "consistent_ms": run["consistent_ms"],
                 "agent_ready_ms": run["agent_ready_ms"],
+                "reaped_ms": run["reaped_ms"],
+                "killed_rss_mib": run["killed_rss_mib"],
                 "agent_cpu_s": run["agent_cpu_s"],
                 "harness_cpu_s": run["harness_cpu_s"],
             })
@@ -904,8 +906,9 @@ async fn restart(
     // This process's CPU meanwhile: its 100 clients rebuild and send what they hold on the
     // two cores the agent starts on.
     let harness_before = cpu_seconds(std::process::id());
+    let rss_before = agent.pid().and_then(rss_mib);
     let killed = Instant::now();
-    agent.restart();
+    let reaped = agent.restart();
     let pid = agent.pid();
     let deadline = killed + SYNC;
     // When the new agent is ready (its first snapshot translated): the part of the figure
@@ -970,6 +973,8 @@ async fn restart(
         "last_mesh_wait_ms": last_mesh_wait.map(ms),
         "consistent_ms": ms(consistent_at.duration_since(killed)),
         "agent_ready_ms": ms(ready.duration_since(killed)),
+        "killed_rss_mib": rss_before,
+        "reaped_ms": ms(reaped),
         "agent_cpu_s": {"ready": cpu_ready, "consistent": cpu_consistent},
         "harness_cpu_s": harness_cpu,
         "bytes_per_delta_client": mean(&delta),
