@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
-use super::snapshot::{ResourceMap, ResourceType, XdsResource, fnv1a};
+use super::snapshot::{ResourceMap, ResourceType, XdsResource, content_hash};
 use crate::identity::{PodKey, PodPattern};
 
 /// `Listener.filter_chains`.
@@ -112,23 +112,31 @@ pub struct ListenerBase {
 }
 
 impl PartsIndex {
-    /// Sets a service's parts.
+    /// Sets a service's parts: one walk down the map, not a removal before the insertion (a
+    /// first translation inserts 50k services, each of which the removal looked for in vain).
+    /// The clients of the parts replaced are forgotten before the new ones are named.
     pub fn insert(&mut self, service: Arc<str>, parts: ServiceParts) {
-        self.remove(&service);
+        let parts = Arc::new(parts);
+        if let Some(old) = self.services.insert(service.clone(), parts.clone()) {
+            self.forget_clients(&service, &old);
+        }
         for client in &parts.clients {
             self.clients
                 .entry(client.clone())
                 .or_default()
                 .insert(service.clone());
         }
-        self.services.insert(service, Arc::new(parts));
     }
 
     /// Forgets a service's parts.
     pub fn remove(&mut self, service: &str) {
-        let Some(old) = self.services.remove(service) else {
-            return;
-        };
+        if let Some(old) = self.services.remove(service) {
+            self.forget_clients(service, &old);
+        }
+    }
+
+    /// Takes `service` off the clients `old` named.
+    fn forget_clients(&mut self, service: &str, old: &ServiceParts) {
         for client in &old.clients {
             if let Some(named) = self.clients.get_mut(client) {
                 named.remove(service);
@@ -202,18 +210,23 @@ impl PartsIndex {
         services: impl IntoIterator<Item = &'a ServiceParts>,
         only: Option<&BTreeSet<Arc<str>>>,
     ) -> ResourceMap {
-        let mut by_route: BTreeMap<&Arc<str>, BTreeMap<&Arc<str>, &Bytes>> = BTreeMap::new();
+        // Gathered in order, then each route's hosts sorted and deduplicated at once (the last
+        // of a key wins, as in the listener): the services come sorted by name, which the
+        // sort takes in one pass, where inserting 50k hosts one by one into a sorted map
+        // compared each key about sixteen times.
+        let mut by_route: BTreeMap<&Arc<str>, Vec<(&Arc<str>, &Bytes)>> = BTreeMap::new();
         for part in services.into_iter().flat_map(|s| &s.virtual_hosts) {
             if only.is_none_or(|only| only.contains(&part.resource)) {
                 by_route
                     .entry(&part.resource)
                     .or_default()
-                    .insert(&part.key, &part.entry);
+                    .push((&part.key, &part.entry));
             }
         }
         by_route
             .into_iter()
             .map(|(name, hosts)| {
+                let hosts: BTreeMap<&Arc<str>, &Bytes> = hosts.into_iter().collect();
                 let base = RouteConfiguration {
                     name: name.to_string(),
                     ..RouteConfiguration::default()
@@ -245,7 +258,7 @@ fn composed(
     }
     Arc::new(XdsResource {
         name,
-        version: fnv1a(&value),
+        version: content_hash(&value),
         body: Any {
             type_url: kind.type_url().to_string(),
             value,
@@ -364,6 +377,8 @@ mod tests {
         index.insert(Arc::from("db"), parts(&["shop/batch-0"]));
         index.remove("cache");
         assert!(declared(&index, "web-1").is_empty());
+        // What db named before and names still stays.
+        assert_eq!(declared(&index, "batch-0"), BTreeSet::from(["db".into()]));
         assert_eq!(index.clients.len(), 1);
     }
 

@@ -105,7 +105,7 @@ impl XdsResource {
         message: M,
     ) -> Arc<XdsResource> {
         let body = pack_any(message);
-        let version = fnv1a(&body.value);
+        let version = content_hash(&body.value);
         Arc::new(XdsResource {
             name: name.into(),
             version,
@@ -115,7 +115,7 @@ impl XdsResource {
 
     /// A resource of type `M` written already: `value` is the message's encoding.
     pub fn encoded<M: prost::Name>(name: impl Into<Arc<str>>, value: Vec<u8>) -> Arc<XdsResource> {
-        let version = fnv1a(&value);
+        let version = content_hash(&value);
         Arc::new(XdsResource {
             name: name.into(),
             version,
@@ -184,8 +184,16 @@ const HEX_DIGIT: [u8; 256] = {
     table
 };
 
-/// FNV-1a: stable across builds and platforms, unlike std's hasher, and fast enough for the
-/// few kilobytes a resource holds.
+/// A resource's version: XXH3 (64 bits) of its bytes, stable across builds and platforms
+/// (a specified algorithm, unseeded), as a version must be for a restarted agent to recognise
+/// what a proxy holds. At 50k services a first translation hashes about 55 MB; byte-at-a-time
+/// FNV-1a took a tenth of it (perf), XXH3 takes a few milliseconds.
+pub fn content_hash(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// FNV-1a: stable across builds and platforms, unlike std's hasher; for names, a few dozen
+/// bytes.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
         (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
