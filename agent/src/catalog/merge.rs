@@ -57,6 +57,8 @@ struct Plan {
     contributions: BTreeMap<usize, Arc<Service>>,
     refused: Vec<Refused>,
     spec: ServiceSpec,
+    /// The mesh holds `spec` already ([`MeshState::holds`]): applying it upserts nothing.
+    held: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -348,11 +350,13 @@ impl Merger {
             }
         }
         let spec = merged_spec(path, &shape, &contributions);
+        let held = self.state.holds(&spec);
         Some(Plan {
             definitions,
             contributions,
             refused,
             spec,
+            held,
         })
     }
 
@@ -363,6 +367,7 @@ impl Merger {
             contributions,
             refused,
             spec,
+            held,
         }) = plan
         else {
             self.state.remove(path);
@@ -370,7 +375,12 @@ impl Merger {
             self.resolve(path);
             return;
         };
-        if let Err(error) = self.state.upsert(spec) {
+        let upserted = if held {
+            Ok(false)
+        } else {
+            self.state.upsert(spec)
+        };
+        if let Err(error) = upserted {
             if !self.merged {
                 // Not what the node's last mesh said either.
                 self.state.remove(path);
