@@ -604,6 +604,20 @@ pub struct Service {
 }
 
 impl Service {
+    /// Whether `spec` says what this service is, but for its address and instances (which the
+    /// mesh assigns).
+    fn described_by(&self, spec: &ServiceSpec) -> bool {
+        self.ports == spec.ports
+            && self.routes == spec.routes
+            && self.health == spec.health
+            && self.traffic_distribution == spec.traffic_distribution
+            && self.host_header == spec.host_header
+            && self.clients == spec.clients
+            && self.identities == spec.identities
+            && self.authorization == spec.authorization
+            && self.unready == spec.unready
+    }
+
     /// What a source would say to have this service served again (its address aside, which
     /// the address book keeps): how the node's last mesh is written down.
     pub fn spec(&self) -> ServiceSpec {
@@ -827,15 +841,7 @@ impl MeshState {
             && spec.instances.is_empty()
             && existing.instances.is_empty()
             && !self.instance_of.contains_key(&spec.path)
-            && existing.ports == spec.ports
-            && existing.routes == spec.routes
-            && existing.health == spec.health
-            && existing.traffic_distribution == spec.traffic_distribution
-            && existing.host_header == spec.host_header
-            && existing.clients == spec.clients
-            && existing.identities == spec.identities
-            && existing.authorization == spec.authorization
-            && existing.unready == spec.unready
+            && existing.described_by(spec)
     }
 
     /// Adds or replaces one service. Returns false (and changes nothing) when it is identical
@@ -893,15 +899,7 @@ impl MeshState {
         }
         if let Some(existing) = &existing
             && existing.address == address
-            && existing.ports == spec.ports
-            && existing.routes == spec.routes
-            && existing.health == spec.health
-            && existing.traffic_distribution == spec.traffic_distribution
-            && existing.host_header == spec.host_header
-            && existing.clients == spec.clients
-            && existing.identities == spec.identities
-            && existing.authorization == spec.authorization
-            && existing.unready == spec.unready
+            && existing.described_by(&spec)
             && existing.instances == instances
         {
             return Ok(false);
