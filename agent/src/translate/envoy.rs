@@ -908,23 +908,23 @@ fn chains_for(service: &Service, shared_chains: &SharedChains) -> Vec<Part> {
         ServiceAddress::Shared(_) => {
             chains.extend(service.ports.iter().map(|port| shared_chains.of(port.port)));
         }
-        ServiceAddress::Own(ip) => {
-            for port in &service.ports {
-                add(&mut chains, tcp_chain(&service.dns_name, ip, port.port));
-            }
-        }
+        ServiceAddress::Own(ip) => chains.extend(
+            service
+                .ports
+                .iter()
+                .map(|port| listener_part(tcp_chain(&service.dns_name, ip, port.port))),
+        ),
         ServiceAddress::Instances => {}
     }
     // An instance's address reaches that instance alone, on every port of its service.
     // HTTP ports are passed through as bytes too: a client that picked one instance wants
     // no load balancing, and HTTP/1, HTTP/2 and gRPC all cross a TCP proxy unchanged.
     for instance in &service.instances {
-        for port in &service.ports {
-            add(
-                &mut chains,
-                tcp_chain(&instance.dns_name, instance.address, port.port),
-            );
-        }
+        chains.extend(
+            service.ports.iter().map(|port| {
+                listener_part(tcp_chain(&instance.dns_name, instance.address, port.port))
+            }),
+        );
     }
     chains
 }
@@ -952,7 +952,6 @@ impl SharedChains {
             self.shared = Some(shared);
             self.chains.clear();
         }
-        let listener: Arc<str> = Arc::from(OUTBOUND_LISTENER);
         for change in changes {
             let service = match change {
                 DiffItem::Add(_, service)
@@ -965,35 +964,30 @@ impl SharedChains {
                 continue;
             }
             for port in &service.ports {
-                self.chains.entry(port.port).or_insert_with(|| {
-                    let chain = http_chain(route_name(port.port), shared, port.port);
-                    Part::filter_chain(&listener, &chain.name, &chain)
-                });
+                self.chains
+                    .entry(port.port)
+                    .or_insert_with(|| shared_chain(shared, port.port));
             }
         }
     }
 
-    /// The chain of `port`, which [`SharedChains::follow`] made.
+    /// The chain of `port`, which [`SharedChains::follow`] made (made here otherwise).
     fn of(&self, port: u16) -> Part {
-        match self.chains.get(&port) {
-            Some(chain) => chain.clone(),
-            // Not reached: every port of a changed service has its chain.
-            None => {
-                let shared = self.shared.unwrap_or(Ipv4Addr::UNSPECIFIED);
-                let chain = http_chain(route_name(port), shared, port);
-                Part::filter_chain(&Arc::from(OUTBOUND_LISTENER), &chain.name, &chain)
-            }
-        }
+        self.chains
+            .get(&port)
+            .cloned()
+            .unwrap_or_else(|| shared_chain(self.shared.unwrap_or(Ipv4Addr::UNSPECIFIED), port))
     }
 }
 
-/// Adds `chain` to `chains`, encoded as the listener holds it.
-fn add(chains: &mut Vec<Part>, chain: FilterChain) {
-    chains.push(Part::filter_chain(
-        &Arc::from(OUTBOUND_LISTENER),
-        &chain.name,
-        &chain,
-    ));
+/// The chain of HTTP services on `shared` and `port`: routed by Host ([`http_chain`]).
+fn shared_chain(shared: Ipv4Addr, port: u16) -> Part {
+    listener_part(http_chain(route_name(port), shared, port))
+}
+
+/// `chain`, encoded as the capture listener holds it.
+fn listener_part(chain: FilterChain) -> Part {
+    Part::filter_chain(&Arc::from(OUTBOUND_LISTENER), &chain.name, &chain)
 }
 
 /// The services `service`'s routing rules send traffic to, by DNS name.

@@ -210,8 +210,9 @@ impl Copying {
                         file = %file.display(),
                         copy = %self.copy.path().display(),
                         %reason,
-                        "cannot write the mesh file's copy: tried again every 5 s; a start \
-                         meanwhile reads the file"
+                        retry_secs = COPY_AFTER.as_secs(),
+                        "cannot write the mesh file's copy: tried again every retry_secs; a \
+                         start meanwhile reads the file"
                     );
                 }
                 self.due = Some(Instant::now() + COPY_AFTER);
