@@ -164,13 +164,57 @@ impl Assignments {
     }
 }
 
-/// A Delta client's versions of the resources of one type it holds, by name, in name order.
+/// A Delta client's versions of the resources of one type it holds, by name, in name order,
+/// with their encoded length as `initial_resource_versions`, kept as they change.
+///
 /// A reconnect writes every entry (100k at 50k services): walked in a hash map's order, each
 /// entry's name and version were reads of memory far from the last, and the writing was two
 /// fifths of the benchmark's own CPU in an agent restart (perf). In name order the names are
 /// read in about the order they were allocated (a response's resources come sorted), and the
-/// versions are in the entries themselves.
-type Versions = BTreeMap<Arc<str>, HeldVersion>;
+/// versions are in the entries themselves. The length is kept because the request is sized
+/// before it is written: summed at the reconnect, it was a walk over every entry more, a
+/// seventh of the benchmark's CPU in the restart (perf).
+#[derive(Clone, Debug, Default)]
+struct Versions {
+    held: BTreeMap<Arc<str>, HeldVersion>,
+    encoded_len: usize,
+}
+
+impl Versions {
+    fn insert(&mut self, name: Arc<str>, version: HeldVersion) {
+        let name_len = name.len();
+        self.encoded_len += version_field_len(name_len, version.as_bytes().len());
+        if let Some(old) = self.held.insert(name, version) {
+            self.encoded_len -= version_field_len(name_len, old.as_bytes().len());
+        }
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some(old) = self.held.remove(name) {
+            self.encoded_len -= version_field_len(name.len(), old.as_bytes().len());
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&Arc<str>, &HeldVersion)> {
+        self.held.iter()
+    }
+}
+
+impl Extend<(Arc<str>, HeldVersion)> for Versions {
+    fn extend<I: IntoIterator<Item = (Arc<str>, HeldVersion)>>(&mut self, entries: I) {
+        for (name, version) in entries {
+            self.insert(name, version);
+        }
+    }
+}
+
+impl FromIterator<(Arc<str>, HeldVersion)> for Versions {
+    fn from_iter<I: IntoIterator<Item = (Arc<str>, HeldVersion)>>(entries: I) -> Self {
+        let mut versions = Versions::default();
+        versions.extend(entries);
+        versions
+    }
+}
 
 /// A resource's version as a client holds it: in place when it is 16 bytes or fewer (the
 /// agent's are 16 hex digits), else on the heap.
@@ -715,16 +759,58 @@ struct Held {
 }
 
 impl Held {
-    /// What is written from `v`: the subscription (the clusters for endpoints, the route
-    /// configurations the listeners name for routes, none for the wildcard types) and the
-    /// version of each resource held.
-    fn parts<'v>(&self, v: &'v ClientView) -> (Vec<&'v str>, Option<&'v Versions>) {
-        let names = match self.type_url {
-            EDS => v.clusters.iter().map(|c| &**c).collect(),
-            RDS => v.route_names.iter().map(String::as_str).collect(),
-            _ => Vec::new(),
+    /// Calls `f` with each name of the subscription written from `v`: the clusters for
+    /// endpoints, the route configurations the listeners name for routes, none for the
+    /// wildcard types.
+    fn each_name(&self, v: &ClientView, mut f: impl FnMut(&str)) {
+        match self.type_url {
+            EDS => v.clusters.iter().for_each(|c| f(c)),
+            RDS => v.route_names.iter().for_each(|r| f(r)),
+            _ => {}
+        }
+    }
+
+    /// The encoded length of what [`Held::put`] writes from `v`.
+    fn encoded_len(&self, v: &ClientView) -> usize {
+        let mut len = 0;
+        self.each_name(v, |name| len += name_field_len(name));
+        len + v
+            .delta_versions
+            .get(self.type_url)
+            .map_or(0, |versions| versions.encoded_len)
+    }
+
+    /// Writes what a reconnecting client sends of its type beyond the request's own fields:
+    /// its subscription (`resource_names_subscribe`, field 3, written as SotW's
+    /// `resource_names`) and the version of each resource it holds
+    /// (`initial_resource_versions`, a map, field 5). Each entry is written whole into a small
+    /// buffer first, then into `buf` at once: tonic's buffer takes bytes through calls that
+    /// each check its room, which byte by byte (keys and lengths) cost more than the copy.
+    fn put(&self, v: &ClientView, buf: &mut impl BufMut) {
+        let mut entry = Vec::with_capacity(256);
+        self.each_name(v, |name| {
+            entry.clear();
+            put_names(&[name], &mut entry);
+            buf.put_slice(&entry);
+        });
+        let Some(versions) = v.delta_versions.get(self.type_url) else {
+            return;
         };
-        (names, v.delta_versions.get(self.type_url))
+        for (name, version) in versions.iter() {
+            let (name, version) = (name.as_bytes(), version.as_bytes());
+            entry.clear();
+            prost::encoding::encode_key(5, WireType::LengthDelimited, &mut entry);
+            prost::encoding::encode_varint(
+                version_entry_len(name.len(), version.len()) as u64,
+                &mut entry,
+            );
+            for (tag, s) in [(1, name), (2, version)] {
+                prost::encoding::encode_key(tag, WireType::LengthDelimited, &mut entry);
+                prost::encoding::encode_varint(s.len() as u64, &mut entry);
+                entry.extend_from_slice(s);
+            }
+            buf.put_slice(&entry);
+        }
     }
 }
 
@@ -733,16 +819,13 @@ impl EncodedRequest {
     /// reads the view once for both.
     fn write<B: BufMut>(&self, buf: &mut B, reserve: fn(&mut B, usize)) {
         let view = self.held.as_ref().map(|held| (held, lock(&held.view)));
-        let held = view.as_ref().map(|(held, v)| held.parts(v));
-        let held_len = held
-            .as_ref()
-            .map_or(0, |(names, versions)| reconnect_len(names, *versions));
+        let held_len = view.as_ref().map_or(0, |(held, v)| held.encoded_len(v));
         reserve(buf, self.own_len() + held_len);
         buf.put_slice(&self.head);
         buf.put_slice(&self.node);
         buf.put_slice(&self.names);
-        if let Some((names, versions)) = &held {
-            put_reconnect(names, *versions, buf);
+        if let Some((held, v)) = &view {
+            held.put(v, buf);
         }
     }
 
@@ -769,11 +852,10 @@ impl Message for EncodedRequest {
     }
 
     fn encoded_len(&self) -> usize {
-        let held = self.held.as_ref().map_or(0, |held| {
-            let v = lock(&held.view);
-            let (names, versions) = held.parts(&v);
-            reconnect_len(&names, versions)
-        });
+        let held = self
+            .held
+            .as_ref()
+            .map_or(0, |held| held.encoded_len(&lock(&held.view)));
         self.own_len() + held
     }
 
@@ -800,13 +882,13 @@ fn names_field<S: AsRef<str>>(names: &[S]) -> Bytes {
 
 /// The encoded length of [`names_field`].
 fn names_len<S: AsRef<str>>(names: &[S]) -> usize {
-    names
-        .iter()
-        .map(|name| {
-            let len = name.as_ref().len();
-            1 + prost::encoding::encoded_len_varint(len as u64) + len
-        })
-        .sum()
+    names.iter().map(|name| name_field_len(name.as_ref())).sum()
+}
+
+/// The encoded length of one name of `resource_names` (or Delta's
+/// `resource_names_subscribe`): a length-delimited field of a one-byte key.
+fn name_field_len(name: &str) -> usize {
+    1 + prost::encoding::encoded_len_varint(name.len() as u64) + name.len()
 }
 
 fn put_names<S: AsRef<str>>(names: &[S], buf: &mut impl BufMut) {
@@ -1095,53 +1177,20 @@ fn apply_delta(
 const DELTA_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
-/// A map entry of `initial_resource_versions`: a message of the key (field 1) and the value
-/// (field 2), each length-delimited.
-fn version_entry_len(name: &[u8], version: &[u8]) -> usize {
+/// A map entry of `initial_resource_versions`, of a name and a version `name` and `version`
+/// bytes long: a message of the key (field 1) and the value (field 2), each length-delimited.
+fn version_entry_len(name: usize, version: usize) -> usize {
     [name, version]
         .iter()
-        .map(|s| 1 + prost::encoding::encoded_len_varint(s.len() as u64) + s.len())
+        .map(|&len| 1 + prost::encoding::encoded_len_varint(len as u64) + len)
         .sum()
 }
 
-/// The encoded length of [`put_reconnect`].
-fn reconnect_len(names: &[&str], versions: Option<&Versions>) -> usize {
-    let versions_len: usize = versions
-        .into_iter()
-        .flatten()
-        .map(|(name, version)| {
-            let len = version_entry_len(name.as_bytes(), version.as_bytes());
-            1 + prost::encoding::encoded_len_varint(len as u64) + len
-        })
-        .sum();
-    names_len(names) + versions_len
-}
-
-/// What a reconnecting Delta client sends of a type beyond the request's own fields: its
-/// subscription (`resource_names_subscribe`, field 3, written as SotW's `resource_names`) and
-/// the version of each resource it holds (`initial_resource_versions`, a map, field 5).
-/// Each entry is written whole into a small buffer first, then into `buf` at once: tonic's
-/// buffer takes bytes through calls that each check its room, which byte by byte (keys and
-/// lengths) cost more than the copy.
-fn put_reconnect(names: &[&str], versions: Option<&Versions>, buf: &mut impl BufMut) {
-    let mut entry = Vec::with_capacity(256);
-    for name in names {
-        entry.clear();
-        put_names(&[name], &mut entry);
-        buf.put_slice(&entry);
-    }
-    for (name, version) in versions.into_iter().flatten() {
-        let (name, version) = (name.as_bytes(), version.as_bytes());
-        entry.clear();
-        prost::encoding::encode_key(5, WireType::LengthDelimited, &mut entry);
-        prost::encoding::encode_varint(version_entry_len(name, version) as u64, &mut entry);
-        for (tag, s) in [(1, name), (2, version)] {
-            prost::encoding::encode_key(tag, WireType::LengthDelimited, &mut entry);
-            prost::encoding::encode_varint(s.len() as u64, &mut entry);
-            entry.extend_from_slice(s);
-        }
-        buf.put_slice(&entry);
-    }
+/// The encoded length of one entry of `initial_resource_versions` as a field (5) of the
+/// request.
+fn version_field_len(name: usize, version: usize) -> usize {
+    let len = version_entry_len(name, version);
+    1 + prost::encoding::encoded_len_varint(len as u64) + len
 }
 
 /// A Delta request: `head` encoded, followed by what the client holds of its type when
@@ -1358,6 +1407,58 @@ mod tests {
                 assert_eq!(held.of_size(size), recount, "size {size} at step {step}");
             }
         }
+    }
+
+    /// The length a client keeps of its versions is that of the entries it writes, through
+    /// new names, versions replaced by longer and shorter ones (one over 127 bytes, so its
+    /// entry's length takes two bytes), and removals.
+    #[test]
+    fn the_kept_length_of_versions_is_what_is_written() {
+        let long = "v".repeat(200);
+        let mut versions = Versions::default();
+        let steps: [(&str, Option<&str>); 7] = [
+            ("web", Some("v1")),
+            ("db", Some("0123456789abcdef")),
+            ("web", Some(&long)),
+            ("cache", Some("v2")),
+            ("db", None),
+            ("web", Some("v3")),
+            ("absent", None),
+        ];
+        let view = Arc::new(Mutex::new(ClientView::default()));
+        let held = Held {
+            view: view.clone(),
+            type_url: CDS,
+        };
+        for (name, version) in steps {
+            match version {
+                Some(version) => versions.insert(Arc::from(name), version.to_string().into()),
+                None => versions.remove(name),
+            }
+            lock(&view)
+                .delta_versions
+                .insert(CDS.to_string(), versions.clone());
+            let mut written = Vec::new();
+            held.put(&lock(&view), &mut written);
+            assert_eq!(
+                held.encoded_len(&lock(&view)),
+                written.len(),
+                "after {name}"
+            );
+        }
+        let decoded = DeltaDiscoveryRequest::decode(
+            {
+                let mut written = Vec::new();
+                held.put(&lock(&view), &mut written);
+                written
+            }
+            .as_slice(),
+        )
+        .unwrap();
+        let expected: HashMap<String, String> = [("cache", "v2"), ("web", "v3")]
+            .map(|(n, v)| (n.into(), v.into()))
+            .into();
+        assert_eq!(decoded.initial_resource_versions, expected);
     }
 
     /// A reconnecting Delta client's request decodes as the request it stands for, written
