@@ -39,6 +39,7 @@ pub struct Ownership {
 /// Keyed by what the API server names: a fast hash, randomly seeded (SipHash, in
 /// applying a 50k-service list: about 6% of it).
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 
 #[derive(Debug)]
 pub struct MeshIndex {
@@ -46,7 +47,7 @@ pub struct MeshIndex {
     slices: Map<ObjectKey, SliceEntry>,
     /// Service → names of its slices (same namespace).
     slices_of: Map<ObjectKey, BTreeSet<String>>,
-    claims: HashMap<MeshPath, BTreeSet<Claim>>,
+    claims: Map<MeshPath, BTreeSet<Claim>>,
     ownership: Ownership,
     /// Services whose path their namespace may not claim, and why.
     refused: BTreeMap<ObjectKey, (MeshPath, String)>,
@@ -55,7 +56,7 @@ pub struct MeshIndex {
     /// The claims changed since the refusals were last worked out.
     claims_changed: bool,
     /// Slices skipped as not IPv4, so each is logged once.
-    skipped: HashSet<ObjectKey>,
+    skipped: Set<ObjectKey>,
     routes: RouteIndex,
     /// What was refused of the routes at the last snapshot, to log changes once.
     rejected: Vec<RejectedRoute>,
@@ -65,7 +66,7 @@ pub struct MeshIndex {
     /// slices (about 0.1 s of CPU at 50k services when each touch recomputed).
     stale: Vec<MeshPath>,
     /// The paths in `stale`, to mark each once.
-    stale_set: HashSet<MeshPath, foldhash::fast::RandomState>,
+    stale_set: Set<MeshPath>,
     changed: bool,
     /// The pods that take mesh mTLS, when the agent serves certificates: a Service all of
     /// whose endpoints are such pods is called over mTLS.
@@ -80,12 +81,12 @@ impl MeshIndex {
             services: Map::default(),
             slices: Map::default(),
             slices_of: Map::default(),
-            claims: HashMap::new(),
+            claims: Map::default(),
             ownership,
             refused: BTreeMap::new(),
             contested: BTreeSet::new(),
             claims_changed: false,
-            skipped: HashSet::new(),
+            skipped: Set::default(),
             routes: RouteIndex::default(),
             rejected: Vec::new(),
             mesh: MeshState::new(trap),
