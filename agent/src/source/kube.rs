@@ -653,6 +653,8 @@ fn error_chain(err: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod index_model;
 #[cfg(test)]
+mod list_model;
+#[cfg(test)]
 mod route_tests;
 #[cfg(test)]
 mod tests;

@@ -41,7 +41,7 @@ fn trap() -> TrapCidrs {
     "240.240.0.0/16".parse().unwrap()
 }
 
-fn service(namespace: &str, name: &str, ports: Value) -> Service {
+pub(super) fn service(namespace: &str, name: &str, ports: Value) -> Service {
     serde_json::from_value(json!({
         "metadata": {"namespace": namespace, "name": name,
                      "creationTimestamp": "2024-01-01T00:00:00Z"},
@@ -55,7 +55,7 @@ fn annotated(mut svc: Service, path: &str) -> Service {
     svc
 }
 
-fn slice(
+pub(super) fn slice(
     namespace: &str,
     name: &str,
     service: &str,
@@ -72,7 +72,7 @@ fn slice(
     .unwrap()
 }
 
-fn ready(ips: &[&str]) -> Value {
+pub(super) fn ready(ips: &[&str]) -> Value {
     ips.iter()
         .map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}}))
         .collect()
@@ -580,7 +580,7 @@ fn slices_follow_their_service_label_and_deletes() {
     assert!(index.take_snapshot().is_none());
 }
 
-fn scopes(namespaces: &[Option<&str>]) -> Vec<WatchScope> {
+pub(super) fn scopes(namespaces: &[Option<&str>]) -> Vec<WatchScope> {
     namespaces
         .iter()
         .flat_map(|ns| {
@@ -592,11 +592,11 @@ fn scopes(namespaces: &[Option<&str>]) -> Vec<WatchScope> {
         .collect()
 }
 
-fn svc_change(event: watcher::Event<Service>) -> Result<Change, watcher::Error> {
+pub(super) fn svc_change(event: watcher::Event<Service>) -> Result<Change, watcher::Error> {
     Ok(Change::of(read_event(event), Object::service))
 }
 
-fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher::Error> {
+pub(super) fn slice_change(event: watcher::Event<EndpointSlice>) -> Result<Change, watcher::Error> {
     Ok(Change::of(read_event(event), Object::slice))
 }
 
