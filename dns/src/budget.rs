@@ -253,7 +253,7 @@ impl TcpBudget {
             if let Some(evicted) = state.open.remove(&id) {
                 state.counts.give_back(evicted.source);
                 evicted.evict.cancel();
-                self.metrics.limited(Limit::TcpIdleEvicted);
+                self.metrics.limited(Limit::TcpIdleEvicted.label());
             }
         }
         let id = state.next_id;
@@ -330,7 +330,7 @@ impl RefusalLog {
 
     /// Counts a refusal for `limit` and logs it if none was logged lately.
     pub(crate) fn refused(&self, limit: Limit, source: IpAddr, metrics: &DnsMetrics) {
-        metrics.limited(limit);
+        metrics.limited(limit.label());
         let mut last = lock(&self.last);
         let now = Instant::now();
         let entry = last.entry(limit).or_insert((now - Self::EVERY, 0));

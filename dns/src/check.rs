@@ -11,7 +11,7 @@ use crate::fast;
 use crate::forward::answer::Answer;
 use crate::query::{self, Outcome, ZoneSettings};
 use crate::table::{MeshRecord, NameTable};
-use crate::wire::{MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport};
+use crate::wire::{self, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport};
 
 fn table() -> &'static NameTable {
     static TABLE: OnceLock<NameTable> = OnceLock::new();
@@ -123,7 +123,7 @@ fn check_reply(query: &[u8], reply: &[u8], transport: Transport) {
             reply.len()
         );
         let limit = Message::from_vec(query).map_or(usize::from(MIN_UDP_PAYLOAD), |q| {
-            query::response_limit(&q, transport)
+            wire::response_limit(&q, transport)
         });
         assert!(
             reply.len() <= limit,

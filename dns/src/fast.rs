@@ -5,11 +5,12 @@
 use std::sync::Arc;
 
 use crate::table::{A_RR_LEN, A_RR_TTL_OFFSET, Lookup, NameTable};
-use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MAX_WIRE_NAME_LEN, MIN_UDP_PAYLOAD, Transport};
+use crate::wire::{
+    HEADER_LEN, MAX_UDP_PAYLOAD, MAX_WIRE_NAME_LEN, MIN_UDP_PAYLOAD, OPT_LEN, TYPE_OPT, Transport,
+    opt_record,
+};
 
-const OPT_LEN: usize = 11;
 const TYPE_A: u16 = 1;
-const TYPE_OPT: u16 = 41;
 const CLASS_IN: u16 = 1;
 
 /// Writes the answer to `query` into `out` and returns its length and the name's scope, if
@@ -115,21 +116,7 @@ pub(crate) fn answer<'t>(
         record[A_RR_TTL_OFFSET..A_RR_TTL_OFFSET + 4].copy_from_slice(&ttl);
     }
     if edns {
-        let opt = &mut out[len - OPT_LEN..];
-        let payload = MAX_UDP_PAYLOAD.to_be_bytes();
-        opt.copy_from_slice(&[
-            0,
-            0,
-            41,
-            payload[0],
-            payload[1],
-            0,
-            0,
-            if dnssec_ok { 0x80 } else { 0 },
-            0,
-            0,
-            0,
-        ]);
+        out[len - OPT_LEN..len].copy_from_slice(&opt_record(dnssec_ok));
     }
     Some((len, entry.scope.as_ref()))
 }

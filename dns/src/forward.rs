@@ -26,8 +26,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::clock::Clock;
+use crate::config::DnsConfig;
 use crate::metrics::{DnsMetrics, Served};
-use crate::server::DnsConfig;
 use crate::wire::{MAX_UDP_PAYLOAD, Transport};
 use answer::Answer;
 use cache::{Cache, CacheKey, CacheLimits};

@@ -18,6 +18,7 @@ mod budget;
 #[cfg(any(test, fuzzing))]
 mod check;
 mod clock;
+mod config;
 mod error;
 mod fast;
 mod forward;
@@ -33,9 +34,10 @@ mod wire;
 #[cfg(any(test, fuzzing))]
 pub use check::check_query;
 pub use clock::Clock;
+pub use config::DnsConfig;
 pub use error::DnsError;
 pub use metrics::DnsMetrics;
 pub use observe::{Hold, LookupObserver};
 pub use resolv::upstreams_from_resolv_conf;
-pub use server::{DnsConfig, DnsServer};
+pub use server::DnsServer;
 pub use table::{MeshRecord, NameTable, SrvRecord};

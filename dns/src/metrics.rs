@@ -16,8 +16,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::budget::Limit;
-
 /// Where an answer came from: the `source` label of the replies counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Served {
@@ -295,12 +293,10 @@ impl DnsMetrics {
         self.coalesced.inc();
     }
 
-    pub(crate) fn limited(&self, limit: Limit) {
-        self.limited
-            .get_or_create(&ReasonLabels {
-                reason: limit.label(),
-            })
-            .inc();
+    /// Counts a query or connection refused by a limit, under the limit's label (the budget's
+    /// `Limit::label`).
+    pub(crate) fn limited(&self, reason: &'static str) {
+        self.limited.get_or_create(&ReasonLabels { reason }).inc();
     }
 
     pub(crate) fn tcp_connections(&self, open: usize) {

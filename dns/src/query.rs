@@ -12,9 +12,10 @@ use hickory_proto::rr::rdata::{A, AAAA, CNAME, MX, NS, SOA, SRV};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use lattice_contract::ZONE;
 
-use crate::forward::answer::opt_record;
 use crate::table::{Lookup, NameEntry, NameTable, in_zone, nameserver_wire_name};
-use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, Transport, lowercase_wire_name};
+use crate::wire::{
+    HEADER_LEN, MAX_UDP_PAYLOAD, Transport, lowercase_wire_name, opt_record, response_limit,
+};
 
 /// Settings of the local zone that do not come from the mesh.
 #[derive(Clone, Copy, Debug)]
@@ -118,17 +119,6 @@ pub(crate) fn server_failure(request: &Message, transport: Transport) -> Vec<u8>
     let mut reply = response_to(request);
     reply.metadata.response_code = ResponseCode::ServFail;
     encode(&reply, response_limit(request, transport))
-}
-
-/// The most a reply may carry: 64 KiB over TCP; over UDP the client's EDNS payload size, at least
-/// `MIN_UDP_PAYLOAD` and at most what this server advertises.
-pub(crate) fn response_limit(request: &Message, transport: Transport) -> usize {
-    match transport {
-        Transport::Tcp => usize::from(u16::MAX),
-        Transport::Udp => usize::from(request.edns.as_ref().map_or(MIN_UDP_PAYLOAD, |e| {
-            e.max_payload().clamp(MIN_UDP_PAYLOAD, MAX_UDP_PAYLOAD)
-        })),
-    }
 }
 
 fn reply_outcome(reply: &Message, limit: usize) -> Outcome {

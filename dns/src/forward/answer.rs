@@ -6,13 +6,8 @@
 use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::{RData, Record};
 
-use crate::query::response_limit;
-use crate::wire::{HEADER_LEN, MAX_UDP_PAYLOAD, Transport};
+use crate::wire::{HEADER_LEN, Transport, opt_record, response_limit};
 
-/// Length of the OPT record a reply carries: root owner, type, payload size, extended rcode,
-/// version, flags, empty rdata.
-const OPT_LEN: usize = 11;
-const TYPE_OPT: u16 = 41;
 /// The TC bit in the third header byte.
 const TC: u8 = 0x02;
 
@@ -171,14 +166,6 @@ impl Answer {
     }
 }
 
-/// The OPT record of a reply: this server's payload size, version 0, the client's DO bit.
-pub(crate) fn opt_record(dnssec_ok: bool) -> [u8; OPT_LEN] {
-    let [type_hi, type_lo] = TYPE_OPT.to_be_bytes();
-    let [size_hi, size_lo] = MAX_UDP_PAYLOAD.to_be_bytes();
-    let flags = if dnssec_ok { 0x80 } else { 0 };
-    [0, type_hi, type_lo, size_hi, size_lo, 0, 0, flags, 0, 0, 0]
-}
-
 /// How long an upstream answer may be cached: the smallest TTL of its answer section, or for a
 /// negative answer its SOA's TTL capped by the SOA minimum (RFC 2308). Truncated answers,
 /// failures and TTL 0 are not cached.
@@ -266,6 +253,7 @@ fn skip_name(wire: &[u8], mut pos: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::MAX_UDP_PAYLOAD;
     use hickory_proto::op::{Edns, OpCode, Query};
     use hickory_proto::rr::rdata::{A, SOA, TXT};
     use hickory_proto::rr::{Name, RecordType};
