@@ -15,6 +15,7 @@ pub mod limits;
 pub mod metrics;
 pub mod parts;
 mod proto;
+mod resource;
 mod response;
 pub mod secrets;
 pub mod server;

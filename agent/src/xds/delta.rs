@@ -10,8 +10,10 @@ use super::held::ClientView;
 use super::inbound::Presized;
 use super::interest::{Subscription, UnknownNames};
 use super::response::DeltaResponse;
-use super::snapshot::{Names, ResourceType, TYPES, XdsResource, XdsSnapshot, parse_version};
-use super::stream::{Ads, Delivery, Event, Flavour, Limits, NameSet, Push, Types, nonce, too_many};
+use super::snapshot::{
+    NameSet, Names, ResourceType, TYPES, XdsResource, XdsSnapshot, parse_version,
+};
+use super::stream::{Ads, Delivery, Event, Flavour, Limits, Push, Types, nonce, too_many};
 use super::wire::{DeltaRequest, VersionList};
 
 /// What a Delta stream keeps per type beside [`TypeState`].

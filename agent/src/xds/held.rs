@@ -11,8 +11,7 @@
 
 use std::sync::Arc;
 
-use super::snapshot::{ResourceMap, Whole, XdsResource, entry_hash, format_version};
-use super::stream::NameMap;
+use super::snapshot::{NameMap, ResourceMap, Whole, XdsResource, entry_hash, format_version};
 
 /// The resources of one type a client holds (Delta: has acknowledged; SotW: was sent in an
 /// acknowledged response).

@@ -8,8 +8,7 @@
 
 use std::sync::Arc;
 
-use super::snapshot::{NameIndex, Names};
-use super::stream::NameSet;
+use super::snapshot::{NameIndex, NameSet, Names};
 
 /// The most bytes of names one stream may make the agent keep per type beyond the snapshot's
 /// own (names a client subscribes to or says it holds that no resource has). A client's known

@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 
-use super::snapshot::{ResourceMap, ResourceType, XdsResource, content_hash};
+use super::resource::{ResourceMap, ResourceType, XdsResource, content_hash};
 use crate::identity::{PodKey, PodPattern};
 
 /// `Listener.filter_chains`.

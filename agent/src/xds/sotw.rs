@@ -14,12 +14,11 @@ use super::inbound::Presized;
 use super::interest::Subscription;
 use super::response::SotwResponse;
 use super::snapshot::{
-    ResourceMap, ResourceType, TYPES, XdsResource, XdsSnapshot, entry_hash, format_version,
-    parse_version,
+    NameSet, ResourceMap, ResourceType, TYPES, XdsResource, XdsSnapshot, entry_hash,
+    format_version, parse_version,
 };
 use super::stream::{
-    Ads, Delivery, Event, Flavour, Limits, NameSet, Push, TypeDiff, TypeState, Types, nonce,
-    too_many,
+    Ads, Delivery, Event, Flavour, Limits, Push, TypeDiff, TypeState, Types, nonce, too_many,
 };
 use super::wire::{NameList, SotwRequest};
 

@@ -35,7 +35,7 @@
 //! per resource it holds; names no snapshot has are bounded ([`UnknownNames`]), and so is the
 //! count of names per type ([`Limits`]).
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
@@ -45,7 +45,7 @@ use super::held::ClientView;
 use super::inbound::RequestDecoder;
 use super::interest::{Interest, UNKNOWN_NAME_BYTES, UnknownNames};
 use super::snapshot::{
-    NameIndex, ResourceMap, ResourceType, TYPES, Whole, XdsResource, XdsSnapshot,
+    NameIndex, NameMap, NameSet, ResourceMap, ResourceType, TYPES, Whole, XdsResource, XdsSnapshot,
 };
 
 /// The two ADS flavours, as the server drives them: one value per stream, fed the proxy's
@@ -137,13 +137,6 @@ pub(super) fn nonce(counter: &mut u64) -> String {
     *counter += 1;
     counter.to_string()
 }
-
-/// Hash sets and maps of resource names, per stream: foldhash instead of std's SipHash, which
-/// was 7 % of the agent's CPU in a 10k-service first sync (every name of a type is hashed a few
-/// times per stream). Its per-process random seed still keeps a client from choosing colliding
-/// names in advance.
-pub(super) type NameSet = HashSet<Arc<str>, foldhash::fast::RandomState>;
-pub(super) type NameMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 
 /// The most resource bytes a response that may be split carries (every Delta response; SotW
 /// endpoints and routes, sent by change): the rest follows after the ACK. This paces a large

@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use imbl::ordmap::DiffItem;
 
-use super::snapshot::{ResourceMap, ResourceType, TYPES, XdsSnapshot};
-use super::stream::NameSet;
+use super::snapshot::{NameSet, ResourceMap, ResourceType, TYPES, XdsSnapshot};
 use crate::identity::PodKey;
 
 #[derive(Debug, Default)]

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use imbl::ordmap::DiffItem;
 
-use super::{Delivery, NameSet, Types, diff_name};
-use crate::xds::snapshot::{ResourceMap, ResourceType, XdsResource, XdsSnapshot};
+use super::{Delivery, Types, diff_name};
+use crate::xds::snapshot::{NameSet, ResourceMap, ResourceType, XdsResource, XdsSnapshot};
 
 impl Types {
     /// Clusters about to be sent: those new to the client whose endpoints it will subscribe to
