@@ -1,6 +1,7 @@
 //! What the parts of the server share about the DNS wire format: the header size, the longest
 //! name, the bounds of a reply and the OPT record it carries, the transport a reply goes back
-//! over, and names in the lower-cased wire format that the name table and the forwarding cache are keyed by.
+//! over, and names in the lower-cased wire format that the name table and the forwarding
+//! cache are keyed by.
 
 use hickory_proto::op::Message;
 

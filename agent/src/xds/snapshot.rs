@@ -15,8 +15,7 @@ use tokio::sync::watch;
 use super::parts::PartsIndex;
 
 pub use super::resource::{
-    ResourceMap, ResourceType, TYPES, XdsResource, content_hash, fnv1a, format_version,
-    parse_version,
+    ResourceMap, ResourceType, TYPES, XdsResource, fnv1a, format_version, parse_version,
 };
 
 /// Everything Envoy should have for one mesh snapshot.
