@@ -829,7 +829,12 @@ async fn run(
             "delta_mean": mean(&bytes_delta),
             "delta_max": bytes_delta.iter().copied().reduce(f64::max),
         },
-        "agent_rss_mib": {"synced": rss_synced, "after_changes": rss_after, "peak": rss_peak},
+        "agent_rss_mib": {
+            "synced": rss_synced,
+            "after_changes": rss_after,
+            "peak": rss_peak,
+            "restarted_peak": restart["restarted_peak_rss_mib"],
+        },
         "agent_cpu_s": {"to_sync": cpu_synced, "after_changes": cpu_after},
         "harness_cpu_s_to_sync": harness_cpu_to_sync,
         "agent_cpu_ms_per_change": cpu_per_change_ms,
@@ -861,6 +866,16 @@ async fn restarts(
     for run in 1..=count {
         runs.push(restart(agent, fleet, modes, services, run).await);
     }
+    // The most each restarted agent held, over its start and what followed until it was
+    // killed in turn (or until now, for the last): a restart peaks above an agent that has
+    // run a while, and the memory limit must hold it (a restart that is killed for memory
+    // loops). The first run's killed agent is the one that synced and took the changes.
+    let restarted_peak = runs[1..]
+        .iter()
+        .map(|run| run["killed_peak_rss_mib"].as_f64())
+        .chain([agent.pid().and_then(peak_rss_mib)])
+        .flatten()
+        .reduce(f64::max);
     let figures: Vec<Value> = runs
         .iter()
         .map(|run| {
@@ -869,6 +884,7 @@ async fn restarts(
                 "agent_ready_ms": run["agent_ready_ms"],
                 "reaped_ms": run["reaped_ms"],
                 "killed_rss_mib": run["killed_rss_mib"],
+                "killed_peak_rss_mib": run["killed_peak_rss_mib"],
                 "agent_cpu_s": run["agent_cpu_s"],
                 "harness_cpu_s": run["harness_cpu_s"],
             })
@@ -880,6 +896,7 @@ async fn restarts(
     });
     let mut median = runs.swap_remove(count / 2);
     median["runs"] = figures.into();
+    median["restarted_peak_rss_mib"] = restarted_peak.into();
     median
 }
 
@@ -907,6 +924,7 @@ async fn restart(
     // two cores the agent starts on.
     let harness_before = cpu_seconds(std::process::id());
     let rss_before = agent.pid().and_then(rss_mib);
+    let peak_before = agent.pid().and_then(peak_rss_mib);
     let killed = Instant::now();
     let reaped = agent.restart();
     let pid = agent.pid();
@@ -974,6 +992,7 @@ async fn restart(
         "consistent_ms": ms(consistent_at.duration_since(killed)),
         "agent_ready_ms": ms(ready.duration_since(killed)),
         "killed_rss_mib": rss_before,
+        "killed_peak_rss_mib": peak_before,
         "reaped_ms": ms(reaped),
         "agent_cpu_s": {"ready": cpu_ready, "consistent": cpu_consistent},
         "harness_cpu_s": harness_cpu,
